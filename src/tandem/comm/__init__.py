@@ -1,0 +1,1 @@
+"""Communication: the backend protocol, the engines, and the user-facing collectives."""

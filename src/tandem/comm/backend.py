@@ -1,0 +1,114 @@
+"""The backend protocol: what an engine (Gloo/NCCL through torch.distributed, or MPI) provides.
+
+Backends are deliberately small. They work *in place* on contiguous tensors, are always
+asynchronous (every call returns a `Work`), know only the reductions an engine has natively
+(`sum`, `min`, `max`, `product`) and use *global* ranks for roots, sources and destinations.
+Everything a user sees on top of that (mean, copies, NumPy, argument agreement, uneven
+all-gather) lives in `tandem.comm.collectives`, once, for every backend.
+
+The data-parallel reducer and the pipeline executor call a backend directly: they agree on
+their layouts once and must pay nothing per message.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.comm.groups import Group
+
+#: Reductions every backend implements natively. "mean" is built on "sum" one level up.
+NATIVE_OPS = ("sum", "min", "max", "product")
+
+
+class Work(abc.ABC):
+    """An operation in flight."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the operation completes; raise `TimeoutError` past `timeout` seconds."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """Poll without blocking."""
+
+
+class CompletedWork(Work):
+    """A `Work` for operations that finished synchronously (a world of one, empty tensors)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Backend(abc.ABC):
+    """One communication engine bound to one process of one job."""
+
+    name: str
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def allreduce(self, tensor: torch.Tensor, op: str, group: Group | None) -> Work:
+        """Reduce `tensor` across the group with a native op, in place, on every member."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, group: Group | None) -> Work:
+        """Copy `tensor` from global rank `root` into `tensor` on every member."""
+
+    @abc.abstractmethod
+    def allgather_into(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group | None
+    ) -> Work:
+        """`output` (group.size × input rows) receives every member's `input`, in rank order."""
+
+    @abc.abstractmethod
+    def reduce(self, tensor: torch.Tensor, root: int, op: str, group: Group | None) -> Work:
+        """Reduce into `tensor` on global rank `root`; other ranks' tensors are unspecified."""
+
+    @abc.abstractmethod
+    def reducescatter_into(
+        self, output: torch.Tensor, input: torch.Tensor, op: str, group: Group | None
+    ) -> Work:
+        """`input` is group.size equal chunks along dim 0; member i gets the reduced chunk i."""
+
+    @abc.abstractmethod
+    def alltoall_into(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        group: Group | None,
+    ) -> Work:
+        """Rows `input_splits[j]` of `input` go to member j; `output_splits[i]` come from i."""
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, group: Group | None) -> Work:
+        """Send `tensor` to global rank `dst`."""
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, group: Group | None) -> Work:
+        """Receive into `tensor` from global rank `src`."""
+
+    @abc.abstractmethod
+    def barrier(self, group: Group | None) -> Work:
+        """Complete once every member has entered."""
+
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> object:
+        """Create the engine's handle for a sub-group. Collective over the whole world."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release every resource; the backend is unusable afterwards."""
+
+    def supports_device(self, device: torch.device) -> bool:
+        """Whether tensors on `device` can be passed directly (else the caller stages on CPU)."""
+        return device.type == "cpu"

@@ -1,0 +1,367 @@
+"""The user-facing collectives: one name each, with `inplace=` and `async_op=`.
+
+Every function here takes a torch tensor (CPU or CUDA) or a NumPy array (returned as NumPy),
+checks that all ranks agree on the arguments (see `checks`), and runs on whatever backend
+`td.init` chose. Roots, sources and destinations are global ranks.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem import runtime
+from tandem.comm import checks
+from tandem.comm.backend import Work
+from tandem.comm.groups import Group, group_ranks, group_size
+
+OPS = ("sum", "mean", "min", "max", "product")
+Array = torch.Tensor | np.ndarray
+
+
+class Handle:
+    """An asynchronous collective: `wait()` returns its result, `done()` polls."""
+
+    def __init__(self, work: Work, finish: Callable[[], Any]) -> None:
+        self._work = work
+        self._finish = finish
+        self._finished = False
+        self._result: Any = None
+
+    def done(self) -> bool:
+        return self._finished or self._work.is_completed()
+
+    def wait(self) -> Any:
+        if not self._finished:
+            self._work.wait(runtime.state().timeout)
+            self._result = self._finish()
+            self._finished = True
+        return self._result
+
+
+def _complete(work: Work, finish: Callable[[], Any], async_op: bool):
+    if async_op:
+        return Handle(work, finish)
+    work.wait(runtime.state().timeout)
+    return finish()
+
+
+def _check_op(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)}")
+    return op
+
+
+def _check_member(group: Group | None) -> None:
+    if group is not None and group.rank < 0:
+        raise ValueError(
+            f"rank {runtime.rank()} is not a member of {group!r}; only members may call it"
+        )
+
+
+def _check_rank(name: str, value: int, group: Group | None) -> None:
+    if value not in group_ranks(group):
+        raise ValueError(f"{name}={value} is not a rank of the group {list(group_ranks(group))}")
+
+
+def _to_torch(data: Array, name: str = "tensor") -> tuple[torch.Tensor, bool]:
+    if isinstance(data, torch.Tensor):
+        return data, False
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data), True
+    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, not {type(data).__name__}")
+
+
+def _output(tensor: torch.Tensor, as_numpy: bool) -> Array:
+    return tensor.numpy() if as_numpy else tensor
+
+
+class _Staging:
+    """A contiguous buffer on a device the backend accepts, copied back when done."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        backend = runtime.get_backend()
+        self.original = tensor
+        if backend.supports_device(tensor.device) and tensor.is_contiguous():
+            self.buffer = tensor
+        elif backend.supports_device(tensor.device):
+            self.buffer = tensor.contiguous()
+        else:
+            self.buffer = tensor.to(runtime.device()).contiguous()
+
+    def copy_back(self) -> torch.Tensor:
+        if self.buffer is not self.original:
+            self.original.copy_(self.buffer)
+        return self.original
+
+
+def _divide(tensor: torch.Tensor, n: int) -> None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(n)
+    else:
+        # Integer mean rounds down, as NumPy's `sum // n` does.
+        torch.div(tensor, n, rounding_mode="floor", out=tensor)
+
+
+def allreduce(
+    tensor: Array,
+    op: str = "mean",
+    *,
+    inplace: bool = False,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Reduce across ranks; every rank gets the result."""
+    _check_op(op)
+    _check_member(group)
+    data, as_numpy = _to_torch(tensor)
+    checks.agree("allreduce", data, group, op=op)
+    target = data if inplace else data.clone()
+    staging = _Staging(target)
+    work = runtime.get_backend().allreduce(staging.buffer, "sum" if op == "mean" else op, group)
+
+    def finish():
+        result = staging.copy_back()
+        if op == "mean":
+            _divide(result, group_size(group))
+        return _output(result, as_numpy)
+
+    return _complete(work, finish, async_op)
+
+
+def broadcast(
+    tensor: Array,
+    root: int = 0,
+    *,
+    inplace: bool = False,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Every rank gets `root`'s tensor."""
+    _check_member(group)
+    _check_rank("root", root, group)
+    data, as_numpy = _to_torch(tensor)
+    checks.agree("broadcast", data, group, root=root)
+    staging = _Staging(data if inplace else data.clone())
+    work = runtime.get_backend().broadcast(staging.buffer, root, group)
+    return _complete(work, lambda: _output(staging.copy_back(), as_numpy), async_op)
+
+
+def reduce(
+    tensor: Array,
+    root: int = 0,
+    op: str = "sum",
+    *,
+    inplace: bool = False,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Reduce onto `root`. Only the root's result is defined; other ranks get their input."""
+    _check_op(op)
+    _check_member(group)
+    _check_rank("root", root, group)
+    data, as_numpy = _to_torch(tensor)
+    checks.agree("reduce", data, group, op=op, root=root)
+    staging = _Staging(data.clone())
+    work = runtime.get_backend().reduce(staging.buffer, root, "sum" if op == "mean" else op, group)
+    is_root = runtime.rank() == root
+
+    def finish():
+        if not is_root:
+            return _output(data if inplace else data.clone(), as_numpy)
+        result = staging.copy_back()
+        if op == "mean":
+            _divide(result, group_size(group))
+        if inplace:
+            data.copy_(result)
+            result = data
+        return _output(result, as_numpy)
+
+    return _complete(work, finish, async_op)
+
+
+def _exchange_lengths(length: int, group: Group | None) -> list[int]:
+    """Every rank's `length` (one int64 each), in group order."""
+    n = group_size(group)
+    mine = torch.tensor([length], dtype=torch.int64)
+    staging = _Staging(torch.zeros(n, dtype=torch.int64))
+    mine = mine.to(staging.buffer.device)
+    backend = runtime.get_backend()
+    backend.allgather_into(staging.buffer, mine, group).wait(runtime.state().timeout)
+    return staging.copy_back().tolist()
+
+
+def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = None):
+    """Concatenate every rank's tensor along dim 0; first dims may differ across ranks."""
+    _check_member(group)
+    data, as_numpy = _to_torch(tensor)
+    if data.dim() == 0:
+        data = data.reshape(1)
+    checks.agree("allgather", data, group, ignore_dim0=True)
+    lengths = _exchange_lengths(data.shape[0], group)
+    longest = max(lengths)
+    n = group_size(group)
+    rest = tuple(data.shape[1:])
+    padded = data
+    if data.shape[0] < longest:
+        padded = torch.zeros((longest, *rest), dtype=data.dtype, device=data.device)
+        padded[: data.shape[0]] = data
+    source = _Staging(padded.contiguous())
+    output = _Staging(torch.empty((n * longest, *rest), dtype=data.dtype, device=data.device))
+    work = runtime.get_backend().allgather_into(output.buffer, source.buffer, group)
+
+    def finish():
+        gathered = output.copy_back()
+        if all(length == longest for length in lengths):
+            return _output(gathered, as_numpy)
+        pieces = [gathered[i * longest : i * longest + lengths[i]] for i in range(n)]
+        return _output(torch.cat(pieces), as_numpy)
+
+    return _complete(work, finish, async_op)
+
+
+def reducescatter(
+    tensor: Array, op: str = "sum", *, async_op: bool = False, group: Group | None = None
+):
+    """Reduce, then give rank i the i-th of `size` equal chunks along dim 0."""
+    _check_op(op)
+    _check_member(group)
+    data, as_numpy = _to_torch(tensor)
+    n = group_size(group)
+    if data.dim() == 0 or data.shape[0] % n:
+        raise ValueError(
+            f"reducescatter needs dim 0 divisible by the group size {n}; got shape "
+            f"{tuple(data.shape)}. Pad the tensor or use allreduce."
+        )
+    checks.agree("reducescatter", data, group, op=op)
+    source = _Staging(data)
+    output = _Staging(
+        torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
+    )
+    native = "sum" if op == "mean" else op
+    work = runtime.get_backend().reducescatter_into(output.buffer, source.buffer, native, group)
+
+    def finish():
+        result = output.copy_back()
+        if op == "mean":
+            _divide(result, n)
+        return _output(result, as_numpy)
+
+    return _complete(work, finish, async_op)
+
+
+def alltoall(
+    tensor: Array,
+    splits: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Send `splits[j]` rows to rank j (equal parts when None); returns what arrived, in order."""
+    _check_member(group)
+    data, as_numpy = _to_torch(tensor)
+    n = group_size(group)
+    rows = data.shape[0] if data.dim() else 0
+    if splits is None:
+        if rows % n:
+            raise ValueError(
+                f"alltoall without splits needs dim 0 divisible by the group size {n}; got "
+                f"shape {tuple(data.shape)}. Pass splits=[rows for each rank]."
+            )
+        splits = [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(
+            f"alltoall splits {splits} must be {n} non-negative counts summing to dim 0 ({rows})"
+        )
+    checks.agree("alltoall", data, group, ignore_dim0=True)
+    # Tell every rank how many rows to expect from each peer: one small all-to-all.
+    incoming = _Staging(torch.empty(n, dtype=torch.int64))
+    outgoing = _Staging(torch.tensor(splits, dtype=torch.int64))
+    backend = runtime.get_backend()
+    backend.alltoall_into(incoming.buffer, outgoing.buffer, [1] * n, [1] * n, group).wait(
+        runtime.state().timeout
+    )
+    received = incoming.copy_back().tolist()
+    source = _Staging(data)
+    output = _Staging(
+        torch.empty((sum(received), *data.shape[1:]), dtype=data.dtype, device=data.device)
+    )
+    work = backend.alltoall_into(output.buffer, source.buffer, received, splits, group)
+    return _complete(work, lambda: _output(output.copy_back(), as_numpy), async_op)
+
+
+def send(tensor: Array, dst: int, tag: int = 0, *, async_op: bool = False,
+         group: Group | None = None):
+    """Send to global rank `dst`; the matching `recv` must pass a tensor of the same shape."""
+    _check_rank("dst", dst, None)
+    if dst == runtime.rank():
+        raise ValueError(f"rank {dst} cannot send to itself")
+    data, _ = _to_torch(tensor)
+    staging = _Staging(data)
+    work = runtime.get_backend().send(staging.buffer, dst, tag, group)
+    return _complete(work, lambda: None, async_op)
+
+
+def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
+         group: Group | None = None):
+    """Receive from global rank `src` into `tensor` (in place) and return it."""
+    _check_rank("src", src, None)
+    if src == runtime.rank():
+        raise ValueError(f"rank {src} cannot receive from itself")
+    data, as_numpy = _to_torch(tensor)
+    staging = _Staging(data)
+    work = runtime.get_backend().recv(staging.buffer, src, tag, group)
+
+    def finish():
+        staging.copy_back()
+        return tensor if as_numpy else data
+
+    return _complete(work, finish, async_op)
+
+
+def barrier(group: Group | None = None) -> None:
+    """Return once every rank of the group has called it."""
+    _check_member(group)
+    runtime.get_backend().barrier(group).wait(runtime.state().timeout)
+
+
+def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None) -> Any:
+    """`root`'s picklable object, on every rank."""
+    _check_member(group)
+    _check_rank("root", root, group)
+    if runtime.rank() == root:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        payload, length = None, torch.zeros(1, dtype=torch.int64)
+    length = broadcast(length, root, group=group)
+    if payload is None:
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    payload = broadcast(payload, root, group=group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
+    """Every rank's picklable object, as a list in rank order."""
+    _check_member(group)
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = _exchange_lengths(payload.numel(), group)
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    output = _Staging(torch.empty(group_size(group) * longest, dtype=torch.uint8))
+    source = _Staging(padded)
+    runtime.get_backend().allgather_into(output.buffer, source.buffer, group).wait(
+        runtime.state().timeout
+    )
+    gathered = output.copy_back().numpy()
+    return [
+        pickle.loads(gathered[i * longest : i * longest + n].tobytes())
+        for i, n in enumerate(lengths)
+    ]
+

@@ -1,0 +1,169 @@
+"""Gloo (CPU) and NCCL (GPU) through torch.distributed."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from itertools import count
+
+import torch
+import torch.distributed as dist
+
+from tandem import rendezvous
+from tandem.comm.backend import Backend, CompletedWork, Work
+from tandem.environments import JobEnvironment
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+# Each init in one process gets its own key prefix, so a shutdown followed by a new init on the
+# same hosted store (the test harness does this) never reads the previous rendezvous' keys.
+_generation = count()
+
+
+class TorchWork(Work):
+    def __init__(self, work: dist.Work | None) -> None:
+        self._work = work
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._work is None:
+            return
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timedelta(seconds=timeout))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise TimeoutError(str(error)) from error
+            raise
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _agree_port_over_mpi(job: JobEnvironment, timeout: float) -> tuple[str, int, object]:
+    """Under mpiexec without MASTER_PORT: rank 0 hosts the store and tells the others via MPI."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    store = None
+    if job.rank == 0:
+        store = rendezvous.host_store("0.0.0.0", 0, timeout)
+        address = (socket.gethostname(), store.port)
+    else:
+        address = None
+    host, port = comm.bcast(address, root=0)
+    if store is None:
+        store = rendezvous.connect_store(host, port, timeout)
+    return host, port, store
+
+
+def _make_store(job: JobEnvironment, timeout: float) -> dist.Store:
+    if job.size == 1:
+        return dist.HashStore()
+    if job.master_port is None:
+        if job.under_mpi:
+            try:
+                return _agree_port_over_mpi(job, timeout)[2]
+            except ImportError:
+                pass
+        raise ValueError(
+            f"{job.source}: a job of {job.size} ranks needs a rendezvous port; set MASTER_ADDR "
+            "and MASTER_PORT, or start it with `tandem run`"
+        )
+    addr = job.master_addr or "127.0.0.1"
+    if job.store_hosted or job.rank != 0:
+        return rendezvous.connect_store(addr, job.master_port, timeout)
+    return rendezvous.host_store(addr, job.master_port, timeout)
+
+
+class TorchBackend(Backend):
+    """A thin layer over one torch.distributed default process group."""
+
+    def __init__(self, name: str, rank: int, size: int, device: torch.device) -> None:
+        self.name = name
+        self.rank = rank
+        self.size = size
+        self.device = device
+
+    @classmethod
+    def create(
+        cls, name: str, job: JobEnvironment, timeout: float, device: torch.device
+    ) -> TorchBackend:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialised by someone else; tandem needs to own "
+                "the default process group (call dist.destroy_process_group() first)"
+            )
+        store = dist.PrefixStore(f"tandem/{next(_generation)}", _make_store(job, timeout))
+        dist.init_process_group(
+            name,
+            store=store,
+            rank=job.rank,
+            world_size=job.size,
+            timeout=timedelta(seconds=timeout),
+            device_id=device if name == "nccl" else None,
+        )
+        return cls(name, job.rank, job.size, device)
+
+    @staticmethod
+    def _pg(group) -> dist.ProcessGroup | None:
+        return None if group is None else group.handle
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type == ("cuda" if self.name == "nccl" else "cpu")
+
+    def allreduce(self, tensor, op, group):
+        return TorchWork(dist.all_reduce(tensor, _OPS[op], group=self._pg(group), async_op=True))
+
+    def broadcast(self, tensor, root, group):
+        return TorchWork(dist.broadcast(tensor, root, group=self._pg(group), async_op=True))
+
+    def allgather_into(self, output, input, group):
+        return TorchWork(
+            dist.all_gather_single(output, input, group=self._pg(group), async_op=True)
+        )
+
+    def reduce(self, tensor, root, op, group):
+        return TorchWork(dist.reduce(tensor, root, _OPS[op], group=self._pg(group), async_op=True))
+
+    def reducescatter_into(self, output, input, op, group):
+        return TorchWork(
+            dist.reduce_scatter_single(
+                output, input, _OPS[op], group=self._pg(group), async_op=True
+            )
+        )
+
+    def alltoall_into(
+        self, output, input, output_splits: Sequence[int], input_splits: Sequence[int], group
+    ):
+        return TorchWork(
+            dist.all_to_all_single(
+                output, input, list(output_splits), list(input_splits),
+                group=self._pg(group), async_op=True,
+            )
+        )
+
+    def send(self, tensor, dst, tag, group):
+        return TorchWork(dist.isend(tensor, dst, group=self._pg(group), tag=tag))
+
+    def recv(self, tensor, src, tag, group):
+        return TorchWork(dist.irecv(tensor, src, group=self._pg(group), tag=tag))
+
+    def barrier(self, group):
+        if self.size == 1:
+            return CompletedWork()
+        return TorchWork(dist.barrier(group=self._pg(group), async_op=True))
+
+    def new_group(self, ranks):
+        return dist.new_group(list(ranks))
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,187 @@
+"""`tandem run`'s options: argparse arguments -> `config_from_args()` -> a frozen `LaunchConfig`.
+
+Every option is declared once in `OPTIONS`; the same table makes the argparse flag and names
+the `TANDEM_<DEST>` environment variable that supplies it when the flag is absent (the command
+line wins). Values are checked here, before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from tandem import environments
+from tandem.launch.hosts import Host, parse_hosts, read_hostfile, total_slots
+from tandem.runtime import BACKENDS
+
+
+class LaunchError(ValueError):
+    """The job cannot be launched as asked; the message says what to change."""
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+
+
+def _backend(text: str) -> str:
+    name = text.strip().lower()
+    if name not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {text!r}: choose one of {', '.join(BACKENDS)}"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Option:
+    """One `tandem run` option: its flags, its converter, and its `TANDEM_` variable."""
+
+    dest: str
+    flags: tuple[str, ...]
+    convert: Callable[[str], object]
+    metavar: str
+    help: str
+
+    @property
+    def variable(self) -> str:
+        return f"TANDEM_{self.dest.upper()}"
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("np", ("-np", "-n", "--np"), _integer, "N", "number of processes (ranks) to start"),
+    Option("backend", ("--backend",), _backend, "NAME",
+           f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs, else gloo)"),
+    Option("threads_per_rank", ("--threads-per-rank",), _integer, "T",
+           "OMP/MKL threads per rank (default: cores // ranks, unless OMP_NUM_THREADS is set)"),
+    Option("timeout", ("--timeout",), _seconds, "S",
+           "seconds any rendezvous or collective may wait before failing (default 300)"),
+    Option("hosts", ("-H", "--hosts"), str, "HOST:SLOTS,...",
+           "hosts and their slots, horovodrun style (only local hosts for now)"),
+    Option("hostfile", ("--hostfile",), str, "FILE",
+           "file with one `host slots=N` per line (only local hosts for now)"),
+    Option("max_restarts", ("--max-restarts",), _integer, "K",
+           "restart a failed job up to K times (not yet supported)"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything `launch()` needs to start one job; built by `config_from_args` or by hand."""
+
+    np: int
+    program: str  # a script path, or a module name when `module` is True
+    args: tuple[str, ...] = ()
+    module: bool = False
+    backend: str | None = None
+    threads_per_rank: int | None = None  # None: cores // np, unless OMP_NUM_THREADS is set
+    timeout: float | None = None  # None: the runtime's default
+    hosts: tuple[Host, ...] = ()  # empty: this machine only
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.np < 1:
+            raise LaunchError(
+                f"-np {self.np}: a job needs at least one process; give -np 1 or more"
+            )
+        if not self.program:
+            raise LaunchError("no program to run: give a script (train.py) or -m module")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise LaunchError(
+                f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}"
+            )
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise LaunchError(
+                f"--threads-per-rank {self.threads_per_rank}: each rank needs at least 1 thread"
+            )
+        if self.timeout is not None and not self.timeout > 0:
+            raise LaunchError(f"--timeout {self.timeout}: give a positive number of seconds")
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        if self.hosts and self.np > total_slots(self.hosts):
+            listed = ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
+            raise LaunchError(
+                f"-np {self.np} needs {self.np} slots but the hosts {listed} offer "
+                f"{total_slots(self.hosts)}: lower -np or add slots"
+            )
+
+    @property
+    def remote_hosts(self) -> tuple[Host, ...]:
+        return tuple(host for host in self.hosts if not host.is_local)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare `tandem run`'s arguments on `parser` (the CLI's `run` subparser)."""
+    for option in OPTIONS:
+        parser.add_argument(
+            *option.flags, dest=option.dest, type=option.convert, default=None,
+            metavar=option.metavar, help=f"{option.help} [{option.variable}]",
+        )
+    parser.add_argument(
+        "-m", "--module", action="store_true",
+        help="run the program as a module, like `python -m module`",
+    )
+    parser.add_argument("program", metavar="script.py|module", help="what each rank runs")
+    parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="arguments passed to every rank unchanged"
+    )
+
+
+def _from_environment(option: Option, environ: Mapping[str, str] | None) -> object:
+    text = environments.setting(option.dest.upper(), env=environ)
+    if text is None or not text.strip():
+        return None
+    try:
+        return option.convert(text)
+    except argparse.ArgumentTypeError as error:
+        raise LaunchError(f"{option.variable}={text!r}: {error}") from None
+
+
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> LaunchConfig:
+    """The `LaunchConfig` for parsed arguments; absent flags come from `TANDEM_*` variables."""
+    values = {}
+    for option in OPTIONS:
+        value = getattr(args, option.dest, None)
+        values[option.dest] = value if value is not None else _from_environment(option, environ)
+
+    if values["hosts"] and values["hostfile"]:
+        raise LaunchError("received both -H and --hostfile: choose one")
+    try:
+        if values["hosts"]:
+            hosts = parse_hosts(values["hosts"])
+        elif values["hostfile"]:
+            hosts = read_hostfile(values["hostfile"])
+        else:
+            hosts = ()
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+
+    np = values["np"]
+    if np is None:
+        if not hosts:
+            raise LaunchError("how many processes? give -np N (or set TANDEM_NP)")
+        np = total_slots(hosts)
+
+    return LaunchConfig(
+        np=np,
+        program=args.program,
+        args=tuple(args.args),
+        module=bool(args.module),
+        backend=values["backend"],
+        threads_per_rank=values["threads_per_rank"],
+        timeout=values["timeout"],
+        hosts=hosts,
+        max_restarts=values["max_restarts"] or 0,
+    )

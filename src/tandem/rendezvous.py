@@ -1,0 +1,48 @@
+"""The rendezvous store: where ranks meet before any backend exists.
+
+A launcher (`tandem run`, `td.spawn`, the test harness) *hosts* a `torch.distributed.TCPStore`
+on port 0, so the operating system picks a free port and keeps it bound: two jobs on one machine
+can never race for the same port, and the store outlives any rank that dies. Ranks connect to it
+as clients. Without such a launcher (torchrun without its agent store, SLURM), rank 0 hosts it on
+the agreed port.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class PortInUseError(RuntimeError):
+    """The rendezvous port is taken by another program."""
+
+
+def host_store(addr: str = "127.0.0.1", port: int = 0, timeout: float = 300.0) -> dist.TCPStore:
+    """Start a store server on `addr:port` (0: any free port; read it back from `.port`)."""
+    try:
+        return dist.TCPStore(
+            addr, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as error:
+        text = str(error).lower()
+        if "address already in use" in text or "failed to listen" in text or "bind" in text:
+            raise PortInUseError(
+                f"cannot listen on {addr}:{port}: the port is in use by another program. "
+                "Pick another port (MASTER_PORT / --master), or let `tandem run` choose a free one."
+            ) from None
+        raise
+
+
+def connect_store(addr: str, port: int, timeout: float = 300.0) -> dist.TCPStore:
+    """Connect to a store that someone else hosts; fails with the address after `timeout`."""
+    try:
+        return dist.TCPStore(
+            addr, port, is_master=False, timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as error:
+        raise ConnectionError(
+            f"cannot reach the rendezvous store at {addr}:{port} within {timeout:.0f} s "
+            f"({error}). Is the master address right and the job's rank 0 / agent running?"
+        ) from None

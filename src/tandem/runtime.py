@@ -1,0 +1,178 @@
+"""The process's place in the job: `init`, `World` and the global state behind them."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from tandem import environments
+from tandem.comm.backend import Backend
+from tandem.environments import JobEnvironment
+
+BACKENDS = ("gloo", "nccl", "mpi")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class World:
+    """Who this process is. `device` is where its tensors should live."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+    backend: str
+
+
+@dataclass
+class RuntimeState:
+    """Everything `init` set up; owned by this module, read by the rest of tandem."""
+
+    world: World
+    backend: Backend
+    job: JobEnvironment
+    checks: bool
+    debug: bool
+    timeout: float
+
+
+_state: RuntimeState | None = None
+
+
+def _flag(value: bool | None, setting: str, default: bool) -> bool:
+    if value is not None:
+        return bool(value)
+    text = environments.setting(setting)
+    if text is None or text == "":
+        return default
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def mpi4py_available() -> bool:
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def choose_backend(requested: str | None, job: JobEnvironment) -> str:
+    """The backend to use: asked for, then the launcher's choice, then what the machine has."""
+    name = requested or job.backend or environments.setting("BACKEND")
+    if name:
+        name = name.lower()
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+        if name == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA, and no GPU is visible: use 'gloo'")
+        return name
+    if job.under_mpi and mpi4py_available():
+        return "mpi"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _device_for(job: JobEnvironment) -> torch.device:
+    """`cuda:<local_rank>` when there are GPUs (one per local rank), else the CPU."""
+    if torch.cuda.is_available():
+        index = job.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _create_backend(name: str, job: JobEnvironment, timeout: float, device: torch.device):
+    if name == "mpi":
+        from tandem.comm.mpi_backend import MPIBackend
+
+        return MPIBackend.create(job, timeout=timeout)
+    from tandem.comm.torch_backend import TorchBackend
+
+    return TorchBackend.create(name, job, timeout=timeout, device=device)
+
+
+def init(
+    backend: str | None = None,
+    timeout: float | None = None,
+    debug: bool | None = None,
+    checks: bool = True,
+) -> World:
+    """Join the job this process was started in (a world of one without a launcher).
+
+    Idempotent: a second call returns the same `World`; asking for a different backend then
+    is an error. `timeout` (seconds, default 300 or `TANDEM_TIMEOUT`) bounds every wait.
+    `checks=False` or `TANDEM_CHECKS=0` turns off the cross-rank argument checks;
+    `debug=True` or `TANDEM_DEBUG=1` turns on per-collective fingerprints.
+    """
+    global _state
+    if _state is not None:
+        if backend is not None and backend.lower() != _state.world.backend:
+            raise ValueError(
+                f"tandem is already initialised with backend {_state.world.backend!r}; "
+                f"init(backend={backend!r}) cannot change it. Call td.shutdown() first."
+            )
+        return _state.world
+    job = environments.detect()
+    name = choose_backend(backend, job)
+    if timeout is None:
+        timeout = float(environments.setting("TIMEOUT") or DEFAULT_TIMEOUT_S)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    device = _device_for(job)
+    engine = _create_backend(name, job, timeout, device)
+    world = World(job.rank, job.size, job.local_rank, job.local_size, device, name)
+    _state = RuntimeState(
+        world=world,
+        backend=engine,
+        job=job,
+        checks=_flag(None if checks is True else checks, "CHECKS", True),
+        debug=_flag(debug, "DEBUG", False),
+        timeout=float(timeout),
+    )
+    return world
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def state() -> RuntimeState:
+    """The runtime state; a clear error when `init` has not been called."""
+    if _state is None:
+        raise RuntimeError("tandem is not initialised: call td.init() first")
+    return _state
+
+
+def get_backend() -> Backend:
+    return state().backend
+
+
+def world() -> World:
+    return state().world
+
+
+def rank() -> int:
+    return state().world.rank
+
+
+def size() -> int:
+    return state().world.size
+
+
+def local_rank() -> int:
+    return state().world.local_rank
+
+
+def local_size() -> int:
+    return state().world.local_size
+
+
+def device() -> torch.device:
+    return state().world.device
+
+
+def shutdown() -> None:
+    """Leave the job and release the backend. Safe to call when not initialised."""
+    global _state
+    if _state is None:
+        return
+    current, _state = _state, None
+    current.backend.shutdown()

@@ -1,0 +1,332 @@
+"""The multi-process test harness: real processes, real engines, reused across tests.
+
+    from tandem.testing import run_distributed
+
+    def check_allreduce():                      # runs on every rank, module top level
+        t = td.allreduce(torch.ones(3), op="sum")
+        assert t.tolist() == [td.size()] * 3
+
+    def test_allreduce():
+        run_distributed(check_allreduce, world_size=3)
+
+Starting a world costs seconds (each rank imports torch), so a world of each size and backend
+is started once and reused: `run_distributed` ships the function (pickled by reference) to its
+ranks and collects `("ok" | "err", rank, result | traceback)` from each. A rank that raises
+fails the test with that rank's traceback; a rank that does not answer within `timeout` has its
+Python stacks dumped (faulthandler on SIGABRT) into the error, and the world is discarded.
+Any world that saw a failure it might not have recovered from is restarted for the next test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+from tandem.environments import tandem_variables
+
+_START_TIMEOUT_S = 120.0
+_AFTER_ERROR_GRACE_S = 5.0
+_LOG_TAIL_CHARS = 4000
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed, or did not answer in time; the message holds its traceback or stacks."""
+
+
+def _mpiexec() -> str:
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
+        "mpiexec"
+    )
+    if not found:
+        raise RuntimeError("the MPI backend needs mpiexec: pip install mpi4py mpich")
+    return found
+
+
+def _tail(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-_LOG_TAIL_CHARS:]
+
+
+class LocalWorld:
+    """`size` worker processes on this machine that have called `td.init()` and wait for work."""
+
+    def __init__(self, size: int, backend: str = "gloo", env: dict[str, str] | None = None):
+        self.size = size
+        self.backend = backend
+        self._env = dict(env or {})
+        self._log_dir = Path(tempfile.mkdtemp(prefix=f"tandem-test-{backend}{size}-"))
+        self._processes: list[subprocess.Popen] = []
+        self._connections: dict[int, Connection] = {}
+        self._pids: dict[int, int] = {}
+        self._store = None
+        self.broken = False
+        self._start()
+
+    # -- start and stop -------------------------------------------------------------------
+    def _base_env(self, address, authkey: bytes) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env.update(
+            PYTHONPATH=os.pathsep.join(paths),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            TANDEM_TEST_ADDRESS=f"{address[0]}:{address[1]}",
+            TANDEM_TEST_AUTHKEY=authkey.hex(),
+            TANDEM_TIMEOUT=self._env.get("TANDEM_TIMEOUT", "60"),
+        )
+        env.update(self._env)
+        return env
+
+    def _start(self) -> None:
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        env = self._base_env(listener.address, authkey)
+        command = [sys.executable, "-m", "tandem.testing"]
+        if self.backend == "mpi":
+            env["TANDEM_BACKEND"] = "mpi"
+            log = open(self._log_dir / "all.log", "wb")  # noqa: SIM115 - owned by the process
+            self._processes.append(
+                subprocess.Popen([_mpiexec(), "-n", str(self.size), *command], env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+        else:
+            from tandem import rendezvous
+
+            self._store = rendezvous.host_store("127.0.0.1", 0)
+            for rank in range(self.size):
+                rank_env = dict(env)
+                rank_env.update(tandem_variables(
+                    rank=rank, size=self.size, local_rank=rank, local_size=self.size,
+                    master_addr="127.0.0.1", master_port=self._store.port, backend=self.backend,
+                ))
+                log = open(self._log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115
+                self._processes.append(
+                    subprocess.Popen(command, env=rank_env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+                )
+        try:
+            self._accept(listener)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def _accept(self, listener: Listener) -> None:
+        accepted: list[Connection] = []
+
+        def accept_all():
+            try:
+                for _ in range(self.size):
+                    accepted.append(listener.accept())
+            except OSError:
+                pass  # the listener was closed because the start timed out
+
+        thread = threading.Thread(target=accept_all, daemon=True)
+        thread.start()
+        thread.join(_START_TIMEOUT_S)
+        if len(accepted) < self.size:
+            listener.close()
+            raise DistributedTestError(
+                f"only {len(accepted)} of {self.size} {self.backend} ranks started within "
+                f"{_START_TIMEOUT_S:.0f} s\n{self._logs()}"
+            )
+        for connection in accepted:
+            status, rank, payload = connection.recv()
+            if status != "ready":
+                raise DistributedTestError(f"rank {rank} could not init:\n{payload}")
+            self._connections[rank] = connection
+            self._pids[rank] = payload
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and forget them."""
+        for connection in self._connections.values():
+            try:
+                connection.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        for process in self._processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        for pid in self._pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)  # MPI ranks are not our children
+            except ProcessLookupError:
+                pass
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
+        self._processes.clear()
+        self._store = None
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def _logs(self) -> str:
+        parts = []
+        for path in sorted(self._log_dir.glob("*.log")):
+            text = _tail(path).strip()
+            if text:
+                parts.append(f"--- {path.stem} output ---\n{text}")
+        return "\n".join(parts)
+
+    # -- running work ---------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), timeout: float = 120.0):
+        """Run `fn(*args)` on every rank; return the results in rank order."""
+        message = pickle.dumps((fn, tuple(args)))
+        for connection in self._connections.values():
+            connection.send_bytes(message)
+        pending = {connection: rank for rank, connection in self._connections.items()}
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if errors:
+                remaining = min(remaining, _AFTER_ERROR_GRACE_S)
+            ready = wait(list(pending), timeout=max(remaining, 0))
+            if not ready:
+                break
+            for connection in ready:
+                rank = pending.pop(connection)
+                try:
+                    status, _, payload = connection.recv()
+                except (EOFError, OSError):
+                    status, payload = "err", f"rank {rank} died\n{self._logs()}"
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+        if pending:
+            self.broken = True
+            stuck = sorted(pending.values())
+            stacks = self._dump_stacks(stuck)
+            if errors:
+                first = min(errors)
+                raise DistributedTestError(
+                    f"rank {first} raised:\n{errors[first]}\n(ranks {stuck} were still waiting; "
+                    f"their stacks:)\n{stacks}"
+                )
+            raise DistributedTestError(
+                f"ranks {stuck} did not finish {getattr(fn, '__name__', fn)} within "
+                f"{timeout:.0f} s; their stacks:\n{stacks}"
+            )
+        if errors:
+            first = min(errors)
+            others = f" (ranks {sorted(errors)} all raised)" if len(errors) > 1 else ""
+            raise DistributedTestError(f"rank {first} raised{others}:\n{errors[first]}")
+        return [results[rank] for rank in range(self.size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> str:
+        """faulthandler prints every thread's stack on SIGABRT; then the rank dies."""
+        for rank in ranks:
+            try:
+                os.kill(self._pids[rank], signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        for process in self._processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        return self._logs()
+
+
+_worlds: dict[tuple[int, str, tuple], LocalWorld] = {}
+
+
+def get_world(world_size: int, backend: str = "gloo", env: dict[str, str] | None = None):
+    """The shared world of this size, backend and extra environment, started on first use."""
+    key = (world_size, backend, tuple(sorted((env or {}).items())))
+    world = _worlds.get(key)
+    if world is None or world.broken:
+        if world is not None:
+            world.close()
+        world = _worlds[key] = LocalWorld(world_size, backend, env)
+    return world
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    backend: str = "gloo",
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on every rank of a (reused) world; return the results in rank order.
+
+    `fn` must be defined at module top level. It fails with the first failing rank's traceback.
+    """
+    world = get_world(world_size, backend, env)
+    try:
+        return world.run(fn, args, timeout)
+    except DistributedTestError:
+        if world.broken:
+            world.close()
+        raise
+
+
+def close_worlds() -> None:
+    """Stop every shared world (the suite's session fixture calls it; so does atexit)."""
+    while _worlds:
+        _, world = _worlds.popitem()
+        world.close()
+
+
+atexit.register(close_worlds)
+
+
+def _worker() -> None:
+    """A rank of a `LocalWorld`: init, then run what the parent sends until told to stop."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+    host, port = os.environ["TANDEM_TEST_ADDRESS"].rsplit(":", 1)
+    connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TANDEM_TEST_AUTHKEY"]))
+    import tandem as td
+
+    try:
+        world = td.init()
+    except BaseException:
+        connection.send(("err", os.environ.get("TANDEM_RANK", "?"), traceback.format_exc()))
+        return
+    connection.send(("ready", world.rank, os.getpid()))
+    while True:
+        try:
+            task = pickle.loads(connection.recv_bytes())
+        except EOFError:
+            break
+        except BaseException:
+            connection.send(("err", world.rank, traceback.format_exc()))
+            continue
+        if task is None:
+            break
+        fn, args = task
+        try:
+            connection.send(("ok", td.rank(), fn(*args)))
+        except BaseException:
+            connection.send(("err", world.rank, traceback.format_exc()))
+    td.shutdown()
+
+
+if __name__ == "__main__":
+    _worker()
