@@ -20,6 +20,8 @@ from tandem import rendezvous
 from tandem.environments import tandem_variables
 
 _STOP_GRACE_S = 3.0
+# How long a reported error waits for a peer death that would explain it.
+_CAUSE_GRACE_S = 3.0
 
 
 class SpawnError(RuntimeError):
@@ -70,6 +72,25 @@ def stop_processes(processes: Sequence[mp.process.BaseProcess]) -> None:
             process.join(_STOP_GRACE_S)
 
 
+def _has_report(readers: dict, rank: int) -> bool:
+    return any(r == rank and c.poll() for c, r in readers.items())
+
+
+def _root_cause(processes, results, error: SpawnError) -> SpawnError:
+    """A rank that died is the cause of its peers' errors ("connection reset"): prefer it.
+
+    The peers notice a death before the parent does, so give the deaths a short deadline to
+    show up before blaming the rank that merely reported first.
+    """
+    others = [p for r, p in enumerate(processes) if r != error.rank and r not in results]
+    wait([p.sentinel for p in others], timeout=_CAUSE_GRACE_S)
+    for rank, process in enumerate(processes):
+        if process.exitcode not in (None, 0):
+            return SpawnError(rank, f"{describe_exit(process.exitcode)}; rank {error.rank} "
+                                    f"then failed with:\n{error}")
+    return error
+
+
 def spawn(
     fn: Callable[..., Any],
     nprocs: int,
@@ -99,29 +120,25 @@ def spawn(
         processes.append(process)
         readers[reader] = rank
     results: dict[int, Any] = {}
-    sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
     try:
         while len(results) < nprocs:
-            for ready in wait(list(readers) + list(sentinels)):
-                if ready in readers:
-                    rank = readers.pop(ready)
-                    try:
-                        status, _, payload = ready.recv()
-                    except EOFError:
-                        continue  # died before reporting: its sentinel tells how
-                    if status == "err":
-                        raise SpawnError(rank, payload)
-                    results[rank] = payload
-                elif ready in sentinels:
-                    rank = sentinels.pop(ready)
-                    processes[rank].join()
-                    pending = [c for c, r in readers.items() if r == rank]
-                    if pending and pending[0].poll():
-                        continue  # its report is waiting to be read: handled next round
-                    if rank not in results:
-                        raise SpawnError(
-                            rank, f"died before reporting ({describe_exit(processes[rank].exitcode)})"
-                        )
+            ready = wait(list(readers) + [p.sentinel for p in processes if p.exitcode is None])
+            for connection in [c for c in ready if c in readers]:
+                rank = readers.pop(connection)
+                try:
+                    status, _, payload = connection.recv()
+                except EOFError:
+                    continue  # died before reporting: its exit code tells how
+                if status == "err":
+                    raise _root_cause(processes, results, SpawnError(rank, payload))
+                results[rank] = payload
+            for rank, process in enumerate(processes):
+                if rank not in results and process.exitcode is not None and not _has_report(
+                    readers, rank
+                ):
+                    raise SpawnError(
+                        rank, f"died before reporting ({describe_exit(process.exitcode)})"
+                    )
     finally:
         stop_processes(processes)
         del store
