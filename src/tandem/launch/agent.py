@@ -26,7 +26,7 @@ from tandem.environments import tandem_variables
 from tandem.launch.config import LaunchConfig
 from tandem.launch.output import AGENT_SIGNALS, RankOutput, block_agent_signals
 
-STOP_GRACE_S = 3.0  # between the polite signal and SIGKILL
+STOP_GRACE_S = 2.0  # between the polite signal and SIGKILL; the contract stops a job in 5 s
 KILL_WAIT_S = 5.0  # after SIGKILL, how long a rank may take to disappear
 DRAIN_S = 2.0  # how long to wait for the last output of ranks that have exited
 MASTER_ADDR = "127.0.0.1"
@@ -124,23 +124,32 @@ class LocalAgent:
         previous = self._install_signal_handlers()
         try:
             with _signals_blocked():
-                store = rendezvous.host_store(MASTER_ADDR, 0)
+                store = rendezvous.host_store(MASTER_ADDR, 0)  # lives until the ranks are gone
             try:
                 self._start_ranks(store.port)
-                return self._supervise()
+                failure, interrupt = self._supervise()
             finally:
                 # Ranks are reaped by now (or unstoppable); this takes their children down too.
                 for proc in self._procs.values():
                     _signal_group(proc.pid, signal.SIGKILL)
-                del store
+            self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if failure is not None:
+            self._summarize(failure)
+            return exit_code(failure.returncode)
+        return 128 + interrupt if interrupt is not None else 0
 
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
             return {}  # signal handlers can only be set from the main thread
-        return {signum: signal.signal(signum, self._on_signal) for signum in AGENT_SIGNALS}
+        return {
+            signum: signal.signal(signum, self._on_signal)
+            for signum in AGENT_SIGNALS
+            # `nohup tandem run` ignores SIGHUP (a background job, SIGINT): so do the ranks.
+            if signal.getsignal(signum) is not signal.SIG_IGN
+        }
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._events.put(("signal", signum))
@@ -171,8 +180,12 @@ class LocalAgent:
         for rank in sorted(live):
             _signal_group(self._procs[rank].pid, signum)
 
-    def _supervise(self) -> int:
-        """React to rank exits and signals until every rank is gone; the job's exit code."""
+    def _supervise(self) -> tuple[RankExit | None, int | None]:
+        """React to rank exits and signals until every rank is gone.
+
+        Returns the first rank to fail, and the signal that interrupted the job (either may be
+        None; never both, as whichever comes first starts the stop).
+        """
         live = set(self._procs)
         failure: RankExit | None = None
         interrupt: int | None = None
@@ -196,7 +209,7 @@ class LocalAgent:
                     failure = RankExit(rank, self._procs[rank].pid, returncode)
                     if live:
                         self.output.message(
-                            f"tandem run: rank {rank} failed ({describe(returncode)}); "
+                            f"tandem run: rank {rank} failed: {describe(returncode)}; "
                             f"stopping the other {len(live)} rank(s)"
                         )
                     self._signal_live(live, signal.SIGTERM)
@@ -213,11 +226,7 @@ class LocalAgent:
                 self._signal_live(live, signal.SIGKILL)
                 killed, deadline = True, time.monotonic() + KILL_WAIT_S
 
-        if failure is None:
-            return 128 + interrupt if interrupt is not None else 0
-        self.output.join(DRAIN_S)
-        self._summarize(failure)
-        return exit_code(failure.returncode)
+        return failure, interrupt
 
     def _summarize(self, failure: RankExit) -> None:
         lines = [

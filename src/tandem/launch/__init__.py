@@ -1,0 +1,61 @@
+"""`tandem run`: start a job of N processes (ranks) on this machine.
+
+Usage
+-----
+
+
+    tandem run -np 4 train.py --lr 0.1        # four ranks of `python train.py --lr 0.1`
+    tandem run -np 2 -m mypackage.train       # a module, like `python -m`
+    tandem run -np 4 --backend gloo --threads-per-rank 2 train.py
+    tandem run -H localhost:4 train.py        # horovodrun's spelling; -np defaults to the slots
+    python -m tandem run ...                  # the same command
+
+Everything after the script (or module) is passed to every rank unchanged. Each rank calls
+td.init() and finds its place in the job from the variables set for it.
+
+What every rank gets
+--------------------
+- TANDEM_RANK, TANDEM_SIZE, TANDEM_LOCAL_RANK, TANDEM_LOCAL_SIZE,
+  TANDEM_MASTER_ADDR/TANDEM_MASTER_PORT (a rendezvous store the launcher hosts on a
+  port the operating system picked, so two jobs on one machine never collide),
+  TANDEM_BACKEND with --backend, TANDEM_TIMEOUT with --timeout.
+- OMP_NUM_THREADS and MKL_NUM_THREADS: --threads-per-rank, by default
+  cores // ranks, so N ranks do not each start one thread per core. Values already in the
+  environment are kept unless --threads-per-rank is given.
+- PYTHONUNBUFFERED=1, so output arrives as it is printed.
+
+Options from the environment
+----------------------------
+Every option can come from a TANDEM_ variable named after it: TANDEM_NP,
+TANDEM_BACKEND, TANDEM_THREADS_PER_RANK, TANDEM_TIMEOUT, TANDEM_HOSTS,
+TANDEM_HOSTFILE, TANDEM_MAX_RESTARTS. A flag on the command line wins.
+
+Output
+------
+Each line a rank prints, on stdout or stderr, appears on the same stream prefixed with its
+rank: [1] epoch 3 loss 0.25. Lines of different ranks never mix.
+
+Failures and exit code
+----------------------
+The exit code is 0 when every rank exits 0, else the first failing rank's (a rank killed by a
+signal counts as 128 + the signal number, as in a shell). When a rank fails, the others get
+SIGTERM and, 2 seconds later, SIGKILL; then a summary on stderr names the rank, its exit code
+or signal, and the last 20 lines it printed. Ctrl-C or SIGTERM to tandem run is passed on
+to every rank (a second one kills them at once). Each rank runs in its own process group, which
+is killed when the job ends, so processes the ranks started do not outlive it.
+
+Bad input (-np 0, a script that does not exist, an unknown backend) is reported with exit
+code 2 before anything starts. A module that does not exist is reported by the ranks.
+
+Not yet supported: remote hosts in -H/--hostfile (local names such as localhost
+are fine), --backend mpi (ranks started through mpiexec) and --max-restarts.
+
+From Python
+-----------
+launch(LaunchConfig(np=2, program="train.py")) runs a job and returns its exit code.
+"""
+
+from tandem.launch.config import LaunchConfig, LaunchError, add_run_arguments, config_from_args
+from tandem.launch.launcher import launch
+
+__all__ = ["LaunchConfig", "LaunchError", "add_run_arguments", "config_from_args", "launch"]
