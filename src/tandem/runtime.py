@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 from dataclasses import dataclass
 
@@ -119,6 +120,10 @@ def init(
     device = _device_for(job)
     engine = _create_backend(name, job, timeout, device)
     world = World(job.rank, job.size, job.local_rank, job.local_size, device, name)
+    # Leave the job cleanly even when the script never calls shutdown() (engines that are
+    # torn down by interpreter exit instead can abort with a C++ error).
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)
     _state = RuntimeState(
         world=world,
         backend=engine,

@@ -1,0 +1,56 @@
+"""`tandem.horovod` keeps Horovod's names and semantics, across real processes."""
+
+import torch
+
+import tandem.horovod as hvd
+from tandem.testing import run_distributed
+
+
+def check_horovod_collectives():
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    assert (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (me, n, 0, 1)
+    mine = torch.tensor([float(me), 10.0])
+    mean = (n - 1) / 2
+
+    assert hvd.allreduce(mine).tolist() == [mean, 10.0]  # Average is the default
+    assert hvd.allreduce(mine, op=hvd.Sum).tolist() == [sum(range(n)), 10.0 * n]
+    assert hvd.allreduce(mine, average=False).tolist() == [sum(range(n)), 10.0 * n]
+    assert hvd.allreduce(mine, compression=hvd.Compression.fp16).dtype == torch.float32
+    scaled = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    assert scaled.tolist() == [sum(range(n)), 10.0 * n]
+    assert mine.tolist() == [float(me), 10.0]  # out-of-place calls leave the input alone
+
+    inplace = mine.clone()
+    hvd.allreduce_(inplace)
+    assert inplace.tolist() == [mean, 10.0]
+    handle = hvd.allreduce_async(mine, op=hvd.Max)
+    assert hvd.synchronize(handle).tolist() == [n - 1.0, 10.0] and hvd.poll(handle)
+    handle = hvd.allreduce_async_(mine.clone(), op=hvd.Sum, postscale_factor=2.0)
+    assert hvd.synchronize(handle).tolist() == [2.0 * sum(range(n)), 20.0 * n]
+
+    assert [t.tolist() for t in hvd.grouped_allreduce([mine, mine * 2], op=hvd.Sum)] == [
+        [sum(range(n)), 10.0 * n], [2.0 * sum(range(n)), 20.0 * n]]
+    assert hvd.allgather(torch.full((me + 1,), float(me))).tolist() == [
+        float(r) for r in range(n) for _ in range(r + 1)]
+    root = n - 1
+    assert hvd.broadcast(mine, root_rank=root).tolist() == [float(root), 10.0]
+    into = mine.clone()
+    hvd.broadcast_(into, root_rank=root)
+    assert into.tolist() == [float(root), 10.0]
+
+    rows = torch.arange(2 * n, dtype=torch.float32) + 100 * me
+    output, received = hvd.alltoall(rows)
+    assert received.tolist() == [2] * n
+    assert output.tolist() == [100.0 * r + 2 * me + k for r in range(n) for k in range(2)]
+    reduced = hvd.reducescatter(torch.ones(2 * n) * (me + 1))
+    assert reduced.tolist() == [(n + 1) / 2] * 2
+
+    assert hvd.broadcast_object({"me": me}, root_rank=root) == {"me": root}
+    assert hvd.allgather_object(me) == list(range(n))
+    hvd.barrier()
+
+
+def test_horovod_collectives():
+    run_distributed(check_horovod_collectives, world_size=2)
+    run_distributed(check_horovod_collectives, world_size=3)
