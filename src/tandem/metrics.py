@@ -1,0 +1,104 @@
+"""Rank-0 progress bars and metrics averaged over every rank's samples.
+
+    from tandem.metrics import Average, progress
+
+    metrics = Average()
+    for x, y in progress(loader, desc=f"epoch {epoch}"):     # a bar on rank 0 only
+        ...
+        metrics.update(len(y), loss=loss.item(), accuracy=(out.argmax(1) == y).float().mean().item())
+    summary = metrics.compute()                              # collective: every rank calls it
+    if td.rank() == 0:
+        print(f"epoch {epoch}: loss {summary['loss']:.4f} accuracy {summary['accuracy']:.4f}")
+
+Averages are weighted by sample counts, so ranks with different numbers of samples (an
+uneven last batch) still give the mean over all samples.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, TextIO, TypeVar
+
+import torch
+from tqdm import tqdm
+
+from tandem import runtime
+from tandem.comm import collectives
+from tandem.comm.groups import Group, group_rank
+
+T = TypeVar("T")
+
+# Without a terminal (`tandem run` pipes each rank's output into a log), a bar is written as
+# separate lines (tqdm's carriage returns become newlines), at most every 10 s, and not at all
+# for loops that finish sooner.
+_PIPE_INTERVAL_S = 10.0
+
+
+class _Lines:
+    """A text stream for tqdm that turns each redraw into one plain line."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        for part in text.replace("\r", "\n").split("\n"):
+            if part.strip():  # tqdm clears a bar by writing spaces: drop those
+                self._stream.write(part.rstrip() + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def progress(iterable: Iterable[T], group: Group | None = None, **tqdm_kwargs: Any) -> Iterator[T]:
+    """`iterable` with a tqdm bar on the first rank (of `group`) and none on the others."""
+    first = not runtime.is_initialized() or group_rank(group) == 0
+    stream = tqdm_kwargs.pop("file", None) or sys.stderr
+    if not getattr(stream, "isatty", lambda: False)():
+        stream = _Lines(stream)
+        tqdm_kwargs.setdefault("mininterval", _PIPE_INTERVAL_S)
+        tqdm_kwargs.setdefault("delay", _PIPE_INTERVAL_S)
+        tqdm_kwargs.setdefault("ascii", True)
+    return iter(tqdm(iterable, file=stream, disable=not first, dynamic_ncols=True, **tqdm_kwargs))
+
+
+class Average:
+    """Sample-weighted running means of named values, reduced over the ranks on `compute()`."""
+
+    def __init__(self, group: Group | None = None) -> None:
+        self.group = group
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._count = 0
+
+    def update(self, n: int, **values: float) -> None:
+        """Add `n` samples whose mean of each named value is given (e.g. loss=0.3)."""
+        if n < 0:
+            raise ValueError(f"n must be the number of samples (>= 0), got {n}")
+        if self._sums and set(values) != set(self._sums):
+            raise ValueError(
+                f"update() got values {sorted(values)}, earlier calls gave {sorted(self._sums)}; "
+                f"pass the same names every time"
+            )
+        for name, value in values.items():
+            value = float(value.item() if isinstance(value, torch.Tensor) else value)
+            self._sums[name] = self._sums.get(name, 0.0) + value * n
+        self._count += n
+
+    @property
+    def count(self) -> int:
+        """Samples seen by this rank since the last reset."""
+        return self._count
+
+    def compute(self) -> dict[str, float]:
+        """The means over every rank's samples (one all-reduce; every rank must call it)."""
+        names = sorted(self._sums)
+        totals = torch.tensor([self._sums[n] for n in names] + [float(self._count)],
+                              dtype=torch.float64)
+        if runtime.is_initialized() and runtime.size() > 1:
+            totals = collectives.allreduce(totals, op="sum", group=self.group)
+        count = totals[-1].item()
+        return {n: (totals[i].item() / count if count else float("nan")) for i, n in enumerate(names)}

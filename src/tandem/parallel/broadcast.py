@@ -1,0 +1,288 @@
+"""Make replicas start equal: broadcast parameters, buffers and optimizer state from one rank.
+
+    td.broadcast_parameters(model)             # after building the model, before training
+    td.broadcast_optimizer_state(optimizer)    # after building (or loading) the optimizer
+
+Tensors travel flattened: every tensor of one dtype and device is packed into one buffer (split
+at `MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
+
+Also home to two helpers the rest of `tandem.parallel` shares: `coalesced` (run one collective
+over many tensors as a few flat buffers) and `agree_layout` (check once, cheaply, that every
+rank holds the same tensors before a collective that relies on it).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem import runtime
+from tandem.comm import collectives
+from tandem.comm.groups import Group, group_ranks, group_size
+
+# Large enough that per-message overhead vanishes, small enough that packing a big model does
+# not double its memory.
+MESSAGE_BYTES = 64 << 20
+# A tensor this big is bandwidth-bound: it travels on its own, in its own memory, rather than
+# paying two copies to be packed with others.
+OWN_MESSAGE_BYTES = 1 << 20
+
+
+class LayoutMismatchError(ValueError):
+    """Ranks passed different sets of tensors to an operation that needs them to match."""
+
+
+def coalesced(
+    tensors: Iterable[torch.Tensor],
+    communicate: Callable[[torch.Tensor], None],
+    *,
+    copy_back: bool = True,
+    message_bytes: int = MESSAGE_BYTES,
+) -> None:
+    """Pack `tensors` into flat buffers per (dtype, device), call `communicate(buffer)` on each
+    (it works in place), and copy the results back into the tensors unless `copy_back=False`.
+    Contiguous tensors of `OWN_MESSAGE_BYTES` or more are passed on their own, uncopied.
+
+    Every rank must pass tensors of the same dtypes and sizes in the same order: the buffers
+    (and so the messages) are then identical in number and shape on every rank.
+    """
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= OWN_MESSAGE_BYTES:
+            communicate(tensor.detach().view(-1))
+            continue
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for (dtype, device), members in by_kind.items():
+        limit = max(1, message_bytes // max(1, torch.empty(0, dtype=dtype).element_size()))
+        chunk: list[torch.Tensor] = []
+        count = 0
+        for tensor in [*members, None]:
+            if tensor is not None and (not chunk or count + tensor.numel() <= limit):
+                chunk.append(tensor)
+                count += tensor.numel()
+                continue
+            if chunk:
+                _communicate_chunk(chunk, dtype, device, communicate, copy_back)
+            chunk, count = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
+
+
+def _communicate_chunk(chunk, dtype, device, communicate, copy_back) -> None:
+    if sum(t.numel() for t in chunk) == 0:
+        return
+    if len(chunk) == 1 and chunk[0].is_contiguous():
+        communicate(chunk[0].detach().view(-1))  # works in the tensor's own memory
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+    communicate(flat)
+    if not copy_back:
+        return
+    offset = 0
+    with torch.no_grad():
+        for tensor in chunk:
+            n = tensor.numel()
+            tensor.copy_(flat[offset : offset + n].view(tensor.shape))
+            offset += n
+
+
+def describe_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """One line per tensor: name, shape and dtype (what `agree_layout` compares)."""
+    return [
+        f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for name, t in named
+    ]
+
+
+def agree_layout(what: str, layout: list[str], group: Group | None = None, *, always: bool = False) -> None:
+    """Raise `LayoutMismatchError` on every rank unless all ranks pass the same `layout`.
+
+    Costs one all-reduce of two integers; only on a mismatch do the ranks exchange their
+    layouts, to say which rank differs from the first rank of the group, and where.
+    Skipped when argument checks are off (`td.init(checks=False)`) unless `always`.
+    """
+    if group_size(group) == 1 or not (always or runtime.state().checks):
+        return
+    code = zlib.crc32("\n".join(layout).encode()) & 0x7FFFFFFF
+    # max of [c, -c] gives the largest and (negated) smallest code in one message.
+    bounds = torch.tensor([code, -code], dtype=torch.int64)
+    bounds = collectives.allreduce(bounds, op="max", group=group)
+    if int(bounds[0]) == -int(bounds[1]):
+        return
+    layouts = collectives.allgather_object(layout, group=group)
+    ranks = group_ranks(group)
+    reference = layouts[0]
+    lines = [f"{what}: the ranks hold different tensors (compared with rank {ranks[0]}):"]
+    for rank, theirs in zip(ranks[1:], layouts[1:], strict=True):
+        if theirs == reference:
+            continue
+        if len(theirs) != len(reference):
+            lines.append(f"  rank {rank} has {len(theirs)} tensors, rank {ranks[0]} has {len(reference)}")
+        for i, (mine, other) in enumerate(zip(reference, theirs, strict=False)):
+            if mine != other:
+                lines.append(f"  tensor #{i}: rank {ranks[0]} has {mine}; rank {rank} has {other}")
+                break
+    lines.append("Build the same model (and optimizer) on every rank before this call.")
+    raise LayoutMismatchError("\n".join(lines))
+
+
+def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(model_or_state_dict, nn.Module):
+        # Parameters and buffers, each once even when shared between modules.
+        seen: set[int] = set()
+        named = []
+        for name, tensor in [*model_or_state_dict.named_parameters(),
+                             *model_or_state_dict.named_buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                named.append((name, tensor))
+        return named
+    if isinstance(model_or_state_dict, Mapping):
+        return [(str(k), v) for k, v in model_or_state_dict.items() if isinstance(v, torch.Tensor)]
+    raise TypeError(
+        f"broadcast_parameters takes an nn.Module or a state dict (a mapping of names to tensors), "
+        f"not {type(model_or_state_dict).__name__}"
+    )
+
+
+def _check_root(root: int, group: Group | None) -> None:
+    if root not in group_ranks(group):
+        raise ValueError(f"root={root} is not a rank of the group {list(group_ranks(group))}")
+
+
+def _broadcaster(root: int, group: Group | None) -> Callable[[torch.Tensor], None]:
+    """Broadcast in place. The layout is agreed once beforehand, so the backend is called
+    directly (no per-message argument check) unless the tensor needs staging."""
+    backend = runtime.get_backend()
+    timeout = runtime.state().timeout
+
+    def send(flat: torch.Tensor) -> None:
+        if backend.supports_device(flat.device):
+            backend.broadcast(flat, root, group).wait(timeout)
+        else:
+            collectives.broadcast(flat, root=root, inplace=True, group=group)
+
+    return send
+
+
+def broadcast_parameters(
+    model_or_state_dict: nn.Module | Mapping[str, Any],
+    root: int = 0,
+    group: Group | None = None,
+) -> None:
+    """Copy `root`'s parameters and buffers into every rank's, in place.
+
+    Takes a module (parameters and buffers) or a state dict (its tensor values; other values
+    are left alone). Every rank must pass the same tensors, in the same order: a mismatch is an
+    error that names the first differing tensor and rank.
+    """
+    named = _named_tensors(model_or_state_dict)
+    _check_root(root, group)
+    if group_size(group) == 1:
+        return
+    agree_layout("broadcast_parameters", describe_tensors(named), group)
+    is_root = runtime.rank() == root
+    coalesced((t for _, t in named), _broadcaster(root, group), copy_back=not is_root)
+
+
+# -- optimizer state ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Stands in for a tensor in the pickled skeleton of root's optimizer state."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_accelerator: bool
+
+
+def _hollow(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """`value` with every tensor replaced by a `_TensorSlot` (the tensor goes to `tensors`)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype,
+                           value.device.type != "cpu")
+    if isinstance(value, dict):
+        return {k: _hollow(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hollow(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_hollow(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill(v, tensors) for v in value)
+    return value
+
+
+def _slots(value: Any, found: list[_TensorSlot]) -> list[_TensorSlot]:
+    if isinstance(value, _TensorSlot):
+        found.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _slots(v, found)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _slots(v, found)
+    return found
+
+
+def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: Group | None = None) -> None:
+    """Make every rank's optimizer state and hyper-parameters (lr, momentum, ...) equal root's.
+
+    Works whether or not the optimizers have stepped: the other ranks load root's
+    `state_dict()` (its hyper-parameters, and its state tensors when it has any). Unlike
+    Horovod, no dummy step is taken to create state, so parameters are never touched (a dummy
+    step would move them under weight decay). Root's state travels as a small pickled skeleton
+    plus its tensors, packed into a few flat messages per dtype.
+
+    `optimizer` is a torch optimizer or any wrapper with `state_dict()` / `load_state_dict()`
+    (tandem's `DistributedOptimizer`, `LocalSGD`). A `ZeroOptimizer` needs no broadcast: its
+    state is sharded, and to restore it every rank loads the full state dict (which `td.load`
+    returns on every rank). Calling this on one is harmless (its `state_dict()` is collective
+    and every rank takes part) and propagates root's hyper-parameters.
+    """
+    if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
+        raise TypeError(
+            f"broadcast_optimizer_state needs an optimizer with state_dict() and load_state_dict(), "
+            f"got {type(optimizer).__name__}"
+        )
+    _check_root(root, group)
+    if group_size(group) == 1:
+        return
+    is_root = runtime.rank() == root
+    state = optimizer.state_dict()
+    tensors: list[torch.Tensor] = []
+    skeleton = _hollow(state, tensors) if is_root else None
+    skeleton = collectives.broadcast_object(skeleton, root=root, group=group)
+    if is_root:
+        received = tensors
+    else:
+        device = runtime.device()
+        received = [
+            torch.empty(slot.shape, dtype=slot.dtype,
+                        device=device if slot.on_accelerator else torch.device("cpu"))
+            for slot in sorted(_slots(skeleton, []), key=lambda s: s.index)
+        ]
+    # Root's tensors are only read; the others receive in place into `received`.
+    coalesced(received, _broadcaster(root, group), copy_back=not is_root)
+    if not is_root:
+        try:
+            optimizer.load_state_dict(_fill(skeleton, received))
+        except (ValueError, KeyError) as error:
+            raise ValueError(
+                f"rank {runtime.rank()} could not load rank {root}'s optimizer state: {error}. "
+                f"Build the optimizer over the same parameters, in the same groups, on every rank."
+            ) from error
