@@ -1,0 +1,277 @@
+"""One pipeline step on one stage: run the stage's action list, keep the counters.
+
+The executor does exactly what `tandem.parallel.schedules` lists, in order. Receives are posted
+when listed and waited for by the compute that needs them; sends go out asynchronously (the
+stage computes while they travel) and are waited for at the end of the step. With
+`TANDEM_TIMELINE` set, every forward (`F3`), backward (`B3`) and wait for a neighbour
+(`wait 3`) is drawn on the rank's compute track.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.diagnostics import timeline
+from tandem.parallel.pipeline_comm import (
+    SPEC_WORDS,
+    EdgeSpec,
+    act_tag,
+    grad_tag,
+    spec_tag,
+)
+from tandem.parallel.schedules import Action, ActionKind
+
+if TYPE_CHECKING:
+    from tandem.parallel.pipeline import Pipeline
+
+
+@dataclass
+class PipelineStats:
+    """Counters of the last step on this stage.
+
+    `peak_live_microbatches`: most micro-batches forwarded and not yet backwarded at once (1F1B:
+    at most stages - stage_index; GPipe: chunks). `peak_activation_bytes`: the most bytes that
+    autograd held saved for backward at once, over those micro-batches (parameters excluded,
+    storages counted once). `compute_s`: time in forward/backward; `wait_s`: time blocked on
+    receives (this stage's share of the bubble); `step_s`: the whole step.
+    """
+
+    peak_live_microbatches: int = 0
+    peak_activation_bytes: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        """The share of the step not spent computing: the measured bubble on this stage."""
+        return 1.0 - self.compute_s / self.step_s if self.step_s > 0 else 0.0
+
+
+class _Micro:
+    """What a stage holds for one micro-batch between its forward and its backward."""
+
+    __slots__ = ("spec", "act", "inputs", "outputs", "loss", "grads", "in_grads", "nbytes")
+
+    def __init__(self) -> None:
+        self.spec = self.act = self.inputs = self.outputs = None
+        self.loss = self.grads = self.in_grads = None
+        self.nbytes = 0
+
+
+class StepRunner:
+    """Runs one step's actions for `pipe`'s stage. Built per step; `result()` at the end."""
+
+    def __init__(self, pipe: Pipeline, sig: int, fresh: bool, train: bool, micro_x, targets,
+                 loss_fn, weights: list[float]) -> None:
+        self.pipe, self.link, self.train, self.fresh = pipe, pipe._link, train, fresh
+        s, ranks = pipe.stage_index, pipe._ranks
+        self.prev = ranks[s - 1] if s > 0 else None
+        self.next = ranks[s + 1] if s < len(ranks) - 1 else None
+        self.specs_in, self.specs_out = pipe._specs_in[sig], pipe._specs_out[sig]
+        self.micro_x, self.targets, self.loss_fn, self.weights = micro_x, targets, loss_fn, weights
+        self.mb = [_Micro() for _ in weights]
+        self.stats = PipelineStats()
+        self.live = self.live_bytes = 0
+        self.loss_total: torch.Tensor | None = None
+        self.outputs: list = []
+        self.param_ptrs = {p.data_ptr() for p in pipe.stage.parameters()}
+        self._handlers = {
+            ActionKind.RECV_ACT: self.recv_act,
+            ActionKind.F: self.forward,
+            ActionKind.SEND_ACT: self.send_act,
+            ActionKind.RECV_GRAD: self.recv_grad,
+            ActionKind.B: self.backward,
+            ActionKind.SEND_GRAD: self.send_grad,
+        }
+
+    def run(self, actions: list[Action]) -> None:
+        for action in actions:
+            self._handlers[action.kind](action.microbatch)
+
+    def result(self):
+        if not self.pipe.is_last:
+            return None
+        return self.loss_total if self.train else _concat(self.outputs)
+
+    # -- waiting, with the time counted as bubble ----------------------------------------
+    def _wait(self, pending: list, i: int) -> list[torch.Tensor]:
+        start = time.perf_counter_ns()
+        tensors = [p.wait() for p in pending]
+        end = time.perf_counter_ns()
+        self.stats.wait_s += (end - start) * 1e-9
+        if timeline.ENABLED:
+            timeline.complete(f"wait {i}", start, end)
+        return tensors
+
+    def _computed(self, name: str, start: int) -> None:
+        end = time.perf_counter_ns()
+        self.stats.compute_s += (end - start) * 1e-9
+        if timeline.ENABLED:
+            timeline.complete(name, start, end)
+
+    # -- activations forward ------------------------------------------------------------
+    def recv_act(self, i: int) -> None:
+        mb = self.mb[i]
+        if self.fresh:  # shapes not known yet: the sender describes the edge first
+            mb.spec = self.link.recv((SPEC_WORDS,), torch.int64, self.pipe.device, self.prev,
+                                     spec_tag(i), f"the shapes of micro-batch {i}")
+        else:
+            mb.act = self._post_act(i, self.specs_in[i])
+
+    def _post_act(self, i: int, spec: EdgeSpec) -> list:
+        return [
+            self.link.recv(shape, dtype, self.pipe.device, self.prev, act_tag(i, k),
+                           f"activation {k} of micro-batch {i}")
+            for k, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True))
+        ]
+
+    def forward(self, i: int) -> None:
+        mb, pipe = self.mb[i], self.pipe
+        if pipe.is_first:
+            value = self.micro_x[i]
+        else:
+            if self.fresh:
+                spec = self.specs_in[i] = EdgeSpec.unpack(self._wait([mb.spec], i)[0].cpu())
+                mb.act = self._post_act(i, spec)
+            spec = self.specs_in[i]
+            tensors = self._wait(mb.act, i)
+            mb.act = None
+            feed = tensors
+            if self.train:
+                for k in spec.floating:
+                    tensors[k].requires_grad_(True)
+                mb.inputs = tensors
+                if pipe._copy_inputs:
+                    feed = [t.clone() if t.requires_grad else t for t in tensors]
+            value = spec.build(feed)
+        start = time.perf_counter_ns()
+        if self.train:
+            with torch.autograd.graph.saved_tensors_hooks(self._counter(mb), _identity):
+                output = pipe.stage(value)
+                if pipe.is_last:
+                    mb.loss = self._loss(output, i)
+        else:
+            output = pipe.stage(value)
+        if pipe.is_last:
+            if not self.train:
+                self.outputs.append(output)
+        else:
+            spec, mb.outputs = EdgeSpec.describe(output, pipe.stage_index)
+            known = self.specs_out[i]
+            if known is None:
+                self.specs_out[i] = spec
+            elif spec != known:
+                raise ValueError(
+                    f"pipeline stage {pipe.stage_index} output for micro-batch {i} is {spec} but "
+                    f"was {known} for the same input shapes: edges between stages need shapes "
+                    f"that depend only on the input's shape"
+                )
+        self._computed(f"F{i}", start)
+        if self.train:
+            self.live += 1
+            self.live_bytes += mb.nbytes
+            self.stats.peak_live_microbatches = max(self.stats.peak_live_microbatches, self.live)
+            self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self.live_bytes)
+
+    def _loss(self, output, i: int) -> torch.Tensor:
+        loss = self.loss_fn(output, self.targets[i])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"loss_fn must return a scalar tensor (the mean loss of its micro-batch), got "
+                f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+            )
+        scaled = loss.reshape(()) * self.weights[i]
+        detached = scaled.detach()
+        self.loss_total = detached if self.loss_total is None else self.loss_total + detached
+        return scaled
+
+    def send_act(self, i: int) -> None:
+        mb = self.mb[i]
+        if self.fresh:
+            packed = self.specs_out[i].pack().to(self.pipe.device)
+            self.link.send(packed, self.next, spec_tag(i), f"the shapes of micro-batch {i}")
+        for k, tensor in enumerate(mb.outputs):
+            self.link.send(tensor, self.next, act_tag(i, k), f"activation {k} of micro-batch {i}")
+        if not self.train:
+            mb.outputs = None
+
+    # -- gradients backward ---------------------------------------------------------------
+    def recv_grad(self, i: int) -> None:
+        spec = self.specs_out[i]
+        self.mb[i].grads = [
+            self.link.recv(spec.shapes[k], spec.dtypes[k], self.pipe.device, self.next,
+                           grad_tag(i, k), f"gradient {k} of micro-batch {i}")
+            for k in spec.floating
+        ]
+
+    def backward(self, i: int) -> None:
+        mb, pipe = self.mb[i], self.pipe
+        grads = None if pipe.is_last else self._wait(mb.grads, i)
+        start = time.perf_counter_ns()
+        if pipe.is_last:
+            if mb.loss.requires_grad:
+                mb.loss.backward()
+        else:
+            pairs = [
+                (mb.outputs[k], g)
+                for k, g in zip(self.specs_out[i].floating, grads, strict=True)
+                if mb.outputs[k].requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if not pipe.is_first:
+            # An input the stage did not use has no gradient: send zeros, the receiver waits for it.
+            mb.in_grads = [
+                mb.inputs[k].grad if mb.inputs[k].grad is not None else torch.zeros_like(mb.inputs[k])
+                for k in self.specs_in[i].floating
+            ]
+        self._computed(f"B{i}", start)
+        mb.inputs = mb.outputs = mb.loss = mb.grads = None  # the micro-batch's graph is freed
+        self.live -= 1
+        self.live_bytes -= mb.nbytes
+
+    def send_grad(self, i: int) -> None:
+        mb = self.mb[i]
+        for k, grad in zip(self.specs_in[i].floating, mb.in_grads, strict=True):
+            self.link.send(grad, self.prev, grad_tag(i, k), f"gradient {k} of micro-batch {i}")
+        mb.in_grads = None
+
+    # -- memory accounting ----------------------------------------------------------------
+    def _counter(self, mb: _Micro):
+        """A saved-tensor pack hook that adds each new saved activation's bytes to `mb`.
+
+        A tensor saved by several ops counts once; parameters (and views of them, such as the
+        transposed weight a Linear saves) do not count. A view counts its own size, not its
+        storage's: a micro-batch sliced from the batch is not charged the whole batch.
+        """
+        seen: set[tuple[int, int]] = set()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            try:
+                key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+            except RuntimeError:  # no plain storage (sparse, nested): not counted
+                return tensor
+            if key not in seen and key[0] not in self.param_ptrs:
+                seen.add(key)
+                mb.nbytes += key[1]
+            return tensor
+
+        return pack
+
+
+def _identity(tensor):
+    return tensor
+
+
+def _concat(outputs: list):
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in first):
+        return type(first)(torch.cat([o[k] for o in outputs]) for k in range(len(first)))
+    return outputs
