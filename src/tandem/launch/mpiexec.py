@@ -1,18 +1,236 @@
 """The MPI front end of `tandem run --backend mpi`: ranks started through `mpiexec`.
 
-A seam for now: `launch(config)` is called by `tandem.launch.launcher.launch` whenever
-`config.backend == "mpi"`, and returns the job's exit code once implemented.
+    tandem run --backend mpi -np 4 train.py
+
+`mpiexec -n N` (the one next to this Python, from the `mpich` wheel, else the first on PATH)
+starts one small supervisor per rank (`mpi_rank.py`), which starts the user's program and
+connects its output and its exit to this process over local sockets. From there on the job
+is run by the local agent's own machinery (`agent.LocalAgent`): the same `[rank]` prefixes,
+the same fail-fast stop (SIGTERM to every rank's process group, SIGKILL after a grace), the
+same summary naming the first rank to fail and its last lines, the same exit code. mpiexec
+only starts processes and wires MPI (its process-manager connection is inherited by the
+program, so `td.init()` joins the MPI job and picks the MPI backend).
+
+Ranks run on this machine only (as with the local launcher); the agent's sockets listen on
+127.0.0.1 and ranks authenticate with a per-job token.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.launch.agent import LocalAgent, job_environment, rank_command
 from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.output import block_agent_signals
+
+START_TIMEOUT_S = 120.0  # for mpiexec to start every rank's program (imports included)
+MPIEXEC_EXIT_S = 10.0  # for mpiexec to exit once every rank is gone
+_HEADER_BYTES = 256
+_KINDS = ("control", "stdout", "stderr")
+
+
+def find_mpiexec() -> str:
+    """The `mpiexec` next to this Python (the `mpich` wheel's), else the first on PATH."""
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
+        "mpiexec"
+    )
+    if not found:
+        raise LaunchError(
+            "no mpiexec found next to this Python or on PATH: pip install mpi4py mpich, "
+            "or use --backend gloo"
+        )
+    return found
+
+
+def _quiet_cleanup(mpiexec: str) -> list[str]:
+    """Flags that leave stopping a failed job to us (Hydra's, MPICH and Intel MPI)."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    # Hydra would otherwise kill the supervisors when a rank exits without MPI_Finalize,
+    # racing their reports of who failed first.
+    return ["-disable-auto-cleanup"] if "HYDRA" in version.upper() else []
+
+
+@dataclass(frozen=True)
+class RemoteRank:
+    """A rank's program as the agent sees it: its pid (also its process group id)."""
+
+    pid: int
+
+
+class MPIExecAgent(LocalAgent):
+    """`LocalAgent` with the ranks started by mpiexec instead of by us."""
+
+    def __init__(self, config: LaunchConfig, stdout=None, stderr=None) -> None:
+        super().__init__(config, stdout, stderr)
+        self._mpiexec: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        try:
+            return super().run()
+        finally:
+            self._stop_mpiexec()
+
+    def _start_ranks(self, port: int) -> None:
+        # `port` is the agent's rendezvous store; MPI ranks find each other through mpiexec.
+        token = secrets.token_hex(16)
+        listener = socket.create_server(("127.0.0.1", 0), backlog=3 * self.config.np)
+        try:
+            env = job_environment(self.config, os.environ)
+            # A failed rank exits (we stop the others) rather than MPI_Abort'ing the job.
+            env.update(TANDEM_BACKEND="mpi", TANDEM_LAUNCH_TOKEN=token,
+                       TANDEM_MPI_ON_FAILURE="exit")
+            supervisor = Path(__file__).resolve().with_name("mpi_rank.py")
+            mpiexec = find_mpiexec()
+            command = [
+                mpiexec, *_quiet_cleanup(mpiexec), "-n", str(self.config.np),
+                sys.executable, "-u", str(supervisor),
+                "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--",
+                *rank_command(self.config),
+            ]
+            self._mpiexec = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            threading.Thread(target=self._relay_mpiexec, name="tandem-mpiexec-output",
+                             daemon=True).start()
+            ranks = self._accept(listener, token)
+        finally:
+            listener.close()
+        for rank in range(self.config.np):
+            streams = ranks[rank]
+            self._procs[rank] = RemoteRank(streams["pid"])
+            self.output.attach(rank, streams["stdout"].makefile("rb"),
+                               streams["stderr"].makefile("rb"))
+            threading.Thread(target=self._wait_remote,
+                             args=(rank, streams["control"], streams["lines"]),
+                             name=f"tandem-rank{rank}-wait", daemon=True).start()
+
+    def _accept(self, listener: socket.socket, token: str) -> dict[int, dict]:
+        """Every rank's three connections and pid, or a `LaunchError` saying what went wrong."""
+        np = self.config.np
+        ranks: dict[int, dict] = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        listener.settimeout(0.2)  # to notice an mpiexec that died between connections
+        while len(ranks) < np or not all("pid" in r and len(r) == 5 for r in ranks.values()):
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"mpiexec did not start all {np} ranks within {START_TIMEOUT_S:.0f} s "
+                    f"({sorted(ranks)} connected)"
+                )
+            if self._mpiexec.poll() is not None:
+                raise LaunchError(
+                    f"mpiexec exited ({self._mpiexec.returncode}) before all {np} ranks "
+                    "started; its output is above"
+                )
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            rank, kind = self._greeting(connection, token)
+            if rank is None or not 0 <= rank < np:
+                connection.close()
+                continue
+            entry = ranks.setdefault(rank, {})
+            entry[kind] = connection
+            if kind == "control":
+                # One buffered reader for the connection's whole life: the pid, later the exit.
+                entry["lines"] = connection.makefile("rb")
+                entry["pid"] = self._read_pid(connection, entry["lines"], deadline)
+        return ranks
+
+    @staticmethod
+    def _greeting(connection: socket.socket, token: str) -> tuple[int | None, str]:
+        """`<token> <rank> <kind>`: who this connection is (None for a stranger)."""
+        connection.settimeout(10.0)
+        try:
+            header = b""
+            while not header.endswith(b"\n") and len(header) < _HEADER_BYTES:
+                chunk = connection.recv(1)
+                if not chunk:
+                    break
+                header += chunk
+        except OSError:
+            return None, ""
+        connection.settimeout(None)
+        parts = header.decode(errors="replace").split()
+        if len(parts) != 3 or not secrets.compare_digest(parts[0], token):
+            return None, ""
+        if parts[2] not in _KINDS or not parts[1].isdigit():
+            return None, ""
+        return int(parts[1]), parts[2]
+
+    @staticmethod
+    def _read_pid(connection: socket.socket, lines, deadline: float) -> int:
+        connection.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            line = lines.readline(_HEADER_BYTES).decode(errors="replace").split()
+        except OSError:
+            line = []
+        connection.settimeout(None)
+        if len(line) != 2 or line[0] != "pid":
+            raise LaunchError(f"a rank's supervisor could not start the program: {line}")
+        return int(line[1])
+
+    def _wait_remote(self, rank: int, control: socket.socket, lines) -> None:
+        """Turn the supervisor's `exit <code>` into the agent's exit event."""
+        block_agent_signals()
+        returncode = -signal.SIGKILL  # its supervisor vanished without a word: we kill it
+        with control, lines:
+            for line in lines:
+                words = line.decode(errors="replace").split()
+                if len(words) == 2 and words[0] == "exit":
+                    returncode = int(words[1])
+                    break
+        self._events.put(("exit", rank, returncode))
+
+    def _relay_mpiexec(self) -> None:
+        """mpiexec's own words (launch errors, its cleanup banner) as agent messages."""
+        block_agent_signals()
+        with self._mpiexec.stdout as pipe:
+            for line in pipe:
+                text = line.decode(errors="replace").rstrip()
+                if text:
+                    self.output.message(f"mpiexec: {text}")
+
+    def _stop_mpiexec(self) -> None:
+        process = self._mpiexec
+        if process is None:
+            return
+        try:
+            process.wait(MPIEXEC_EXIT_S)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(MPIEXEC_EXIT_S)
 
 
 def launch(config: LaunchConfig) -> int:
     """Run the job under `mpiexec -n config.np` and return its exit code."""
-    raise LaunchError(
-        "--backend mpi is not yet supported by `tandem run`. For now start the job with "
-        f"`mpiexec -n {config.np} python {config.program}` (td.init() picks up MPI), "
-        "or use --backend gloo"
-    )
+    from tandem.launch.launcher import check_program
+
+    if config.remote_hosts:
+        names = ", ".join(host.name for host in config.remote_hosts)
+        raise LaunchError(
+            f"--backend mpi runs local ranks only for now (got hosts {names}); drop -H/--hostfile"
+        )
+    if config.max_restarts:
+        raise LaunchError(f"--max-restarts {config.max_restarts} is not yet supported")
+    check_program(config)
+    find_mpiexec()
+    return MPIExecAgent(config).run()

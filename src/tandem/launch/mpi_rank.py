@@ -1,0 +1,104 @@
+"""One rank's supervisor under `tandem run --backend mpi` (internal; run by path, not imported).
+
+`mpiexec` starts one of these per rank; each starts the user's program as its child and
+connects it to the `tandem run` agent over three local sockets (control, stdout, stderr):
+
+    mpiexec -n N python mpi_rank.py --connect 127.0.0.1:PORT -- python -u train.py ...
+
+The child inherits MPI's process-manager connection (`PMI_FD` and friends; `close_fds=False`
+keeps inheritable descriptors), so `td.init()` in it joins the MPI job as usual. It runs in a
+session of its own, so the agent stops it (and whatever it started) by process group, exactly
+like a locally started rank, and reads its output as it reads a local rank's pipes. On the
+control socket the supervisor says `pid <pid>` when the child started and `exit <code>` when
+it ended (a negative code: killed by that signal). It exits 0 itself either way: deciding
+what a failure means (stop the others, the summary, the job's exit code) is the agent's job,
+not mpiexec's.
+
+It is run by file path so that starting it does not import tandem (and torch); the one module
+it needs, `tandem.environments` (stdlib only), is loaded from its file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CONNECT_TIMEOUT_S = 30.0
+
+
+def _environments():
+    path = Path(__file__).resolve().parent.parent / "environments.py"
+    spec = importlib.util.spec_from_file_location("_tandem_environments", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _connect(address: tuple[str, int], header: bytes) -> socket.socket:
+    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+    sock.settimeout(None)
+    sock.sendall(header)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--connect", required=True, help="HOST:PORT of the agent")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    environments = _environments()
+    job = environments.detect(os.environ)
+    token = environments.setting("LAUNCH_TOKEN") or ""
+    host, port = args.connect.rsplit(":", 1)
+    address = (host, int(port))
+    streams = {kind: _connect(address, f"{token} {job.rank} {kind}\n".encode())
+               for kind in ("control", "stdout", "stderr")}
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_LAUNCH_TOKEN"}
+    child = subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=streams["stdout"].fileno(),
+        stderr=streams["stderr"].fileno(), close_fds=False, start_new_session=True,
+    )
+    streams["stdout"].close()  # the child holds them now: end of file when it is gone
+    streams["stderr"].close()
+    control = streams["control"]
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    # Hydra run with -disable-auto-cleanup tells the surviving processes that one failed with
+    # SIGUSR1; stopping the job is the agent's decision, so the supervisor stays to report.
+    # (A handler rather than SIG_IGN: handlers are not inherited by the program.)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    try:
+        control.sendall(f"pid {child.pid}\n".encode())
+    except OSError:
+        pass  # the agent is gone; the child still runs to its end under mpiexec
+    code = child.wait()
+    try:
+        control.sendall(f"exit {code}\n".encode())
+    except OSError:
+        pass
+    control.close()
+    return 0
+
+
+if __name__ == "__main__":
+    main()
+    # No interpreter teardown: it would restore SIGUSR1's default action, and a late SIGUSR1
+    # from Hydra would then kill us and make mpiexec print a failure banner for nothing.
+    sys.stdout.flush()
+    os._exit(0)
