@@ -39,6 +39,13 @@ def test_openmpi_and_mpich_mark_mpi():
         "mpich", 1, 2, 1, True)
 
 
+def test_mpich_under_srun_takes_the_local_rank_from_slurm():
+    job = detect({"PMI_RANK": "3", "PMI_SIZE": "4", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+                  "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"})
+    assert (job.source, job.rank, job.local_rank, job.local_size, job.under_mpi) == (
+        "mpich", 3, 1, 2, True)
+
+
 def test_slurm_uses_first_host_and_a_job_derived_port():
     job = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                   "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "4(x2)",

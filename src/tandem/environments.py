@@ -59,6 +59,14 @@ def _int(env: Env, name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _first_int(env: Env, *names: str, default: int) -> int:
+    """The first of `names` that is set, as an integer."""
+    for name in names:
+        if env.get(name):
+            return _int(env, name)
+    return default
+
+
 def _port(env: Env, name: str) -> int | None:
     return _int(env, name) if env.get(name) else None
 
@@ -120,8 +128,9 @@ def detect_mpich(env: Env) -> JobEnvironment | None:
     if "PMI_RANK" not in env:
         return None
     size = _int(env, "PMI_SIZE")
-    local_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else size
-    local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0
+    # Hydra says where a rank sits on its node; under `srun --mpi=pmi2` only SLURM does.
+    local_rank = _first_int(env, "MPI_LOCALRANKID", "SLURM_LOCALID", default=0)
+    local_size = _first_int(env, "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE", default=size)
     return JobEnvironment(
         source="mpich",
         rank=_int(env, "PMI_RANK"),
