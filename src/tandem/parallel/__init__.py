@@ -1,0 +1,1 @@
+"""Data parallelism: gradient reduction, parameter broadcast, ZeRO and LocalSGD."""

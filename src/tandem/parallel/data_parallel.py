@@ -1,0 +1,363 @@
+"""Synchronous data parallelism: `DistributedOptimizer` and `DistributedDataParallel`.
+
+    opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+Gradients are averaged across the group *during* backward (see `reducer.py`): `step()` waits
+for what is still in flight and then steps the wrapped optimizer. Both classes are thin fronts
+over the same `Reducer`. In a group of one they add nothing: no hooks, no buffers.
+
+Each `step()` records a `StepStats` (wall time of the iteration, time blocked on
+communication, time in the inner optimizer) with `time.perf_counter` only, no device
+synchronisation; `opt.last_step_stats` has the latest. The step also reports its
+communication wait to `tandem.diagnostics.steps` (what `tandem scale` reads) and, when
+`TANDEM_TIMELINE` is set, draws the optimizer step and the reductions on the timeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem import runtime
+from tandem.comm.groups import Group, group_ranks, group_size
+from tandem.diagnostics import steps, timeline
+from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
+from tandem.parallel.compression import CommHook, describe, make_comm_hook
+from tandem.parallel.reducer import Reducer
+
+_MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Timing of one step, from host clocks only (no device synchronisation)."""
+
+    step: int
+    wall_s: float  # since the previous step finished: one whole iteration (nan for the first)
+    comm_wait_s: float  # blocked waiting for gradient communication
+    optimizer_s: float  # in the wrapped optimizer's step (0 for the module wrapper)
+    bytes_reduced: int  # bytes this rank handed to the reduction (0 without communication)
+
+
+class _StepClock:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last_end: float | None = None
+        self.last: StepStats | None = None
+
+    def record(self, end: float, wait_s: float, optimizer_s: float, nbytes: int) -> None:
+        wall = end - self.last_end if self.last_end is not None else float("nan")
+        self.last = StepStats(self.steps, wall, wait_s, optimizer_s, nbytes)
+        self.steps += 1
+        self.last_end = end
+
+
+def _check_common(op: str, bucket_mb: float, first_bucket_mb: float, group: Group | None, who: str) -> None:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"{who}: op must be 'mean' or 'sum' for gradients, got {op!r}")
+    if not bucket_mb > 0 or not first_bucket_mb > 0:
+        raise ValueError(
+            f"{who}: bucket_mb and first_bucket_mb must be positive, got {bucket_mb} and {first_bucket_mb}")
+    if group is not None and group.rank < 0:
+        raise ValueError(
+            f"{who}: rank {runtime.rank()} is not a member of {group!r}; build it on members only")
+
+
+def _ordered_named_params(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's trainable parameters in registration order, with names."""
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if named_parameters is None:
+        return [(f"param{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
+        raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+    names = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise ValueError(
+            f"named_parameters does not name {len(missing)} of the optimizer's parameters "
+            f"(positions {missing[:5]}); pass the named_parameters() of the model whose "
+            f"parameters the optimizer holds, or omit it"
+        )
+    order = {id(p): k for k, (_, p) in enumerate(named)}
+    return sorted(((names[id(p)], p) for p in params), key=lambda item: order[id(item[1])])
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap an optimizer so that `step()` uses gradients averaged across the group.
+
+    A composition, not a generated subclass: it holds `optimizer` and forwards `param_groups`,
+    `state`, `state_dict()` and `load_state_dict()` to it. It derives from
+    `torch.optim.Optimizer` only so that LR schedulers accept it; the base class's constructor
+    is not run.
+
+    - `op`: "mean" (default) or "sum".
+    - `compression`: None, "fp16", "bf16", "powersgd", or a hook (see `compression.py`).
+    - `bucket_mb` / `first_bucket_mb`: bucket caps (25 MB, and 1 MB for the first bucket).
+    - `accumulate=k`: reduce once every k backward passes (call `step()` after the k-th);
+      `no_sync()` does the same for the passes inside it. A `step()` after fewer passes reduces
+      what has been accumulated (the last, short window of an epoch) with a warning.
+    - `group`: the data-parallel group (default: the world).
+
+    `zero_grad()` while reductions are in flight is an error (see its docstring);
+    `synchronize()` waits for them without stepping (e.g. to clip gradients before `step()`).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        op: str = "mean",
+        compression: str | CommHook | None = None,
+        bucket_mb: float = 25,
+        accumulate: int = 1,
+        group: Group | None = None,
+        first_bucket_mb: float = DEFAULT_FIRST_CAP_BYTES / _MB,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"accumulate must be an integer >= 1 (backward passes per step), got {accumulate!r}")
+        _check_common(op, bucket_mb, first_bucket_mb, group, "DistributedOptimizer")
+        self.optimizer = optimizer
+        self.accumulate = accumulate
+        self.group = group
+        self._clock = _StepClock()
+        timeline.configure()
+        self._synchronized = False
+        self._pending_wait = 0.0
+        self._warned_short = False
+        named = _ordered_named_params(optimizer, named_parameters)
+        self._reducer: Reducer | None = None
+        if group_size(group) > 1:
+            hook = make_comm_hook(compression)
+            self._reducer = Reducer(
+                named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
+                first_cap_bytes=int(first_bucket_mb * _MB), accumulate=accumulate, group=group,
+                owner="DistributedOptimizer",
+                options=f"op={op} accumulate={accumulate} compression={describe(hook)}",
+            )
+
+    # -- what torch code expects of an optimizer ------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "DistributedOptimizer fixes its gradient buckets when it is built: add every param group "
+            "to the inner optimizer first, then wrap it"
+        )
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """Timing of the latest step (see `StepStats`)."""
+        return self._clock.last
+
+    # -- the data-parallel part -----------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every gradient is averaged, without stepping; the next step() will not
+        reduce again."""
+        if self._reducer is not None and not self._already_reduced(self._reducer):
+            self._pending_wait = self._reducer.finish_round()
+            self._synchronized = True
+
+    def _already_reduced(self, reducer: Reducer) -> bool:
+        """synchronize() reduced the gradients and no backward has run since."""
+        return self._synchronized and reducer.max_passes == 0 and not reducer.has_pending()
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Finish averaging the gradients, then step the wrapped optimizer."""
+        if closure is not None:
+            raise ValueError(
+                "DistributedOptimizer.step() takes no closure: gradients are averaged once per "
+                "step, and a closure would run backward again after that"
+            )
+        wait_s = 0.0
+        reducer = self._reducer
+        if reducer is not None:
+            if self._already_reduced(reducer):
+                wait_s = self._pending_wait
+            else:
+                self._warn_short_window(reducer)
+                wait_s = reducer.finish_round()
+        self._synchronized = False
+        start = time.perf_counter_ns()
+        result = self.optimizer.step()
+        end = time.perf_counter_ns()
+        if timeline.ENABLED:
+            timeline.complete("optimizer step", start, end)
+        self._clock.record(end * 1e-9, wait_s, (end - start) * 1e-9,
+                           reducer.bytes_per_round if reducer else 0)
+        steps.step_done(wait_s)  # feeds `tandem scale`; may end the run there (SystemExit)
+        return result
+
+    def _warn_short_window(self, reducer: Reducer) -> None:
+        if self.accumulate > 1 and reducer.max_passes < self.accumulate and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"DistributedOptimizer(accumulate={self.accumulate}): step() after "
+                f"{reducer.max_passes} backward pass(es); the gradients accumulated so far are "
+                f"averaged now. Call step() once every {self.accumulate} passes (this warning is "
+                f"shown once).",
+                stacklevel=3,
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, like the wrapped optimizer's zero_grad().
+
+        An error while reductions launched by backward() are still in flight: they read and
+        write the gradient buffers in the background, so clearing them now would race with
+        the communication and leave the ranks with different gradients. Call step() (or
+        synchronize()) first.
+        """
+        reducer = self._reducer
+        if reducer is not None:
+            if reducer.has_pending():
+                raise RuntimeError(
+                    "DistributedOptimizer.zero_grad() was called after backward() but before step(): "
+                    "backward() has started averaging gradients across ranks in the background, and "
+                    "clearing them now would race with that communication. Call step() (or "
+                    "synchronize() to discard the step) before zero_grad(); to accumulate several "
+                    "backward passes, use accumulate=k or no_sync()."
+                )
+            reducer.reset_window()
+        self._synchronized = False
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate locally; the next one outside reduces them all."""
+        if self._reducer is None:
+            yield
+            return
+        self._reducer.set_sync(False)
+        try:
+            yield
+        finally:
+            self._reducer.set_sync(True)
+
+
+class DistributedDataParallel(nn.Module):
+    """A module wrapper over the same reducer: gradients are averaged when backward() returns.
+
+    Like torch's DDP: the root's parameters and buffers are copied to every rank at
+    construction, buffers (e.g. BatchNorm statistics) again before each forward when
+    `broadcast_buffers`, and `no_sync()` skips the reduction for the passes inside it. Use any
+    optimizer on `module.parameters()`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        op: str = "mean",
+        compression: str | CommHook | None = None,
+        bucket_mb: float = 25,
+        first_bucket_mb: float = DEFAULT_FIRST_CAP_BYTES / _MB,
+        group: Group | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        _check_common(op, bucket_mb, first_bucket_mb, group, "DistributedDataParallel")
+        self.module = module
+        self.group = group
+        self._root = group_ranks(group)[0]
+        self._clock = _StepClock()
+        self._reducer: Reducer | None = None
+        self._buffers_to_sync: list[torch.Tensor] = []
+        if group_size(group) > 1:
+            from tandem.parallel.broadcast import broadcast_parameters
+
+            broadcast_parameters(module, root=self._root, group=group)
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            hook = make_comm_hook(compression)
+            self._reducer = Reducer(
+                named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
+                first_cap_bytes=int(first_bucket_mb * _MB), group=group,
+                finalize_on_backward_end=True, on_round_end=self._round_done,
+                owner="DistributedDataParallel", options=f"op={op} compression={describe(hook)}",
+            )
+            if broadcast_buffers:
+                self._buffers_to_sync = list(module.buffers())
+
+    def _round_done(self, wait_s: float) -> None:
+        reducer = self._reducer
+        self._clock.record(time.perf_counter(), wait_s, 0.0, reducer.bytes_per_round if reducer else 0)
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        return self._clock.last
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        reducer = self._reducer
+        if reducer is not None and reducer.has_pending():
+            raise RuntimeError("DistributedDataParallel: forward() while gradients are still being averaged")
+        # Joined ranks (td.join) cannot answer a buffer broadcast, so buffers wait until after it.
+        if self._buffers_to_sync and reducer is not None and not reducer._join_mode:
+            self._sync_buffers()
+        return self.module(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        from tandem.parallel.broadcast import coalesced
+
+        backend, timeout = runtime.get_backend(), runtime.state().timeout
+
+        def send(flat: torch.Tensor) -> None:
+            backend.broadcast(flat, self._root, self.group).wait(timeout)
+
+        with torch.no_grad():
+            coalesced(self._buffers_to_sync, send, copy_back=runtime.rank() != self._root)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate locally; the next one outside reduces them all."""
+        if self._reducer is None:
+            yield
+            return
+        self._reducer.set_sync(False)
+        try:
+            yield
+        finally:
+            self._reducer.set_sync(True)

@@ -1,0 +1,407 @@
+"""The gradient reducer behind `DistributedOptimizer` and `DistributedDataParallel`.
+
+How a step flows:
+
+1. At construction the parameters are bucketed (`buckets.assign_buckets`, in reverse
+   registration order: the order backward produces gradients), one flat buffer is allocated
+   per bucket, and the ranks check ONCE that their layouts agree. Nothing is checked per step.
+2. During backward, a post-accumulate-grad hook on each parameter moves its gradient into its
+   slot of the bucket buffer, scaled by 1/size for op="mean" (one fused multiply, the pass
+   DDP makes too), and makes `param.grad` a view of that slot (DDP's gradient_as_bucket_view):
+   the reduced gradient is then where the optimizer reads it, with no copy back (DDP's default
+   copies it back). With `zero_grad()`'s default set_to_none, autograd hands over a fresh
+   gradient each step (as in one process) and the hook moves it in; passes that accumulate
+   (`accumulate=k`, `no_sync()`, set_to_none=False) add straight into the bucket.
+3. When a bucket's gradients are all in, it is handed to the communication hook
+   (`comm_hook(bucket) -> Work`; by default one in-place all-reduce). Buckets are launched
+   strictly in index order, because Gloo and MPI match collectives by their order: bucket i
+   waits for buckets < i even when it is ready first.
+4. `finish_round()` (called by `step()`, or at the end of backward for the module wrapper)
+   launches, in order, the buckets backward did not complete (a parameter that got no gradient
+   contributes zeros), then waits for every bucket in order.
+
+Every bucket buffer ends with one "used" flag per parameter (1 when this rank produced a
+gradient for it). A parameter whose gradient was None on every rank stays None, as it would in
+one process, so optimizers skip it; the flags cost a few bytes per bucket and are only read
+when this rank itself lacked a gradient in that bucket. Bucket 0 also carries a "contributed"
+flag, which lets ranks that ran out of data answer the others (`td.join`, see join.py).
+
+Timeline (`TANDEM_TIMELINE`): each bucket's reduction is a span on its `bucket <i>` row, from
+launch until the reducer saw it complete, and each wait a span on the compute row. When the
+timeline is off the reducer tests one module-level boolean per bucket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tandem import runtime
+from tandem.comm.backend import Work
+from tandem.comm.groups import Group, group_rank, group_ranks, group_size
+from tandem.diagnostics import timeline
+from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, layout_code
+from tandem.parallel.compression import CommHook, GradBucket, allreduce_hook
+
+
+class GradientLayoutError(ValueError):
+    """Ranks built different models (or reducer options), so gradients cannot be averaged."""
+
+
+def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
+    backend = runtime.get_backend()
+    return tensor if backend.supports_device(tensor.device) else tensor.to(runtime.device())
+
+
+_live: weakref.WeakSet[Reducer] = weakref.WeakSet()  # for td.join() without arguments
+
+
+def live_reducers() -> list[Reducer]:
+    """The reducers of this process that still have their hooks, oldest first."""
+    return sorted((r for r in _live if not r._closed), key=lambda r: r._serial)
+
+
+class Reducer:
+    """Buckets, hooks and the launch/wait protocol for one set of parameters."""
+
+    _serials = 0
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        *,
+        op: str = "mean",
+        comm_hook: CommHook = allreduce_hook,
+        cap_bytes: int,
+        first_cap_bytes: int,
+        accumulate: int = 1,
+        group: Group | None = None,
+        finalize_on_backward_end: bool = False,
+        on_round_end: Callable[[float], None] | None = None,
+        owner: str = "DistributedOptimizer",
+        options: str = "",
+    ) -> None:
+        if not named_params:
+            raise ValueError(f"{owner}: no parameter requires a gradient; nothing to reduce")
+        state = runtime.state()
+        self._backend = state.backend
+        self._timeout = state.timeout
+        self._group = group
+        self._size = group_size(group)
+        self._owner = owner
+        self._op = op
+        self._hook = comm_hook
+        self._accumulate = accumulate
+        self._finalize_on_backward_end = finalize_on_backward_end
+        self._on_round_end = on_round_end
+        self._mean_scale = 1.0 / self._size if op == "mean" else 1.0
+        self._scale = self._mean_scale
+
+        # Expected gradient-ready order: reverse registration order.
+        ordered = list(reversed(named_params))
+        self._names = [name for name, _ in ordered]
+        self._params = [p for _, p in ordered]
+        infos = [ParamInfo.of(name, p) for name, p in ordered]
+        # Small first AND last buckets: communication starts early and little is left to do
+        # once backward ends (see buckets.py).
+        layout = assign_buckets(infos, cap_bytes, first_cap_bytes, last_cap_bytes=first_cap_bytes)
+        self._agree(describe_layout(infos, layout) + [f"options {options}"])
+
+        self.buckets: list[GradBucket] = []
+        self._members: list[tuple[int, ...]] = []
+        self._bucket_of = [0] * len(self._params)
+        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
+        for spec in layout:
+            # The tail: one used flag per parameter, and on bucket 0 a "this rank contributed"
+            # flag (see join.py). Summed with the gradients, they cost no extra message.
+            tail = len(spec.params) + (1 if spec.index == 0 else 0)
+            buffer = torch.zeros(spec.numel + tail, dtype=spec.dtype, device=spec.device)
+            views = []
+            for i, offset, n in zip(spec.params, spec.offsets, spec.numels, strict=True):
+                view = buffer[offset : offset + n].view(self._params[i].shape)
+                self._views[i] = view
+                self._bucket_of[i] = spec.index
+                views.append(view)
+            names = [self._names[i] for i in spec.params]
+            self.buckets.append(GradBucket(spec.index, buffer, spec.numel, views, names, group, self._size))
+            self._members.append(spec.params)
+        self.bytes_per_round = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        # After bucket 0 is reduced: how many ranks contributed this round.
+        self._contributors = self.buckets[0].tail[-1]
+
+        self._sync_enabled = True
+        self._join_mode = False
+        self._launched_ns = [0] * len(self.buckets)
+        timeline.configure()
+        self.rounds = 0
+        self._reset_round()
+        self._closed = False
+        self._handles = []
+        for i, p in enumerate(self._params):
+            other = getattr(p, "_tandem_reducer", lambda: None)()
+            if other is not None and not other._closed:
+                raise ValueError(
+                    f"{owner}: parameter {self._names[i]!r} is already reduced by another "
+                    f"{other._owner}; wrap each parameter in one of them only"
+                )
+        me = weakref.ref(self)
+        for i, p in enumerate(self._params):
+            p._tandem_reducer = me
+            self._handles.append(p.register_post_accumulate_grad_hook(_make_hook(me, i)))
+        weakref.finalize(self, _remove_hooks, list(self._handles))
+        Reducer._serials += 1
+        self._serial = Reducer._serials
+        _live.add(self)
+
+    # -- agreement, once --------------------------------------------------------------------
+    def _agree(self, lines: list[str]) -> None:
+        code = layout_code(lines)
+        bounds = _on_backend_device(torch.tensor([code, -code], dtype=torch.int64))
+        try:
+            self._backend.allreduce(bounds, "max", self._group).wait(self._timeout)
+        except TimeoutError as error:
+            raise TimeoutError(
+                f"{self._owner}: rank {runtime.rank()} waited {self._timeout:.0f} s for the ranks "
+                f"{list(group_ranks(self._group))} to build it; one of them did not (it failed "
+                f"earlier, or builds it at a different point of the script)"
+            ) from error
+        high, low = bounds.tolist()
+        if high == -low:
+            return
+        from tandem.comm.collectives import allgather_object
+
+        everyone = allgather_object(lines, group=self._group)
+        ranks = group_ranks(self._group)
+        first = everyone[0]
+        report = [f"{self._owner}: the ranks' parameters differ, so their gradients cannot be averaged:"]
+        for rank, theirs in zip(ranks[1:], everyone[1:], strict=True):
+            if theirs == first:
+                continue
+            n_mine = sum(line.startswith("param ") for line in first)
+            n_theirs = sum(line.startswith("param ") for line in theirs)
+            if n_mine != n_theirs:
+                report.append(f"  rank {ranks[0]} has {n_mine} parameters, rank {rank} has {n_theirs}")
+            differing = [(a, b) for a, b in zip(first, theirs, strict=False) if a != b]
+            for mine, other in differing[:4]:
+                report.append(f"  rank {ranks[0]}: {mine}\n  rank {rank}: {other}")
+        report.append("Build the same model, optimizer and options on every rank of the group.")
+        raise GradientLayoutError("\n".join(report))
+
+    # -- per-step state ----------------------------------------------------------------------
+    def _reset_round(self) -> None:
+        if not hasattr(self, "_counts"):
+            self._counts = [0] * len(self._params)
+            self._sizes = [len(m) for m in self._members]
+            self._pending = list(self._sizes)
+            self._ready = [False] * len(self.buckets)
+            self._works: list[Work | None] = [None] * len(self.buckets)
+            self._unused: list[list[int]] = [[] for _ in self.buckets]
+        # In place: the per-step bookkeeping allocates nothing.
+        self._counts[:] = itertools.repeat(0, len(self._counts))
+        self._pending[:] = self._sizes
+        self._ready[:] = itertools.repeat(False, len(self._ready))
+        self._works[:] = itertools.repeat(None, len(self._works))
+        for unused in self._unused:
+            unused.clear()
+        self._next = 0
+        self.max_passes = 0
+        self._callback_queued = False
+
+    def has_pending(self) -> bool:
+        """Whether reductions were launched and not yet waited for."""
+        return self._next > 0
+
+    def reset_window(self) -> None:
+        """Forget gradients counted since the last round (zero_grad wiped them)."""
+        if self._next == 0:
+            self._reset_round()
+
+    def set_sync(self, enabled: bool) -> None:
+        self._sync_enabled = enabled
+
+    # -- backward ----------------------------------------------------------------------------
+    def _on_grad(self, i: int) -> None:
+        if not self._sync_enabled:
+            if self._next > 0:  # autograd just accumulated into a buffer being reduced
+                raise RuntimeError(
+                    f"{self._owner}: backward() inside no_sync() while the previous backward's "
+                    f"reductions are still in flight; call step() before starting a new window"
+                )
+            return  # no_sync(): autograd accumulates locally in param.grad
+        if self._finalize_on_backward_end and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        b = self._bucket_of[i]
+        count = self._counts[i] + 1
+        if b < self._next or count > self._accumulate:
+            raise RuntimeError(
+                f"{self._owner}: parameter {self._names[i]!r} received a gradient after its bucket "
+                f"was reduced ({count} backward passes since the last step, accumulate="
+                f"{self._accumulate}). Call step() after every {self._accumulate} backward "
+                f"pass(es), or accumulate the extra passes inside no_sync()."
+            )
+        self._counts[i] = count
+        if count > self.max_passes:
+            self.max_passes = count
+        if count < self._accumulate:
+            return
+        self._move_in(i)
+        left = self._pending[b] - 1
+        self._pending[b] = left
+        if left == 0:
+            self._ready[b] = True
+            while self._next < len(self.buckets) and self._ready[self._next]:
+                self._launch(self._next)
+
+    def _move_in(self, i: int) -> None:
+        """Make param i's gradient (times the scale) live in its bucket slot."""
+        param, view, scale = self._params[i], self._views[i], self._scale
+        grad = param.grad
+        if grad is view:
+            if scale != 1.0:
+                view.mul_(scale)
+            return
+        if scale != 1.0:
+            torch.mul(grad, scale, out=view)
+        else:
+            view.copy_(grad)
+        param.grad = view
+
+    def _fill_missing(self, b: int) -> None:
+        """Before a forced launch: parameters that did not finish their passes join as they are."""
+        for position, i in enumerate(self._members[b]):
+            if self._counts[i] >= self._accumulate:
+                continue
+            if self._params[i].grad is None:
+                self._views[i].zero_()  # this rank contributes nothing for it
+                self._unused[b].append(position)
+            else:
+                self._move_in(i)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        bucket.tail.fill_(1.0)
+        for position in self._unused[b]:
+            bucket.tail[position] = 0.0
+        if timeline.ENABLED:
+            self._launched_ns[b] = timeline.now()
+        self._works[b] = self._hook(bucket)
+        self._next = b + 1
+
+    def _backward_done(self) -> None:
+        if self._sync_enabled:
+            self.finish_round()
+
+    # -- completion --------------------------------------------------------------------------
+    def finish_round(self) -> float:
+        """Launch what backward did not, wait for every bucket in order; return seconds waited."""
+        for b in range(self._next, len(self.buckets)):
+            if not self._ready[b]:
+                self._fill_missing(b)
+            self._launch(b)
+        waited = 0.0
+        for b, bucket in enumerate(self.buckets):
+            waited += self._wait(self._works[b], b)
+            if self._unused[b]:
+                self._restore_unused(b)
+            if self._join_mode and self._op == "mean":
+                bucket.grads.div_(self._contributors)  # mean over the ranks that contributed
+        self.rounds += 1
+        self._reset_round()
+        if self._on_round_end is not None:
+            self._on_round_end(waited)
+        return waited
+
+    def _wait(self, work: Work, b: int) -> float:
+        start = time.perf_counter_ns()
+        try:
+            work.wait(self._timeout)
+        except TimeoutError as error:
+            names = self.buckets[b].names
+            what = (f"gradient bucket {b} of {len(self.buckets)} ({', '.join(names[:4])}"
+                    f"{', ...' if len(names) > 4 else ''})")
+            raise TimeoutError(
+                f"{self._owner}: rank {runtime.rank()} waited {self._timeout:.0f} s for {what} to be "
+                f"reduced over the ranks {list(group_ranks(self._group))}. Another rank failed or "
+                f"stopped stepping; if ranks have different numbers of batches, run the loop "
+                f"inside `with td.join(opt):`."
+            ) from error
+        end = time.perf_counter_ns()  # the timeline's clock too
+        if timeline.ENABLED:
+            timeline.complete("wait", start, end, timeline.COMPUTE, {"bucket": b})
+            timeline.complete("allreduce", self._launched_ns[b] or start, end, timeline.BUCKET0 + b,
+                              {"bytes": self.buckets[b].buffer.nbytes})
+        return (end - start) * 1e-9
+
+    def _restore_unused(self, b: int) -> None:
+        """Parameters with no gradient here: None again if no rank had one, else the average."""
+        flags = self.buckets[b].tail.tolist()
+        for position in self._unused[b]:
+            i = self._members[b][position]
+            if flags[position] != 0:
+                self._params[i].grad = self._views[i]
+
+    # -- join support ------------------------------------------------------------------------
+    def enter_join(self) -> None:
+        """Active ranks now report, with every round, that they contributed (see join.py)."""
+        if self.has_pending():
+            raise RuntimeError(f"{self._owner}: td.join() entered with reductions pending; call step() first")
+        self._join_mode = True
+        self._scale = 1.0  # the divisor (the number of contributing ranks) is known only later
+
+    def exit_join(self) -> None:
+        self._join_mode = False
+        self._scale = self._mean_scale
+
+    def shadow_round(self) -> bool:
+        """On a rank out of data: answer one round of the others' reductions with zeros.
+
+        Every bucket is launched (zeros, "contributed" flag 0) and waited for in order, exactly
+        as an active rank does, so any hook sees the same sequence of collectives. Returns
+        False, on every rank at once, when no rank contributed: all have joined.
+        """
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.contributing = False
+            try:
+                self._works[bucket.index] = self._hook(bucket)
+            finally:
+                bucket.contributing = True
+        for b in range(len(self.buckets)):
+            self._wait(self._works[b], b)
+        self._works[:] = itertools.repeat(None, len(self._works))
+        return self._contributors.item() != 0
+
+    @property
+    def group(self) -> Group | None:
+        return self._group
+
+    def group_rank(self) -> int:
+        return group_rank(self._group)
+
+    def close(self) -> None:
+        """Remove the hooks; the parameters are plain again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._closed = True
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _make_hook(reducer_ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+    # A weak reference: dropping the optimizer must not keep its reducer (and its buffers)
+    # alive through the model's hooks; a dead reducer's hook does nothing.
+    def hook(_param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None and not reducer._closed:
+            reducer._on_grad(i)
+
+    return hook
