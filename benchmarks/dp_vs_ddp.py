@@ -19,9 +19,9 @@ that load drifting between repetitions cancels out). The table is printed and th
 to JSON (`results/dp_vs_ddp.json` by default).
 
 DDP runs with its defaults (25 MB buckets, gradients copied into buckets, buffers broadcast
-each forward); `--ddp-views` adds a DDP with `gradient_as_bucket_view=True`. Under a launcher
-whose backend is not torch.distributed (MPI), DDP needs a torch process group that does not
-exist, so only tandem and the single-process baseline are measured.
+each forward); `--ddp-views` adds a DDP with `gradient_as_bucket_view=True`. When tandem runs
+on MPI (`tandem run -np 2 --backend mpi benchmarks/dp_vs_ddp.py`), DDP gets a Gloo process
+group of its own in the same processes: tandem-on-MPI against DDP-on-Gloo.
 """
 
 from __future__ import annotations
@@ -122,8 +122,25 @@ def timed_step(step, alone: bool) -> tuple[float, float]:
     return seconds, cpu_seconds
 
 
+def gloo_group_for_ddp() -> None:
+    """When tandem runs on MPI, give DDP the torch Gloo process group it needs, beside it.
+
+    That is the comparison users face: tandem over MPI against DDP over Gloo, same processes.
+    """
+    if dist.is_initialized():
+        return
+    from tandem import rendezvous
+
+    store = rendezvous.host_store("127.0.0.1", 0) if td.rank() == 0 else None
+    port = td.broadcast_object(store.port if store else None)
+    if store is None:
+        store = rendezvous.connect_store("127.0.0.1", port)
+    dist.init_process_group("gloo", store=store, rank=td.rank(), world_size=td.size())
+
+
 def worker(config: dict) -> dict | None:
     torch.set_num_threads(config["threads"])
+    gloo_group_for_ddp()
     out: dict = {}
     for name in config["models"]:
         methods = steppers(name, config)
@@ -204,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet9,mlp", help="comma-separated: resnet9, mlp")
     parser.add_argument("-np", "--nprocs", type=int, default=2, help="ranks to spawn (without a launcher)")
-    parser.add_argument("--backend", default="gloo", help="gloo (default) or mpi")
+    parser.add_argument("--backend", default=None,
+                        help="tandem's backend: gloo or mpi (default: the launcher's, else gloo); "
+                             "DDP always runs on Gloo")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (blocks per method)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per method first")
@@ -223,17 +242,22 @@ def main(argv: list[str] | None = None) -> int:
               "first_bucket_mb": args.first_bucket_mb, "ddp_views": args.ddp_views}
     load_before = os.getloadavg()
     if environments.detect().size > 1:  # started by a launcher: this process is one rank
-        td.init(backend=args.backend)
+        backend = td.init(backend=args.backend).backend
         raw, world = worker(config), td.size()
         if td.rank() != 0:
             return 0
     else:
+        backend = args.backend or "gloo"
+        if args.backend == "mpi":
+            parser.error("the MPI backend needs its ranks started by MPI: "
+                         "tandem run -np 2 --backend mpi benchmarks/dp_vs_ddp.py")
         raw, world = td.spawn(worker, args.nprocs, args=(config,), backend=args.backend)[0], args.nprocs
     summary = summarize(raw, world)
     print_table(summary, world)
     load_after = os.getloadavg()
     print(f"load average before/after: {load_before[0]:.1f} / {load_after[0]:.1f} on {os.cpu_count()} cores")
-    result = {"benchmark": "dp_vs_ddp", "world_size": world, "backend": args.backend, "config": config,
+    result = {"benchmark": "dp_vs_ddp", "world_size": world,
+              "backend": backend, "ddp_backend": "gloo", "config": config,
               "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
               "load_average_before": load_before, "load_average_after": load_after, "models": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
