@@ -54,3 +54,45 @@ def check_horovod_collectives():
 def test_horovod_collectives():
     run_distributed(check_horovod_collectives, world_size=2)
     run_distributed(check_horovod_collectives, world_size=3)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 4, generator=generator), torch.randn(rows, 1, generator=generator)
+
+
+def check_horovod_training_script():
+    """A typical horovod.torch script, unchanged but for the import, equals one process."""
+    hvd.init()
+    model = _model(seed=hvd.rank())  # different starts: broadcast fixes them
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2, op=hvd.Sum)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    reference = _model(seed=0)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
+    n, me = hvd.size(), hvd.rank()
+    for step in range(5):
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        for half in range(2):  # backward_passes_per_step=2: reduce once per two passes
+            x, y = _batch(10 * step + half, rows=4 * n)
+            shard = slice(4 * me, 4 * me + 4)
+            # op=Sum of per-rank means: scale each rank's loss by 1/n to get the global mean.
+            (torch.nn.functional.mse_loss(model(x[shard]), y[shard]) / n).backward()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+        ref_optimizer.step()
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-6), name
+    assert hvd.SyncBatchNorm is not None and hvd.join() in range(n)
+
+
+def test_horovod_training_script_matches_one_process():
+    run_distributed(check_horovod_training_script, world_size=2)

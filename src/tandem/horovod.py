@@ -213,12 +213,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
 
 def join(device: int = -1) -> int:
-    """Wait for every rank to run out of data; returns the last rank to join (Horovod's)."""
+    """After the loop: keep answering the others' reductions until every rank has run out of
+    data; returns the last rank to join (Horovod's semantics: ranks out of data count as zero
+    gradients)."""
     return td.join()
 
 
-def __getattr__(name: str):
-    # SyncBatchNorm resolves lazily so this module imports before the data-parallel one is used.
-    if name == "SyncBatchNorm":
-        return td.SyncBatchNorm
-    raise AttributeError(f"module 'tandem.horovod' has no attribute {name!r}")
+# Horovod's module, tandem's implementation: the same layer under Horovod's name.
+SyncBatchNorm = td.SyncBatchNorm
