@@ -202,8 +202,8 @@ def test_a_job_needs_at_least_one_process(np, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["-H", "node1:2,localhost:2"], "remote hosts (node1) is not yet supported"),
-        (["-np", "2", "--max-restarts", "3"], "--max-restarts 3 is not yet supported"),
+        (["-H", "no-such-host.invalid:2,localhost:2"], "cannot resolve the host 'no-such-host.invalid'"),
+        (["-np", "2", "--max-restarts", "-1"], "--max-restarts -1: give 0 or more"),
         (["-np", "9", "-H", "localhost:4"], "-np 9 needs 9 slots"),
         (["-np", "2", "--backend", "tcp"], "unknown backend 'tcp'"),
         (["--threads-per-rank", "0", "-np", "2"], "--threads-per-rank 0"),

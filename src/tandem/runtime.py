@@ -119,6 +119,11 @@ def init(
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
     device = _device_for(job)
     engine = _create_backend(name, job, timeout, device)
+    debug = _flag(debug, "DEBUG", False)
+    from tandem.diagnostics.watchdog import watch
+
+    # Every operation, on every engine, is watched: no wait outlives the timeout unexplained.
+    engine = watch(engine, job, timeout, debug)
     world = World(job.rank, job.size, job.local_rank, job.local_size, device, name)
     # Leave the job cleanly even when the script never calls shutdown() (engines that are
     # torn down by interpreter exit instead can abort with a C++ error).
@@ -129,7 +134,7 @@ def init(
         backend=engine,
         job=job,
         checks=_flag(None if checks is True else checks, "CHECKS", True),
-        debug=_flag(debug, "DEBUG", False),
+        debug=debug,
         timeout=float(timeout),
     )
     return world

@@ -327,6 +327,7 @@ def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
 def barrier(group: Group | None = None) -> None:
     """Return once every rank of the group has called it."""
     _check_member(group)
+    checks.fingerprint("barrier", group)  # debug mode: is every rank in this barrier?
     runtime.get_backend().barrier(group).wait(runtime.state().timeout)
 
 
@@ -350,6 +351,7 @@ def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
     """Every rank's picklable object, as a list in rank order."""
     _check_member(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    checks.fingerprint("allgather_object", group, payload)  # debug mode only
     lengths = _exchange_lengths(payload.numel(), group)
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)

@@ -10,7 +10,7 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from tandem import rendezvous
+from tandem import environments, rendezvous
 from tandem.comm.backend import Backend, CompletedWork, Work
 from tandem.environments import JobEnvironment
 
@@ -101,7 +101,12 @@ class TorchBackend(Backend):
                 "torch.distributed is already initialised by someone else; tandem needs to own "
                 "the default process group (call dist.destroy_process_group() first)"
             )
-        store = dist.PrefixStore(f"tandem/{next(_generation)}", _make_store(job, timeout))
+        # A restarted job (`tandem run --max-restarts`) may meet on the same store again: each
+        # attempt (TANDEM_RESTART) gets keys of its own.
+        attempt = environments.setting("RESTART") or "0"
+        store = dist.PrefixStore(
+            f"tandem/{attempt}/{next(_generation)}", _make_store(job, timeout)
+        )
         dist.init_process_group(
             name,
             store=store,

@@ -66,7 +66,7 @@ def rank_environment(
     config: LaunchConfig, rank: int, port: int, base: Mapping[str, str]
 ) -> dict[str, str]:
     """The environment of one local rank: ours, plus tandem's variables and thread limits."""
-    env = dict(base)
+    env = job_environment(config, base)
     env.update(
         tandem_variables(
             rank=rank, size=config.np, local_rank=rank, local_size=config.np,
@@ -74,6 +74,12 @@ def rank_environment(
             backend=config.backend,
         )
     )
+    return env
+
+
+def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """What every rank gets whoever starts it (us, or mpiexec): timeout, threads, unbuffered."""
+    env = dict(base)
     if config.timeout is not None:
         env["TANDEM_TIMEOUT"] = str(config.timeout)
     # N ranks each running one thread per core would oversubscribe the machine N times.

@@ -34,6 +34,28 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """`10.0.0.1:29500` (or `[::1]:29500`) -> (host, port); a ValueError says what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not ADDR:PORT (e.g. 10.0.0.1:29500)")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"{text!r}: the port {port!r} is not an integer") from None
+    if not 0 < number < 65536:
+        raise ValueError(f"{text!r}: the port must be between 1 and 65535")
+    return host, number
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _backend(text: str) -> str:
     name = text.strip().lower()
     if name not in BACKENDS:
@@ -67,11 +89,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", ("--timeout",), _seconds, "S",
            "seconds any rendezvous or collective may wait before failing (default 300)"),
     Option("hosts", ("-H", "--hosts"), str, "HOST:SLOTS,...",
-           "hosts and their slots, horovodrun style (only local hosts for now)"),
+           "hosts and their slots, horovodrun style; remote hosts get an agent over ssh"),
     Option("hostfile", ("--hostfile",), str, "FILE",
-           "file with one `host slots=N` per line (only local hosts for now)"),
+           "file with one `host slots=N` per line"),
     Option("max_restarts", ("--max-restarts",), _integer, "K",
-           "restart a failed job up to K times (not yet supported)"),
+           "when a rank fails, stop every rank and restart the whole job, up to K times"),
+    Option("nnodes", ("--nnodes",), _integer, "N",
+           "machines in the job, each running its own `tandem run` (an agent); default 1"),
+    Option("node_rank", ("--node-rank",), _integer, "R",
+           "this machine's place in 0..N-1; node R runs ranks R*np .. R*np+np-1"),
+    Option("master", ("--master",), _address, "ADDR:PORT",
+           "where node 0 hosts the rendezvous store (every node gives the same)"),
+    Option("secret", ("--secret",), str, "S",
+           "shared secret that authenticates the agents of a multi-node job; - reads stdin"),
 )
 
 
@@ -88,6 +118,10 @@ class LaunchConfig:
     timeout: float | None = None  # None: the runtime's default
     hosts: tuple[Host, ...] = ()  # empty: this machine only
     max_restarts: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    master: tuple[str, int] | None = None  # node 0's rendezvous store, for multi-node jobs
+    secret: str | None = None
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -108,6 +142,23 @@ class LaunchConfig:
             raise LaunchError(f"--timeout {self.timeout}: give a positive number of seconds")
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        if self.nnodes < 1:
+            raise LaunchError(f"--nnodes {self.nnodes}: a job needs at least one node")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(
+                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
+                f"give 0..{self.nnodes - 1} (node 0 hosts the rendezvous)"
+            )
+        if self.nnodes > 1 and self.master is None:
+            raise LaunchError(
+                f"--nnodes {self.nnodes} needs --master ADDR:PORT: the address and port where "
+                "node 0 hosts the rendezvous, the same on every node"
+            )
+        if self.nnodes > 1 and self.hosts:
+            raise LaunchError(
+                "received both --nnodes and -H/--hostfile: choose one (-H starts the agents "
+                "over ssh; --nnodes means you start one `tandem run` per node)"
+            )
         if self.hosts and self.np > total_slots(self.hosts):
             listed = ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
             raise LaunchError(
@@ -184,4 +235,8 @@ def config_from_args(
         timeout=values["timeout"],
         hosts=hosts,
         max_restarts=values["max_restarts"] or 0,
+        nnodes=values["nnodes"] or 1,
+        node_rank=values["node_rank"] or 0,
+        master=values["master"],
+        secret=values["secret"],
     )

@@ -1,8 +1,7 @@
 """`launch(config)`: pick the front end that runs a `LaunchConfig`, and check what it needs.
 
-Local processes go to `agent.LocalAgent`; `--backend mpi` goes to `mpiexec.launch`. Remote
-hosts (`-H node1:4`) and `--max-restarts` are refused here, before anything starts, until
-their front ends exist.
+Local processes go to `agent.LocalAgent`; `--backend mpi` goes to `mpiexec.launch`;
+`--max-restarts`, `--nnodes` and remote hosts (`-H node1:4`) go to `multinode.launch`.
 """
 
 from __future__ import annotations
@@ -32,16 +31,9 @@ def launch(config: LaunchConfig) -> int:
         from tandem.launch import mpiexec
 
         return mpiexec.launch(config)
-    if config.max_restarts:
-        raise LaunchError(
-            f"--max-restarts {config.max_restarts} is not yet supported: run without it"
-        )
-    remote = config.remote_hosts
-    if remote:
-        names = ", ".join(host.name for host in remote)
-        raise LaunchError(
-            f"running on remote hosts ({names}) is not yet supported: `tandem run` starts "
-            "local processes only for now; use -H localhost:N or drop -H/--hostfile"
-        )
     check_program(config)
+    if config.max_restarts or config.nnodes > 1 or config.remote_hosts:
+        from tandem.launch import multinode  # restarts, several agents, ssh
+
+        return multinode.launch(config)
     return LocalAgent(config).run()

@@ -1,0 +1,421 @@
+"""The watchdog: no collective or receive waits for ever, and a desync is named, not hung.
+
+`td.init` wraps the engine in a `WatchedBackend` (every world larger than one, every engine:
+Gloo, NCCL, MPI), so every operation, the user's collectives and tandem's own hot paths alike,
+returns a `WatchedWork`. What that costs per operation, and where the rest of the cost goes:
+
+- issuing: one counter per *stream* (the collectives of a group, or the messages from one
+  rank to another with one tag; engines match operations by their place in a stream) and one
+  small object. Nothing is sent.
+- waiting: the waiting thread's entry goes into a dict for the duration of `Work.wait`.
+- nothing else until something goes wrong: a background thread per rank looks at the waits
+  once per tick (1 s, 0.25 s in debug mode) and polls one counter on the rendezvous store to
+  see whether a peer asked where everybody is. The store is touched by that thread only.
+
+When a wait fails, the rank asks every rank where it is (a request counter on the store; each
+rank's thread answers with what it has issued, what it waits for, and its Python stack), and:
+
+- a timeout becomes `WatchdogTimeout` (a `TimeoutError`): which ranks arrived at the
+  operation, what the others are doing, every rank's stack. The lowest rank that timed out
+  includes the stacks; the others say so and give it time to print them before raising.
+- a connection that broke ("Connection closed by peer" from Gloo) becomes
+  `PeerUnreachableError` naming the peer that no longer answers, or that left the job.
+- a wait past its deadline that the engine does not end (a backstop, `BACKSTOP_MARGIN_S`
+  later) is reported by the thread, which then ends the process with exit code 1.
+
+In debug mode the thread also acts early: a wait older than `DEBUG_GRACE_S` makes it ask every
+rank, and a *provable* desync (ranks waiting for each other around a cycle, two ranks waiting
+on one place of a stream with different operations, or a wait for a rank that left; see
+`waitgraph`) seen twice in a row is reported by the lowest rank involved, which ends its
+process: the job stops within seconds instead of at the timeout. A rank that is merely slow
+(computing) never closes a cycle, so it is reported only at the timeout, with its stack.
+
+Without a rendezvous store (an MPI job started by plain `mpiexec`) the reports say what this
+rank waited for, and the other ranks' states are unknown. `TANDEM_WATCHDOG=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from itertools import count
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from tandem import environments
+from tandem.comm.backend import Backend, Work
+from tandem.diagnostics import fingerprints, waitgraph
+from tandem.diagnostics.watched import (
+    WAIT_LIMIT,
+    WAIT_OP,
+    WAIT_SERIAL,
+    WAIT_START,
+    WatchedBackend,
+    WatchedWork,
+    op_dict,
+)
+
+TICK_S = 1.0
+DEBUG_TICK_S = 0.25
+DEBUG_GRACE_S = 1.0  # debug mode: a wait this old makes the watchdog look for a desync
+DEBUG_RECHECK_S = 0.5  # ...and again this often while it lasts
+DEBUG_CONFIRM_S = 0.3  # a desync must be seen twice, this far apart, before it is reported
+ANSWER_S = 3.0  # how long a query waits for every rank's answer
+QUERY_POLL_S = 0.05  # store checks while a query waits (a failure path, never the hot path)
+REPORTER_WAIT_S = 8.0  # how long a rank that is not the reporter lets the report get out
+BACKSTOP_MARGIN_S = 10.0
+BOARD_TIMEOUT_S = 5.0
+STACK_FRAMES = 14
+EXIT_CODE = 1
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "connection refused", "socket closed")
+_OWN_FILES = ("watchdog.py", "waitgraph.py", "watched.py")
+
+_generation = count()
+
+
+class WatchdogTimeout(TimeoutError):
+    """A wait passed the timeout; the message says who arrived and holds every rank's stack."""
+
+
+class PeerUnreachableError(RuntimeError):
+    """An operation failed because a peer died, left, or cannot be reached; names the peer."""
+
+
+class Board:
+    """The rendezvous store as the watchdog's notice board: short timeouts, never raises."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._lock = threading.Lock()  # the monitor thread and a failing wait share the client
+
+    @classmethod
+    def connect(cls, addr: str, port: int, prefix: str) -> Board | None:
+        try:
+            client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=BOARD_TIMEOUT_S))
+        except Exception:
+            return None  # reports will lack the other ranks; nothing else depends on it
+        return cls(dist.PrefixStore(prefix, client))
+
+    def add(self, key: str, amount: int) -> int | None:
+        try:
+            with self._lock:
+                return self._store.add(key, amount)
+        except Exception:
+            return None
+
+    def set(self, key: str, value: str) -> bool:
+        try:
+            with self._lock:
+                self._store.set(key, value)
+            return True
+        except Exception:
+            return False
+
+    def get(self, key: str) -> bytes | None:
+        """The value, or None when absent (a plain `get` would block until it appears)."""
+        try:
+            with self._lock:
+                return self._store.get(key) if self._store.check([key]) else None
+        except Exception:
+            return None
+
+    def delete(self, key: str) -> None:
+        try:
+            with self._lock:
+                self._store.delete_key(key)
+        except Exception:
+            pass
+
+
+def _stack(frame) -> str:
+    entries = [e for e in traceback.extract_stack(frame)
+               if not e.filename.endswith(_OWN_FILES)]
+    return "".join(traceback.format_list(entries[-STACK_FRAMES:]))
+
+
+def _write_stderr(text: str) -> None:
+    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    while data:
+        try:
+            written = os.write(2, data)
+        except OSError:
+            return
+        data = data[written:]
+
+
+class Watchdog:
+    """One rank's watchdog: wait bookkeeping, the monitor thread, queries and reports."""
+
+    def __init__(self, rank: int, size: int, timeout: float, debug: bool,
+                 board: Board | None, agent: int | None = None) -> None:
+        self.rank, self.size, self.timeout, self.debug = rank, size, timeout, debug
+        self.board = board
+        self.agent = agent  # pid of the tandem agent that started this rank, if one did
+        self._issued: dict[str, int] = {}
+        self._labels: dict[int, str] = {}
+        self._waiting: dict[int, tuple] = {}  # thread id -> the wait it is in
+        self._checked: dict[int, float] = {}  # debug mode: wait serial -> last desync check
+        self._serial = 0
+        self._asked: set[int] = set()
+        self._served = 0  # requests made while this rank was still starting get answers too
+        self._serving = threading.Lock()
+        self._left = False
+        self._stop = threading.Event()
+        self._pause = threading.Event()  # never set: bounded pauses between store checks
+        self._ending = threading.Lock()
+        self._tick = DEBUG_TICK_S if debug else TICK_S
+        self._thread: threading.Thread | None = None
+        self._host = socket.gethostname()
+
+    # -- the hot path ---------------------------------------------------------------------
+    def stream(self, group) -> str:
+        if group is None:
+            return "world"
+        return self._labels.get(id(group.handle)) or f"[{','.join(map(str, group.ranks))}]"
+
+    def issue(self, work: Work, kind: str, group, tensor=None) -> WatchedWork:
+        stream = "world" if group is None else self.stream(group)
+        issued = self._issued
+        index = issued[stream] = issued.get(stream, 0) + 1
+        return WatchedWork(work, (kind, stream, index, group, tensor, None, None), self)
+
+    def issue_p2p(self, work: Work, kind: str, group, tensor, peer: int, tag: int) -> WatchedWork:
+        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
+        stream = f"{self.stream(group)} {src}->{dst} tag {tag}"
+        index = self._issued[stream] = self._issued.get(stream, 0) + 1
+        return WatchedWork(work, (kind, stream, index, (src, dst), tensor, peer, tag), self)
+
+    def name_group(self, handle: object, ranks) -> None:
+        label = f"[{','.join(map(str, ranks))}]"
+        taken = set(self._labels.values())
+        suffix = 2
+        unique = label
+        while unique in taken:
+            unique, suffix = f"{label}#{suffix}", suffix + 1
+        self._labels[id(handle)] = unique
+
+    # -- answers and queries --------------------------------------------------------------
+    def answer(self) -> dict:
+        """Where this rank is: what it issued, what it waits for, its Python stacks."""
+        now = time.monotonic()
+        frames = sys._current_frames()
+        waits, threads = [], []
+        for tid, wait in list(self._waiting.items()):
+            threads.append(tid)
+            frame = frames.get(tid)
+            entry = fingerprints.entry_point(frame)
+            mark = fingerprints.last(tid) if self.debug else None
+            named = mark is not None and entry == f"td.{mark.collective}"
+            op = op_dict(wait[WAIT_OP], self.size)
+            if entry and fingerprints.in_argument_check(frame):
+                op["detail"] = f"{op['detail']}: the argument check of {entry}"
+            waits.append({
+                "op": op, "age": now - wait[WAIT_START],
+                "timeout": wait[WAIT_LIMIT], "serial": wait[WAIT_SERIAL], "entry": entry,
+                "site": fingerprints.site_of(fingerprints.user_frame(frame)),
+                "fingerprint": f"{entry} #{mark.seq} at {mark.site}" if named else None,
+            })
+        main = threading.main_thread().ident
+        parts = [_stack(frames[main])] if main in frames else []
+        for tid in threads:
+            if tid != main and tid in frames:
+                parts.append(f"(thread {tid})\n" + _stack(frames[tid]))
+        return {"rank": self.rank, "pid": os.getpid(), "host": self._host,
+                "state": "left" if self._left else "running", "issued": dict(self._issued),
+                "waits": waits, "stack": "".join(parts)}
+
+    def query(self) -> dict[int, dict | None]:
+        """Every rank's answer (None for ranks that did not answer within `ANSWER_S`)."""
+        answers: dict[int, dict | None] = {self.rank: self.answer()}
+        board = self.board
+        if board is None:
+            return answers
+        generation = board.add("req", 1)
+        if generation is None:
+            return answers
+        self._asked.add(generation)  # our own thread must not answer it (we did, above)
+        others = [r for r in range(self.size) if r != self.rank]
+        deadline = time.monotonic() + ANSWER_S
+        while (board.add(f"ans/{generation}/count", 0) or 0) < len(others):
+            if time.monotonic() > deadline:
+                break
+            self._serve()  # peers may be asking us at the same moment: answer while we wait
+            self._pause.wait(QUERY_POLL_S)
+        for rank in others:
+            text = board.get(f"ans/{generation}/{rank}")
+            if text is None:
+                text = board.get(f"left/{rank}")
+            answers[rank] = json.loads(text) if text else None
+            board.delete(f"ans/{generation}/{rank}")
+        return answers
+
+    def _serve(self) -> None:
+        """Answer the requests made since the last call (from any thread: one at a time)."""
+        if self.board is None:
+            return
+        with self._serving:
+            latest = self.board.add("req", 0)
+            if latest is None or latest <= self._served:
+                return
+            text = json.dumps(self.answer())
+            for generation in range(self._served + 1, latest + 1):
+                if generation in self._asked:
+                    continue
+                self.board.set(f"ans/{generation}/{self.rank}", text)
+                self.board.add(f"ans/{generation}/count", 1)
+            self._served = latest
+
+    # -- failures -------------------------------------------------------------------------
+    def failed(self, wait: tuple, error: BaseException) -> None:
+        """Called by a failing `wait`: raise a better error, or return to re-raise `error`."""
+        text = str(error).lower()
+        if isinstance(error, TimeoutError) or "timed out" in text:
+            raise self._timeout_error(wait, error, self.query()) from None  # text in message
+        if any(marker in text for marker in _LOST_PEER):
+            answers = self.query()
+            mine = self._mine(answers, wait)
+            if any(waitgraph.unreachable_peers(mine["op"], self.rank, answers)):
+                raise self._unreachable_error(mine, answers, error) from error
+            # Every peer still answers: one of them gave up (its own timeout) and hung up.
+            raise self._timeout_error(wait, error, answers) from None
+
+    def _mine(self, answers, wait: tuple) -> dict:
+        mine = answers[self.rank]
+        return next((w for w in mine["waits"] if w["serial"] == wait[WAIT_SERIAL]), {
+            "op": op_dict(wait[WAIT_OP], self.size), "age": time.monotonic() - wait[WAIT_START],
+            "timeout": wait[WAIT_LIMIT], "serial": wait[WAIT_SERIAL], "entry": None, "site": None,
+            "fingerprint": None})
+
+    def _timeout_error(self, wait: tuple, error: BaseException, answers) -> WatchdogTimeout:
+        mine = self._mine(answers, wait)
+        late = [r for r, a in answers.items()
+                if a and any(w["age"] >= w["timeout"] - 0.5 for w in a.get("waits") or [])]
+        reporter = min([*late, self.rank])
+        if reporter == self.rank:
+            report = waitgraph.timeout_report(self.rank, mine, answers)
+            if self.board is not None:  # the others may go now: this report is out first
+                self.board.add(f"reported/{self.rank}", 1)
+        else:
+            report = (waitgraph.timeout_report(self.rank, mine, answers, with_stacks=False)
+                      + f"\n(rank {reporter} timed out too and reports every rank's stack)")
+            self._await_report(reporter)
+        if self.board is None:
+            report += "\n(no rendezvous store: the other ranks could not be asked where they are)"
+        return WatchdogTimeout(f"{error}\n{report}")
+
+    def _await_report(self, reporter: int) -> None:
+        """Let the reporting rank print before this one exits (and its launcher stops the job)."""
+        deadline = time.monotonic() + REPORTER_WAIT_S
+        while self.board and self.board.get(f"reported/{reporter}") is None:
+            if time.monotonic() > deadline or self.board.get(f"left/{reporter}") is not None:
+                return
+            self._serve()
+            self._pause.wait(QUERY_POLL_S)
+
+    def _unreachable_error(self, mine: dict, answers, error: BaseException
+                           ) -> PeerUnreachableError:
+        silent, left = waitgraph.unreachable_peers(mine["op"], self.rank, answers)
+        reasons = [f"rank {r} is unreachable: it {waitgraph.NO_ANSWER}" for r in silent]
+        reasons += [f"rank {r} has left the job (td.shutdown or exit) and will not take part"
+                    for r in left]
+        call = mine.get("fingerprint") or f"{mine.get('entry') or ''} at {mine.get('site')}"
+        return PeerUnreachableError(
+            f"rank {self.rank}: {waitgraph.describe_op(mine['op'])} (called as {call}) failed: "
+            + "; ".join(reasons) + f".\nThe engine said: {error}"
+        )
+
+    def _end_job(self, report: str) -> NoReturn:
+        """Print the report and end this process: its launcher stops the rest of the job."""
+        with self._ending:
+            _write_stderr(report)
+            os._exit(EXIT_CODE)
+
+    # -- the monitor thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tandem-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Leave the job: say so on the board (peers waiting for us learn why), stop the thread."""
+        self._left = True
+        if self.board is not None:
+            self.board.set(f"left/{self.rank}", json.dumps(self.answer()))
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick):
+            if self.agent is not None and os.getppid() != self.agent:
+                self._end_job(f"tandem watchdog: rank {self.rank}: the agent that started it "
+                              f"(pid {self.agent}) is gone; ending this rank so that it does "
+                              "not outlive its job")
+            try:
+                self._serve()
+                self._inspect()
+            except Exception as error:  # diagnostics must never take the job down themselves
+                _write_stderr(f"tandem watchdog (rank {self.rank}): internal error: {error!r}")
+
+    def _inspect(self) -> None:
+        now = time.monotonic()
+        for wait in list(self._waiting.values()):
+            age = now - wait[WAIT_START]
+            if age > wait[WAIT_LIMIT] + BACKSTOP_MARGIN_S:
+                answers = self.query()
+                self._end_job(
+                    waitgraph.timeout_report(self.rank, self._mine(answers, wait), answers)
+                    + "\n(the engine itself did not give up on this wait: the watchdog ends "
+                    "the process)"
+                )
+            serial = wait[WAIT_SERIAL]
+            if self.debug and age >= DEBUG_GRACE_S and now - self._checked.get(serial, 0.0) \
+                    >= DEBUG_RECHECK_S:
+                self._checked = {serial: now}  # only the waits of the moment matter
+                self._look_for_desync()
+
+    def _look_for_desync(self) -> None:
+        answers = self.query()
+        desync = waitgraph.find_desync(answers, DEBUG_GRACE_S)
+        if desync is None or desync.reporter != self.rank:
+            return
+        # Seen twice, a short while apart, with the same waits: not a snapshot artefact.
+        self._pause.wait(DEBUG_CONFIRM_S)
+        again_answers = self.query()
+        again = waitgraph.find_desync(again_answers, DEBUG_GRACE_S)
+        if again is not None and set(again.ranks) == set(desync.ranks):
+            self._end_job(waitgraph.desync_report(self.rank, again, again_answers))
+
+
+def enabled() -> bool:
+    text = environments.setting("WATCHDOG")
+    return text is None or text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
+    """The engine wrapped by a started watchdog (or unchanged: a world of one, TANDEM_WATCHDOG=0)."""
+    fingerprints.reset()
+    if job.size == 1 or not enabled():
+        return engine
+    board = None
+    if job.master_port is not None:
+        restart = environments.setting("RESTART") or "0"
+        prefix = f"tandem/watchdog/{restart}/{next(_generation)}/"
+        board = Board.connect(job.master_addr or "127.0.0.1", job.master_port, prefix)
+    # Ranks of `tandem run` end with their agent even if it is killed without a word.
+    agent = os.getppid() if job.source == "tandem" and job.store_hosted else None
+    dog = Watchdog(job.rank, job.size, float(timeout), bool(debug), board, agent)
+    dog.start()
+    return WatchedBackend(engine, dog)

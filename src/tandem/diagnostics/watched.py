@@ -1,0 +1,134 @@
+"""The engine as `td.init` hands it out: every operation counted, every wait watched.
+
+`WatchedBackend` wraps whatever engine `td.init` created (Gloo, NCCL, MPI) and gives each
+operation's `Work` to a `WatchedWork`: issuing an operation counts it on its stream (see
+`waitgraph`) and keeps a small tuple; waiting puts that tuple in the watchdog's table of waits
+for the duration of the wait, and hands a failure to the watchdog, which explains it. That is
+all the hot path pays: about a microsecond of Python per operation, no communication, no lock
+(see `benchmarks/faults.py --overhead`). Everything else happens in `watchdog`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from tandem.comm.backend import Backend, Work
+
+if TYPE_CHECKING:
+    from tandem.diagnostics.watchdog import Watchdog
+
+# The hot path builds plain tuples (a few hundred nanoseconds cheaper than objects); reports
+# turn them into dicts. An operation: (kind, stream, index, members, tensor, peer, tag), where
+# `members` is a group (None: the world) or the (src, dst) pair of a message, and `tensor` is
+# only read for its shape and dtype. A wait: (operation, start, limit, serial).
+_KIND, _STREAM, _INDEX, _MEMBERS, _TENSOR, _PEER, _TAG = range(7)
+WAIT_OP, WAIT_START, WAIT_LIMIT, WAIT_SERIAL = range(4)
+_monotonic = time.monotonic
+_get_ident = threading.get_ident
+
+
+def op_dict(op: tuple, size: int) -> dict:
+    members = op[_MEMBERS]
+    if members is None:
+        members = range(size)
+    elif not isinstance(members, tuple):
+        members = members.ranks  # a group
+    tensor = op[_TENSOR]
+    detail = "" if tensor is None else (
+        f"{str(tensor.dtype).replace('torch.', '')}[{','.join(map(str, tensor.shape))}]")
+    return {"kind": op[_KIND], "stream": op[_STREAM], "index": op[_INDEX],
+            "members": list(members), "detail": detail, "peer": op[_PEER], "tag": op[_TAG]}
+
+
+class WatchedWork(Work):
+    """A `Work` whose wait the watchdog knows about; failures come back explained."""
+
+    __slots__ = ("_work", "_op", "_dog")
+
+    def __init__(self, work: Work, op: tuple, dog: Watchdog) -> None:
+        self._work, self._op, self._dog = work, op, dog
+
+    def wait(self, timeout: float | None = None) -> None:
+        dog = self._dog
+        dog._serial += 1
+        wait = (self._op, _monotonic(), dog.timeout if timeout is None else timeout, dog._serial)
+        tid = _get_ident()
+        waiting = dog._waiting
+        waiting[tid] = wait
+        try:
+            self._work.wait(timeout)
+        except Exception as error:
+            dog.failed(wait, error)
+            raise
+        finally:
+            waiting.pop(tid, None)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+class WatchedBackend(Backend):
+    """The engine `td.init` chose, with every operation counted and every wait watched."""
+
+    def __init__(self, inner: Backend, dog: Watchdog) -> None:
+        self._inner, self.watchdog = inner, dog
+        self.name, self.rank, self.size = inner.name, inner.rank, inner.size
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)  # engine-specific extras (device, communicator...)
+
+    @property
+    def inner(self) -> Backend:
+        return self._inner
+
+    def allreduce(self, tensor, op, group):
+        return self.watchdog.issue(self._inner.allreduce(tensor, op, group), "allreduce", group,
+                                   tensor)
+
+    def broadcast(self, tensor, root, group):
+        return self.watchdog.issue(self._inner.broadcast(tensor, root, group), "broadcast",
+                                   group, tensor)
+
+    def allgather_into(self, output, input, group):
+        return self.watchdog.issue(self._inner.allgather_into(output, input, group),
+                                   "allgather", group, input)
+
+    def reduce(self, tensor, root, op, group):
+        return self.watchdog.issue(self._inner.reduce(tensor, root, op, group), "reduce", group,
+                                   tensor)
+
+    def reducescatter_into(self, output, input, op, group):
+        return self.watchdog.issue(self._inner.reducescatter_into(output, input, op, group),
+                                   "reducescatter", group, input)
+
+    def alltoall_into(self, output, input, output_splits, input_splits, group):
+        work = self._inner.alltoall_into(output, input, output_splits, input_splits, group)
+        return self.watchdog.issue(work, "alltoall", group, input)
+
+    def send(self, tensor, dst, tag, group):
+        return self.watchdog.issue_p2p(self._inner.send(tensor, dst, tag, group), "send", group,
+                                       tensor, dst, tag)
+
+    def recv(self, tensor, src, tag, group):
+        return self.watchdog.issue_p2p(self._inner.recv(tensor, src, tag, group), "recv", group,
+                                       tensor, src, tag)
+
+    def barrier(self, group):
+        return self.watchdog.issue(self._inner.barrier(group), "barrier", group)
+
+    def new_group(self, ranks):
+        handle = self._inner.new_group(ranks)
+        self.watchdog.name_group(handle, ranks)
+        return handle
+
+    def supports_device(self, device) -> bool:
+        return self._inner.supports_device(device)
+
+    def shutdown(self) -> None:
+        self.watchdog.stop()
+        self._inner.shutdown()

@@ -1,0 +1,239 @@
+"""The control plane between the agents of a multi-node job: authenticated messages, heartbeats.
+
+Node 0's agent listens (`ControlServer`) and the other agents connect to it (`connect`). Before
+anything is read as a message, each side proves it knows the job's secret without sending it:
+both send a random nonce, both answer with HMAC-SHA256(secret, peer's nonce + own role), both
+check the other's answer. A wrong secret fails on both sides with an error that says so; a
+stranger that connects and says nothing is dropped after `HANDSHAKE_S`. Only then are
+messages (small tuples, pickled by `multiprocessing.connection`) exchanged.
+
+A cut network link produces no error by itself, TCP just goes quiet, so each side sends a ping
+every `HEARTBEAT_S`, and a peer that says nothing for `lost_after` seconds is reported as
+unreachable (an event on the agent's queue, like everything else the agent reacts to).
+
+Also here: which local address and network interface lead to a given host, so that an agent
+can advertise an address its peers can reach and point Gloo at the right interface.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+
+HEARTBEAT_S = 1.0
+HANDSHAKE_S = 10.0
+CONNECT_RETRY_S = 0.25
+_HELLO = b"tandem-control/1 "
+_SIOCGIFADDR = 0x8915
+
+
+class AuthenticationFailed(ConnectionError):
+    """The other side does not know the job's secret (or is not a tandem agent)."""
+
+
+def new_secret() -> str:
+    return secrets.token_hex(16)
+
+
+def _receive(conn: Connection, deadline: float) -> bytes:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not conn.poll(remaining):
+        raise AuthenticationFailed("the peer did not complete the handshake in time")
+    try:
+        return conn.recv_bytes(256)
+    except (EOFError, OSError) as error:
+        raise AuthenticationFailed(f"the peer closed the connection during the handshake "
+                                   f"({error or 'end of file'})") from None
+
+
+def authenticate(conn: Connection, secret: str, server: bool, timeout: float = HANDSHAKE_S) -> None:
+    """Mutual HMAC challenge-response; raises `AuthenticationFailed` unless both know `secret`."""
+    key = secret.encode()
+    deadline = time.monotonic() + timeout
+    mine = secrets.token_bytes(32)
+    own_role, peer_role = (b"server", b"client") if server else (b"client", b"server")
+    conn.send_bytes(_HELLO + mine)
+    greeting = _receive(conn, deadline)
+    if not greeting.startswith(_HELLO):
+        raise AuthenticationFailed("the peer is not a tandem agent (unexpected greeting)")
+    theirs = greeting[len(_HELLO):]
+    conn.send_bytes(hmac.new(key, theirs + own_role, hashlib.sha256).digest())
+    proof = _receive(conn, deadline)
+    expected = hmac.new(key, mine + peer_role, hashlib.sha256).digest()
+    if not hmac.compare_digest(proof, expected):
+        raise AuthenticationFailed("the peer does not know this job's secret")
+
+
+class Peer:
+    """One authenticated connection: thread-safe `send`, and a reader that reports to `events`.
+
+    Events: ("message", tag, message) for each message, ("lost", tag, reason) once, when the
+    peer closes the connection or has been silent for `lost_after` seconds.
+    """
+
+    def __init__(self, conn: Connection, tag: object, events: queue.SimpleQueue,
+                 lost_after: float) -> None:
+        self.conn, self.tag, self._events, self.lost_after = conn, tag, events, lost_after
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for target, name in ((self._read, "reader"), (self._beat, "heartbeat")):
+            thread = threading.Thread(target=target, name=f"tandem-control-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def send(self, message: tuple) -> bool:
+        if self._closed.is_set():
+            return False
+        try:
+            with self._lock:
+                self.conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+    def _lost(self, reason: str) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._events.put(("lost", self.tag, reason))
+
+    def _read(self) -> None:
+        from tandem.launch.output import block_agent_signals
+
+        block_agent_signals()
+        while not self._closed.is_set():
+            try:
+                if not self.conn.poll(self.lost_after):
+                    self._lost(f"no word from it for {self.lost_after:g} s (the network between "
+                               "the nodes is cut, or its machine is down)")
+                    return
+                message = self.conn.recv()
+            except (EOFError, OSError, ValueError):
+                self._lost("its connection closed (its agent exited or was killed)")
+                return
+            if message != ("ping",):
+                self._events.put(("message", self.tag, message))
+
+    def _beat(self) -> None:
+        from tandem.launch.output import block_agent_signals
+
+        block_agent_signals()
+        while not self._closed.wait(HEARTBEAT_S):
+            self.send(("ping",))
+
+
+class ControlServer:
+    """Node 0's listener: authenticates each agent in a thread of its own, then reports it.
+
+    Events: ("joined", conn, hello, address) with the agent's first message, or
+    ("rejected", address, reason).
+    """
+
+    def __init__(self, host: str, secret: str, events: queue.SimpleQueue) -> None:
+        self._secret = secret
+        self._events = events
+        self._listener = Listener((host, 0), family="AF_INET")
+        self.port = self._listener.address[1]
+        self._thread = threading.Thread(target=self._accept, name="tandem-control-accept",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        from tandem.launch.output import block_agent_signals
+
+        block_agent_signals()
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # closed
+            address = self._listener.last_accepted
+            threading.Thread(target=self._greet, args=(conn, address), daemon=True).start()
+
+    def _greet(self, conn: Connection, address) -> None:
+        where = f"{address[0]}:{address[1]}" if address else "?"
+        try:
+            authenticate(conn, self._secret, server=True)
+            if not conn.poll(HANDSHAKE_S):
+                raise AuthenticationFailed("it authenticated but never said which node it is")
+            hello = conn.recv()
+        except (AuthenticationFailed, EOFError, OSError) as error:
+            conn.close()
+            self._events.put(("rejected", where, str(error)))
+            return
+        self._events.put(("joined", conn, hello, where))
+
+    def close(self) -> None:
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+def connect(address: tuple[str, int], secret: str, timeout: float) -> Connection:
+    """Connect to node 0's control plane and authenticate, retrying until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            sock = socket.create_connection(address, timeout=max(0.1, min(remaining, 10.0)))
+            break
+        except OSError as error:
+            if remaining <= 0:
+                raise ConnectionError(
+                    f"cannot reach node 0's control plane at {address[0]}:{address[1]} within "
+                    f"{timeout:g} s ({error.strerror or error})"
+                ) from None
+            threading.Event().wait(CONNECT_RETRY_S)  # node 0 may still be starting: retry
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        authenticate(conn, secret, server=False)
+    except AuthenticationFailed:
+        conn.close()
+        raise
+    return conn
+
+
+def local_address_towards(host: str, port: int = 9) -> str:
+    """The address of this machine that packets to `host` leave from (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(host), port))  # UDP connect: only a route lookup
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 `address` (`lo`, `eth0`...), or None."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    finally:
+        probe.close()
+    return None

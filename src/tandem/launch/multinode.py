@@ -1,0 +1,306 @@
+"""Multi-node jobs: one agent per machine, joined by an authenticated control plane.
+
+    node0$ tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 4 train.py
+    node1$ tandem run --nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret S -np 4 train.py
+
+Node 0's agent (`restart.Coordinator`) hosts the rendezvous store at ADDR:PORT and a control
+plane on a port the system picks, whose address it publishes in the store. Every other agent
+(`Member`, here) connects to the store, reads that address, connects, and authenticates with the
+job's secret (`--secret`/`TANDEM_SECRET`; node 0 generates one and prints it when none is
+given; `--secret -` reads it from standard input). Node 0 admits each node once (a node rank
+out of range, a duplicate or a different `--nnodes` is refused with the reason) and assigns
+the ranks: node r runs ranks r*np .. r*np+np-1 (each node's own -np, in node order).
+
+Then each attempt: node 0 says "start" with the placement, every agent runs its ranks and
+reports their failures at once; the first failure anywhere stops every rank on every node; each
+agent says when its ranks are all down; node 0 then restarts the job (`--max-restarts`) or
+sends "finish" with the summary, which every agent prints before exiting with the job's code.
+An agent that goes silent for the timeout (`--timeout`, at most 30 s) is unreachable: the
+others stop their ranks and say so. `tandem run --max-restarts K` on one machine is the same
+coordinator with no other nodes and a store on 127.0.0.1 only.
+
+Gloo must reach the other nodes: unless GLOO_SOCKET_IFNAME is set, each agent points its ranks
+at the interface that routes to the master address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import TextIO
+
+from tandem import rendezvous
+from tandem.launch import control, ssh
+from tandem.launch.agent import DRAIN_S, KILL_WAIT_S, STOP_GRACE_S
+from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.output import AGENT_SIGNALS, RankOutput, block_agent_signals
+from tandem.launch.ranks import LocalRanks, Placement
+from tandem.launch.restart import REMOTE_STOP_S, Coordinator, lost_after
+from tandem.runtime import DEFAULT_TIMEOUT_S
+
+AGENTS_EXIT_S = 15.0  # -H: how long remote agents may take to exit after the job ends
+
+
+def gloo_interface(master_host: str) -> str | None:
+    """The interface this machine reaches `master_host` through (for GLOO_SOCKET_IFNAME)."""
+    try:
+        return control.interface_of(control.local_address_towards(master_host))
+    except OSError:
+        return None
+
+
+def read_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str | None:
+    if config.secret != "-":
+        return config.secret
+    line = (stdin or sys.stdin).readline().strip()
+    if not line:
+        raise LaunchError("--secret -: expected the secret on standard input, got nothing")
+    return line
+
+
+class Member:
+    """The agent of node 1, 2...: joins node 0, runs its ranks when told, stops when told."""
+
+    def __init__(self, config: LaunchConfig, secret: str, interface: str | None = None,
+                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+        self.config, self.secret, self.interface = config, secret, interface
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.output = RankOutput(stdout, stderr)
+        self.ranks = LocalRanks(config, config.np, self.events, self.output)
+        self.peer: control.Peer | None = None
+        self.master = "{}:{}".format(*config.master)
+
+    def say(self, text: str) -> None:
+        self.output.message(f"tandem run (node {self.config.node_rank}): {text}")
+
+    def run(self) -> int:
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.signal(s, lambda n, f: self.events.put(("signal", n)))
+                        for s in AGENT_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+        try:
+            return self._run()
+        finally:
+            self.ranks.reap()
+            if self.peer is not None:
+                self.peer.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def _join(self) -> int | None:
+        """Connect and authenticate; None when joined, else the exit code (after saying why)."""
+        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+        host, port = self.config.master
+        try:
+            store = rendezvous.connect_store(host, port, timeout)
+            address = store.get("tandem/control").decode()
+        except ConnectionError as error:
+            self.say(f"node 0 is unreachable: {error}")
+            return 1
+        except Exception as error:  # a store that never got the control plane's address
+            self.say(f"the rendezvous store at {self.master} has no tandem control plane "
+                     f"({error}); is node 0 a `tandem run --nnodes` agent of this job?")
+            return 1
+        control_host, control_port = address.rsplit(":", 1)
+        try:
+            conn = control.connect((control_host, int(control_port)), self.secret, timeout)
+        except control.AuthenticationFailed as error:
+            self.say(f"cannot join node 0 at {self.master}: {error} (the secrets differ). "
+                     "Give every node the same --secret (or TANDEM_SECRET)")
+            return 2
+        except ConnectionError as error:
+            self.say(str(error))
+            return 1
+        conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
+                             "nproc": self.config.np, "host": socket.gethostname()}))
+        self.peer = control.Peer(conn, 0, self.events, lost_after(self.config))
+        self.peer.start()
+        return None
+
+    def _run(self) -> int:
+        code = self._join()
+        if code is not None:
+            return code
+        while True:
+            event = self.events.get()
+            if event[0] == "signal":
+                self.peer.send(("interrupted", {"signum": event[1]}))
+                return 128 + event[1]
+            if event[0] == "lost":
+                self.say(f"node 0 ({self.master}) is unreachable: {event[2]}")
+                return 1
+            if event[0] != "message":
+                continue
+            kind, body = event[2]
+            if kind == "refused":
+                self.say(f"node 0 refused this agent: {body['reason']}")
+                return 2
+            if kind == "note":
+                self.output.message(body["text"])
+            elif kind == "finish":
+                if body.get("summary"):
+                    self.output.message(body["summary"])
+                return int(body["code"])
+            elif kind == "start":
+                code = self._attempt(body)
+                if code is not None:
+                    return code
+
+    def _attempt(self, body: dict) -> int | None:
+        """Run one attempt; None to wait for node 0's verdict, else this agent's exit code."""
+        attempt = body["attempt"]
+        self.ranks.start(Placement(attempt, body["offset"], body["world"], tuple(body["store"]),
+                                   self.interface))
+        failed: dict[int, int] = {}
+        deadline: float | None = None
+        killed, lost, finish = False, None, None
+
+        def stop(signum: int = signal.SIGTERM) -> None:
+            nonlocal deadline
+            if deadline is None:
+                self.ranks.signal(signum)
+                deadline = time.monotonic() + STOP_GRACE_S
+
+        while self.ranks.live:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                if killed:
+                    self.say(f"ranks {sorted(self.ranks.live)} did not exit after SIGKILL")
+                    break
+                self.ranks.signal(signal.SIGKILL)
+                killed, deadline = True, time.monotonic() + KILL_WAIT_S
+                continue
+            kind = event[0]
+            if kind == "exit":
+                _, rank, returncode = event
+                self.ranks.exited(rank)
+                if returncode != 0:
+                    failed[rank] = returncode
+                    self.peer.send(("exit", {"attempt": attempt, "rank": rank,
+                                             "returncode": returncode,
+                                             "pid": self.ranks.procs[rank].pid}))
+                    stop()
+            elif kind == "signal":
+                if deadline is None:
+                    self.peer.send(("interrupted", {"attempt": attempt, "signum": event[1]}))
+                    stop(event[1])
+                elif not killed:
+                    self.ranks.signal(signal.SIGKILL)
+                    killed = True
+            elif kind == "lost":
+                lost = event[2]
+                self.say(f"node 0 ({self.master}) is unreachable: {lost}; stopping this node's "
+                         "ranks")
+                stop()
+            elif kind == "message":
+                message_kind, message = event[2]
+                if message_kind == "stop" and message.get("attempt") == attempt:
+                    stop()
+                elif message_kind == "finish":
+                    finish = message
+                    stop()
+                elif message_kind == "note":
+                    self.output.message(message["text"])
+        self.output.join(DRAIN_S)
+        if lost is not None:
+            return 1
+        tails = {rank: self.output.tail(rank) for rank in failed}
+        self.peer.send(("done", {"attempt": attempt, "tails": tails}))
+        if finish is not None:
+            if finish.get("summary"):
+                self.output.message(finish["summary"])
+            return int(finish["code"])
+        return None
+
+
+def _coordinate(config: LaunchConfig, secret: str | None) -> int:
+    host, port = config.master
+    if secret is None:
+        secret = control.new_secret()
+        print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
+              f"nodes with --secret {secret} (or TANDEM_SECRET={secret})",
+              file=sys.stderr, flush=True)
+    coordinator = Coordinator(config, nproc=config.np, nnodes=config.nnodes,
+                              store=(host, port), secret=secret,
+                              gloo_interface=gloo_interface(host), host=socket.gethostname())
+    return coordinator.run()
+
+
+def launch_hosts(config: LaunchConfig) -> int:
+    """-H/--hostfile with remote hosts: this machine coordinates, the others get agents."""
+    placed = ssh.place(config.np, config.hosts)
+    ssh.check_hosts([host for host, _ in placed])  # unknown names, no ssh: before anything starts
+    first, first_count = placed[0]
+    here = first_count if first.is_local else 0
+    others = placed[1:] if first.is_local else placed
+    nnodes = 1 + len(others)
+    remote = next((h for h, _ in others if not h.is_local), None)
+    if config.master is not None:
+        master_host, port = config.master
+    else:
+        master_host = control.local_address_towards(remote.name) if remote else "127.0.0.1"
+        port = 0
+    secret = control.new_secret()
+    local_config = dataclasses.replace(config, np=max(here, 1), hosts=())  # this node's share
+    coordinator = Coordinator(local_config, nproc=here, nnodes=nnodes, store=(master_host, port),
+                              secret=secret, gloo_interface=gloo_interface(master_host),
+                              host=socket.gethostname())
+    agents: list[subprocess.Popen] = []
+
+    def start_agents(store_port: int) -> None:
+        for node, (host, count) in enumerate(others, start=1):
+            arguments = ssh.agent_arguments(config, node_rank=node, nnodes=nnodes,
+                                            master=(master_host, store_port), nproc=count)
+            agent = ssh.start_agent(ssh.agent_command(host, arguments, os.getcwd()), secret)
+            agents.append(agent)
+            threading.Thread(target=_report_exit, args=(agent, node, host.name), daemon=True,
+                             name=f"tandem-agent{node}-wait").start()
+
+    def _report_exit(agent: subprocess.Popen, node: int, name: str) -> None:
+        block_agent_signals()
+        coordinator.events.put(("agent-exited", node, name, agent.wait()))
+
+    coordinator.on_listening = start_agents
+    try:
+        return coordinator.run()
+    finally:
+        deadline = time.monotonic() + AGENTS_EXIT_S
+        for agent in agents:
+            try:
+                agent.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(KILL_WAIT_S)
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run a restartable or multi-node job (see the module docstring); return its exit code."""
+    try:
+        if config.remote_hosts:
+            return launch_hosts(config)
+        if config.nnodes == 1:
+            return Coordinator(config, nproc=config.np, host=socket.gethostname()).run()
+        secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
+        if config.node_rank == 0:
+            return _coordinate(config, secret)
+        if secret is None:
+            raise LaunchError(
+                f"node {config.node_rank} needs the job's secret: pass --secret S (or set "
+                "TANDEM_SECRET) with the value node 0 printed or was given"
+            )
+        host, _ = config.master
+        return Member(config, secret, gloo_interface(host)).run()
+    except rendezvous.PortInUseError as error:
+        raise LaunchError(str(error)) from None
+
+
+__all__ = ["Member", "launch", "launch_hosts", "read_secret", "REMOTE_STOP_S"]

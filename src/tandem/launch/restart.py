@@ -1,0 +1,321 @@
+"""The coordinating agent: runs a job in attempts, restarts it when a rank fails.
+
+`tandem run --max-restarts K` and node 0 of a multi-node job use this agent (a plain
+single-node job without restarts keeps `agent.LocalAgent`). It hosts the rendezvous store for
+the life of the job (every attempt gets key prefixes of its own through `TANDEM_RESTART`),
+and, for a multi-node job, the control plane the other agents join (see `multinode`).
+
+One attempt: node 0 tells every agent where its ranks sit (`ranks.Placement`), every agent
+starts its ranks, and events come back on one queue: a rank's exit, a message from another
+agent, a lost agent, a signal. The first failure anywhere stops every rank on every node
+(SIGTERM, then SIGKILL after `STOP_GRACE_S`). When everything is down, the attempt is over:
+
+- every rank exited 0: the job succeeded;
+- a rank failed and restarts are left: every agent prints the summary, and the job starts
+  again from the top of the script with `TANDEM_RESTART=<attempt>` (`td.Checkpointer` or
+  `td.load` continue from the last checkpoint);
+- otherwise (no restarts left, a node is unreachable, or a person pressed Ctrl-C): every agent
+  prints the summary and exits with the failing rank's code (1 for a lost node, 128 + N for
+  signal N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import threading
+import time
+from typing import TextIO
+
+from tandem import rendezvous
+from tandem.launch.agent import DRAIN_S, KILL_WAIT_S, STOP_GRACE_S, describe
+from tandem.launch.config import LaunchConfig
+from tandem.launch.control import ControlServer, Peer
+from tandem.launch.output import AGENT_SIGNALS, RankOutput
+from tandem.launch.ranks import Failure, LocalRanks, Placement, summary
+from tandem.runtime import DEFAULT_TIMEOUT_S
+
+REMOTE_STOP_S = STOP_GRACE_S + KILL_WAIT_S + 5.0  # how long other nodes may take to stop
+FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
+MAX_LOST_AFTER_S = 30.0  # an agent silent this long (or the timeout, if shorter) is lost
+
+
+def lost_after(config: LaunchConfig) -> float:
+    return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
+
+
+class Coordinator:
+    """Node 0: the store, the control plane, the attempts; its own ranks if it has any."""
+
+    def __init__(self, config: LaunchConfig, *, nproc: int, nnodes: int = 1,
+                 store: tuple[str, int] = ("127.0.0.1", 0), secret: str | None = None,
+                 gloo_interface: str | None = None, host: str = "localhost",
+                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+        self.config, self.nproc, self.nnodes = config, nproc, nnodes
+        self.store_address, self.secret, self.host = store, secret, host
+        self.gloo_interface = gloo_interface
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.output = RankOutput(stdout, stderr)
+        self.ranks = LocalRanks(config, nproc, self.events, self.output)
+        self.peers: dict[int, Peer] = {}
+        self.nprocs: dict[int, int] = {0: nproc}
+        self.hosts: dict[int, str] = {0: host}
+        self.on_listening = None  # -H: starts the remote agents once the store port is known
+        self.store = None
+        self._server: ControlServer | None = None
+
+    # -- the whole job --------------------------------------------------------------------
+    def run(self) -> int:
+        previous = self._install_signal_handlers()
+        try:
+            return self._run()
+        finally:
+            self.ranks.reap()
+            for peer in self.peers.values():
+                peer.close()
+            if self._server is not None:
+                self._server.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def _run(self) -> int:
+        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_SIGNALS)
+        try:  # the store's and the listener's threads leave our signals to the main thread
+            self.store = rendezvous.host_store(*self.store_address, timeout=timeout)
+            if self.nnodes > 1:
+                self._server = ControlServer(self.store_address[0], self.secret, self.events)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        port = self.store.port
+        if self._server is not None:
+            self.store.set("tandem/control", f"{self.store_address[0]}:{self._server.port}")
+            if self.on_listening is not None:
+                self.on_listening(port)
+            failure = self._gather(timeout)
+            if failure is not None:
+                return self._finish(failure)
+        offsets, start = {}, 0
+        for node in sorted(self.nprocs):
+            offsets[node], start = start, start + self.nprocs[node]
+        world = start
+        attempts = self.config.max_restarts + 1
+        for attempt in range(attempts):
+            failure = self._attempt(attempt, offsets, world, port)
+            if failure is None:
+                if attempt:
+                    self.output.message(f"tandem run: the job succeeded after {attempt} "
+                                        f"restart(s)")
+                return self._finish(None)
+            if not failure.restartable or attempt + 1 == attempts:
+                return self._finish(failure, f" (attempt {attempt + 1} of {attempts})"
+                                    if attempts > 1 else "")
+            text = summary(failure, f" (attempt {attempt + 1} of {attempts})")
+            text += (f"\ntandem run: restarting the whole job: attempt {attempt + 2} of "
+                     f"{attempts}, TANDEM_RESTART={attempt + 1}")
+            self.output.message(text)
+            for peer in self.peers.values():
+                peer.send(("note", {"text": text}))
+        raise AssertionError("unreachable")
+
+    def _finish(self, failure: Failure | None, attempts: str = "") -> int:
+        text = summary(failure, attempts) if failure is not None else None
+        code = failure.code if failure is not None else 0
+        waiting = {node for node, peer in self.peers.items()
+                   if peer.send(("finish", {"code": code, "summary": text}))}
+        if text:
+            self.output.message(text)
+        # Let the agents read it and hang up first: closing a socket with unread input resets
+        # the connection, which could lose the message on the way.
+        deadline = time.monotonic() + FINISH_S
+        while waiting:
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if event[0] == "lost":
+                waiting.discard(event[1])
+        return code
+
+    # -- joining ---------------------------------------------------------------------------
+    def _gather(self, timeout: float) -> Failure | None:
+        """Wait until every other node's agent has joined (authenticated, valid node rank)."""
+        deadline = time.monotonic() + timeout
+        rejected: list[str] = []
+        while len(self.nprocs) < self.nnodes:
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.nnodes)) - set(self.nprocs))
+                extra = f"; rejected: {'; '.join(rejected)}" if rejected else ""
+                return Failure(node=missing[0], host="?", lost=(
+                    f"its agent did not join within {timeout:g} s (missing: node(s) "
+                    f"{', '.join(map(str, missing))}){extra}. Start `tandem run --nnodes "
+                    f"{self.nnodes} --node-rank R --master ADDR:PORT --secret ...` on each node"))
+            kind = event[0]
+            if kind == "signal":
+                return Failure(node=0, host=self.host, interrupt=event[1])
+            if kind == "agent-exited" and event[1] not in self.nprocs:  # -H: ssh failed?
+                _, node, host, code = event
+                return Failure(node=node, host=host, lost=(
+                    f"its agent exited (code {code}) before joining; can this machine ssh to "
+                    f"{host} without a password, with tandem installed at the same path?"))
+            if kind == "rejected":
+                _, where, reason = event
+                rejected.append(f"{where}: {reason}")
+                self.output.message(f"tandem run: rejected an agent from {where}: {reason}")
+            elif kind == "joined":
+                self._admit(*event[1:])
+            elif kind == "lost":
+                node = event[1]
+                self.peers.pop(node, None)
+                self.nprocs.pop(node, None)
+                self.output.message(f"tandem run: node {node} left before the job started")
+        return None
+
+    def _admit(self, conn, hello, where: str) -> None:
+        if isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello":
+            hello = hello[1]
+        node = hello.get("node_rank") if isinstance(hello, dict) else None
+        reason = None
+        if not isinstance(node, int) or not 0 <= node < self.nnodes:
+            reason = f"node rank {node!r} is out of range: this job has nodes 0..{self.nnodes - 1}"
+        elif hello.get("nnodes") != self.nnodes:
+            reason = (f"it says the job has {hello.get('nnodes')} nodes, node 0 says "
+                      f"{self.nnodes}: give every node the same --nnodes")
+        elif node in self.nprocs:
+            reason = f"node {node} has joined already (two agents with the same --node-rank?)"
+        if reason is not None:
+            try:
+                conn.send(("refused", {"reason": reason}))
+            except OSError:
+                pass
+            conn.close()
+            self.output.message(f"tandem run: refused the agent from {where}: {reason}")
+            return
+        peer = Peer(conn, node, self.events, lost_after(self.config))
+        self.peers[node] = peer
+        self.nprocs[node] = int(hello["nproc"])
+        self.hosts[node] = str(hello.get("host", where))
+        peer.start()
+        peer.send(("welcome", {"node_rank": node}))
+
+    # -- one attempt -----------------------------------------------------------------------
+    def _attempt(self, attempt: int, offsets: dict, world: int, port: int) -> Failure | None:
+        host = self.store_address[0]
+        for node, peer in self.peers.items():
+            peer.send(("start", {"attempt": attempt, "offset": offsets[node], "world": world,
+                                 "store": (host, port)}))
+        self.ranks.start(Placement(attempt, offsets[0], world, (host, port),
+                                   self.gloo_interface))
+        run = _Attempt(self, attempt)
+        while self.ranks.live or run.running:
+            timeout = None if run.deadline is None else max(0.0, run.deadline - time.monotonic())
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                if not run.escalate():
+                    break
+                continue
+            run.handle(event)
+        self.output.join(DRAIN_S)
+        failure = run.failure
+        if failure is not None and failure.rank is not None:
+            tail = (self.output.tail(failure.rank) if failure.node == 0
+                    else run.tails.get(failure.rank, ()))
+            failure = dataclasses.replace(failure, tail=tuple(tail))
+        return failure
+
+    # -- signals -------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {
+            signum: signal.signal(signum, lambda s, f: self.events.put(("signal", s)))
+            for signum in AGENT_SIGNALS
+            if signal.getsignal(signum) is not signal.SIG_IGN
+        }
+
+
+class _Attempt:
+    """The state of one attempt while it runs: who still runs, the first failure, the stop."""
+
+    def __init__(self, job: Coordinator, attempt: int) -> None:
+        self.job, self.attempt = job, attempt
+        self.running = set(job.peers)  # other nodes whose ranks have not all ended
+        self.failure: Failure | None = None
+        self.tails: dict[int, tuple[str, ...]] = {}
+        self.deadline: float | None = None
+        self.killed = False
+
+    def stop(self, failure: Failure, signum: int = signal.SIGTERM) -> None:
+        """The first failure: stop every rank here and on every other node."""
+        self.failure = failure
+        self.job.ranks.signal(signum)
+        for node in self.running:
+            self.job.peers[node].send(("stop", {"attempt": self.attempt}))
+        self.deadline = time.monotonic() + STOP_GRACE_S
+
+    def escalate(self) -> bool:
+        """The deadline passed: SIGKILL what is left here; False when there is no more to do."""
+        if self.job.ranks.live and not self.killed:
+            self.job.ranks.signal(signal.SIGKILL)
+            self.killed, self.deadline = True, time.monotonic() + REMOTE_STOP_S
+            return True
+        self.job.output.message(
+            f"tandem run: giving up on ranks {sorted(self.job.ranks.live)} and nodes "
+            f"{sorted(self.running)} that did not stop"
+        )
+        return False
+
+    def handle(self, event: tuple) -> None:
+        job, kind = self.job, event[0]
+        if kind == "exit":
+            _, rank, returncode = event
+            job.ranks.exited(rank)
+            if returncode != 0 and self.failure is None:
+                job.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
+                                   "stopping every rank of the job")
+                self.stop(job.ranks.failure(rank, returncode, 0, job.host))
+        elif kind == "signal":
+            if self.failure is None:
+                job.output.message(f"tandem run: received {signal.Signals(event[1]).name}; "
+                                   "stopping all ranks (send it again to kill them at once)")
+                self.stop(Failure(node=0, host=job.host, interrupt=event[1]), event[1])
+            elif not self.killed:
+                job.ranks.signal(signal.SIGKILL)
+                self.killed = True
+        elif kind == "lost":
+            node = event[1]
+            self.running.discard(node)
+            lost = Failure(node=node, host=job.hosts.get(node, "?"), lost=event[2])
+            job.output.message(f"tandem run: {lost.headline()}; stopping the job")
+            if self.failure is None:
+                self.stop(lost)
+            elif self.failure.restartable:
+                self.failure = lost  # a job without that node cannot be restarted
+        elif kind == "message":
+            self._message(event[1], *event[2])
+        elif kind == "joined":
+            try:  # the job has all its nodes
+                event[1].send(("refused", {"reason": "the job is running with all its nodes"}))
+            except OSError:
+                pass
+            event[1].close()
+
+    def _message(self, node: int, kind: str, body: dict) -> None:
+        if body.get("attempt", self.attempt) != self.attempt:
+            return  # a late word about an earlier attempt
+        host = self.job.hosts.get(node, "?")
+        if kind == "exit" and self.failure is None:
+            self.job.output.message(
+                f"tandem run: rank {body['rank']} on node {node} failed: "
+                f"{describe(body['returncode'])}; stopping every rank of the job")
+            self.stop(Failure(node=node, host=host, rank=body["rank"], pid=body.get("pid"),
+                              returncode=body["returncode"]))
+        elif kind == "done":
+            self.running.discard(node)
+            self.tails.update({int(r): tuple(t) for r, t in body.get("tails", {}).items()})
+        elif kind == "interrupted" and self.failure is None:
+            self.stop(Failure(node=node, host=host, interrupt=body["signum"]))

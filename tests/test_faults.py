@@ -1,0 +1,73 @@
+"""Fault injection, a few trials: each fault ends the job, non-zero, naming the rank, no orphans.
+
+The trials are the ones `benchmarks/faults.py` runs twenty times each at world sizes 2 and 4
+(its `run_trial` is loaded from there, so the test and the benchmark judge alike); here one
+of each kind at world size 2, the rank and step drawn from a fixed seed. The contract's bound
+is 10 s from the fault to the end of the job, with TANDEM_TIMEOUT=5 (the skips without debug
+mode are found by the watchdog at the timeout; with debug mode within seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BOUND_S = 10.0
+DEBUG_BOUND_S = 5.0  # debug mode names a rank that skipped a collective within 5 s
+
+_spec = importlib.util.spec_from_file_location("faults_benchmark", ROOT / "benchmarks" / "faults.py")
+faults = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(faults)
+
+_random = random.Random(7)
+CASES = [(kind, debug, _random.randrange(1, 6))
+         for kind, debug in [("kill", False), ("skip", False), ("skip", True),
+                             ("skip_recv", True)]]  # an exception: test_launcher.py
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind, debug, step", CASES,
+                         ids=[f"{k}{'-debug' if d else ''}" for k, d, _ in CASES])
+def test_a_fault_ends_the_job_fast_naming_the_rank(kind, debug, step):
+    result = faults.run_trial(kind, world=2, rank=1, step=step, debug=debug, timeout_s=5.0,
+                              steps=30)
+    assert result["all_ranks_started"], result
+    assert result["exit_code"] != 0, result
+    assert result["named"], result.get("stderr_tail")
+    assert not result["orphans"], f"processes outlived the job: {result['orphans']}"
+    bound = DEBUG_BOUND_S if debug else BOUND_S
+    print(f"{kind} debug={debug}: ended {result['seconds_after_fault']:.2f} s after the fault")
+    assert result["seconds_after_fault"] < bound, result
+
+
+@pytest.mark.timeout(120)
+def test_ranks_do_not_outlive_a_killed_agent():
+    """SIGKILL to `tandem run` itself: its ranks notice (their watchdog) and end within seconds."""
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "run", "-np", "2", str(faults.TRAIN), "ok", "--steps",
+         "500", "--step-seconds", "0.05"],
+        cwd=ROOT, env=faults._env({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    seen = []
+    try:
+        for line in agent.stdout:
+            seen.append(line)
+            if line.startswith("[0] step 3 "):
+                break
+        agent.send_signal(signal.SIGKILL)  # no chance to stop its ranks
+        agent.wait(30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    pids = [int(p) for p in re.findall(r"^\[\d\] pid=(\d+) ", "".join(seen), re.MULTILINE)]
+    assert len(pids) == 2, seen
+    assert faults.gone(pids, timeout=10.0) == [], "ranks outlived their killed agent"

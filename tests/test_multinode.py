@@ -1,0 +1,278 @@
+"""Multi-node jobs: one agent per node, an authenticated control plane, failures forwarded.
+
+Two "nodes" are two agents on this machine over loopback; then two network namespaces joined
+by a veth pair (needs root and `ip`; skipped with the reason otherwise), where the link is cut
+in the middle of training. The `-H` path is run end to end with local hosts (a local agent
+process instead of ssh: there is no sshd here); the ssh command itself is unit-tested.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.cli import build_parser, main
+from tandem.launch import LaunchConfig, config_from_args, control, ssh
+from tandem.launch.config import parse_address
+from tandem.launch.hosts import Host
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "tests" / "scripts" / "fault_train.py")
+PYTHON = sys.executable
+STOP_BOUND_S = 20.0  # lost-peer detection is 5 s here; two shared cores add the rest
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _agent(node: int, port: int, *args: str, secret: str = "s3cret", prefix=(), env=None,
+           master: str = "127.0.0.1") -> subprocess.Popen:
+    command = [*prefix, PYTHON, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
+               "--master", f"{master}:{port}", "--secret", secret, "-np", "1", *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env or _env(TANDEM_TIMEOUT="5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(*agents: subprocess.Popen, timeout: float = 120) -> list[tuple[int, str, str]]:
+    results = []
+    for agent in agents:
+        try:
+            out, err = agent.communicate(timeout=timeout)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+        results.append((agent.returncode, out, err))
+    return results
+
+
+# --- without jobs ---------------------------------------------------------------------------
+
+def _config(*argv: str) -> LaunchConfig:
+    return config_from_args(build_parser().parse_args(["run", *argv]), {})
+
+
+def test_multinode_options_are_checked_before_anything_starts(capsys):
+    config = _config("--nnodes", "2", "--node-rank", "1", "--master", "10.0.0.1:29500",
+                     "-np", "4", "t.py")
+    assert (config.nnodes, config.node_rank, config.master) == (2, 1, ("10.0.0.1", 29500))
+    for argv, message in [
+        (["--nnodes", "2", "--node-rank", "2", "--master", "h:1"],
+         "--node-rank 2 is out of range for --nnodes 2: give 0..1"),
+        (["--nnodes", "2"], "--nnodes 2 needs --master ADDR:PORT"),
+        (["--nnodes", "2", "--master", "h:1", "-H", "a:1,b:1"], "received both --nnodes and -H"),
+        (["--nnodes", "2", "--master", "h:99999"], "the port must be between 1 and 65535"),
+        (["-H", "no-such-host.invalid:1,localhost:1"],
+         "cannot resolve the host 'no-such-host.invalid'"),
+    ]:
+        assert main(["run", "-np", "1", *argv, str(ROOT / "tests" / "scripts" / "launch_touch.py"),
+                     "/nonexistent/marker"]) == 2
+        assert message in capsys.readouterr().err
+    assert parse_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError, match="not ADDR:PORT"):
+        parse_address("nohost")
+
+
+def test_ranks_fill_hosts_in_order_and_remote_agents_get_ssh_commands():
+    hosts = (Host("a", 2), Host("b", 2), Host("c", 2))
+    assert ssh.place(3, hosts) == [(Host("a", 2), 2), (Host("b", 2), 1)]
+    config = LaunchConfig(np=4, program="train.py", args=("--lr", "0.1 x"), timeout=30.0,
+                          backend="gloo")
+    args = ssh.agent_arguments(config, node_rank=1, nnodes=2, master=("10.0.0.1", 29500),
+                               nproc=2, python="/venv/bin/python")
+    assert args == ["/venv/bin/python", "-m", "tandem", "run", "--nnodes", "2", "--node-rank",
+                    "1", "--master", "10.0.0.1:29500", "--secret", "-", "-np", "2",
+                    "--backend", "gloo", "--timeout", "30", "train.py", "--lr", "0.1 x"]
+    command = ssh.agent_command(Host("node2"), args, "/home/me/my job")
+    assert command[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "node2"]
+    assert command[6] == ("cd '/home/me/my job' && exec /venv/bin/python -m tandem run "
+                          "--nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret - -np 2 "
+                          "--backend gloo --timeout 30 train.py --lr '0.1 x'")
+    assert "s3cret" not in " ".join(command)  # the secret goes over stdin, never argv
+    assert ssh.agent_command(Host("localhost"), args, "/x") == args
+
+
+def _handshake(server_secret: str, client_secret: str) -> list:
+    left, right = socket.socketpair()
+    from multiprocessing.connection import Connection
+
+    outcomes = [None, None]
+
+    def side(index, sock, secret, server):
+        try:
+            control.authenticate(Connection(sock.detach()), secret, server=server, timeout=5)
+            outcomes[index] = "ok"
+        except control.AuthenticationFailed as error:
+            outcomes[index] = str(error)
+
+    threads = [threading.Thread(target=side, args=(0, left, server_secret, True)),
+               threading.Thread(target=side, args=(1, right, client_secret, False))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    return outcomes
+
+
+def test_agents_prove_the_secret_both_ways():
+    assert _handshake("same", "same") == ["ok", "ok"]
+    assert _handshake("one", "other") == ["the peer does not know this job's secret"] * 2
+    assert control.interface_of("127.0.0.1") == "lo"
+
+
+# --- two agents on loopback ----------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_two_agents_train_together_and_a_failure_on_one_stops_both():
+    port = _free_port()
+    args = (TRAIN, "kill", "--steps", "20", "--at", "4", "--rank", "1")
+    node0 = _agent(0, port, *args)
+    node1 = _agent(1, port, *args)
+    (code0, out0, err0), (code1, out1, err1) = _finish(node0, node1)
+    assert "[0] step 3 loss" in out0  # the two nodes trained together up to the kill
+    assert "[1] failing at" in out1
+    for code, err in ((code0, err0), (code1, err1)):
+        assert code == 137, err
+        assert ("tandem run: job failed: rank 1 (pid" in err and "node 1 on" in err
+                and "killed by SIGKILL" in err), err
+        assert "[1] failing at" in err  # both summaries carry rank 1's last lines
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_secret_is_refused_on_both_sides():
+    port = _free_port()
+    env = _env(TANDEM_TIMEOUT="4")
+    node0 = _agent(0, port, TRAIN, "ok", env=env)
+    node1 = _agent(1, port, TRAIN, "ok", secret="wrong", env=env)
+    (code0, _, err0), (code1, _, err1) = _finish(node0, node1)
+    assert code1 == 2 and "Give every node the same --secret" in err1, err1
+    assert "does not know this job's secret (the secrets differ)" in err1
+    assert code0 == 1 and "rejected an agent from 127.0.0.1" in err0, err0
+    assert "did not join within 4 s" in err0
+    assert "[0]" not in err0  # no rank was started
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_master_and_a_taken_port_are_clear_errors():
+    port = _free_port()
+    started = time.monotonic()
+    lonely = _agent(1, port, TRAIN, "ok", env=_env(TANDEM_TIMEOUT="3"))
+    (code, _, err), = _finish(lonely)
+    assert code == 1 and f"node 0 is unreachable: cannot reach the rendezvous store at " \
+                         f"127.0.0.1:{port}" in err, err
+    assert time.monotonic() - started < 60
+    # two jobs on one machine: the second node 0 cannot take the first one's port
+    first = _agent(0, port, TRAIN, "ok", env=_env(TANDEM_TIMEOUT="20"))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)  # the first agent is starting (a test may poll)
+        second = _agent(0, port, TRAIN, "ok", env=_env(TANDEM_TIMEOUT="20"))
+        (code, _, err), = _finish(second)
+        assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
+    finally:
+        first.kill()
+        first.communicate()
+
+
+@pytest.mark.timeout(150)
+def test_hosts_get_one_agent_each(tmp_path):
+    script = (
+        "import sys; from tandem.launch import LaunchConfig, multinode; "
+        "from tandem.launch.hosts import Host; "
+        f"sys.exit(multinode.launch_hosts(LaunchConfig(np=2, program={TRAIN!r}, "
+        "args=('ok', '--steps', '3'), hosts=(Host('localhost', 1), Host('127.0.0.1', 1)))))"
+    )
+    result = subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=_env(TANDEM_TIMEOUT="20"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "[0] step 2 loss" in result.stdout and "[1] pid=" in result.stdout
+    assert "[0] final" in result.stdout
+
+
+# --- two network namespaces joined by a veth pair ------------------------------------------
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def two_namespaces():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = f"td{os.getpid() % 100000}"
+    subnet = f"10.231.{os.getpid() % 200 + 20}"
+    names = (f"{tag}a", f"{tag}b")
+    links = (f"{tag}va", f"{tag}vb")
+    created = []
+    try:
+        for name in names:
+            made = _ip("netns", "add", name)
+            if made.returncode:
+                pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
+            created.append(name)
+        steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
+        for name, link, last in zip(names, links, (1, 2), strict=True):
+            steps += [("link", "set", link, "netns", name),
+                      ("-n", name, "addr", "add", f"{subnet}.{last}/24", "dev", link),
+                      ("-n", name, "link", "set", link, "up"),
+                      ("-n", name, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode:
+                pytest.skip(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
+        for name in names:  # Gloo would pick the veth's IPv6 link-local address otherwise
+            subprocess.run(["ip", "netns", "exec", name, "sysctl", "-qw",
+                            "net.ipv6.conf.all.disable_ipv6=1"], timeout=20, check=False)
+        yield names, links, (f"{subnet}.1", f"{subnet}.2")
+    finally:
+        for name in created:
+            _ip("netns", "del", name)
+
+
+@pytest.mark.timeout(180)
+def test_a_cut_link_stops_both_nodes_with_the_peer_unreachable(two_namespaces):
+    names, links, (master, _) = two_namespaces
+    port = _free_port()
+    args = (TRAIN, "ok", "--steps", "400", "--step-seconds", "0.2")
+    nodes = [_agent(node, port, *args, prefix=("ip", "netns", "exec", names[node]),
+                    master=master) for node in (0, 1)]
+    try:
+        for line in nodes[0].stdout:  # train across the link for a few steps
+            if line.startswith("[0] step 5 "):
+                break
+        else:
+            pytest.fail(f"no training across namespaces: {nodes[0].stderr.read()[-2000:]}")
+        cut = time.monotonic()
+        assert _ip("-n", names[0], "link", "set", links[0], "down").returncode == 0
+        results = _finish(*nodes)
+        elapsed = time.monotonic() - cut
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    (code0, _, err0), (code1, _, err1) = results
+    print(f"both nodes stopped {elapsed:.1f} s after the cut")
+    assert code0 == 1 and "node 1 (" in err0 and "is unreachable: no word from it" in err0, err0
+    assert code1 == 1 and f"node 0 ({master}:{port}) is unreachable" in err1, err1
+    assert elapsed < STOP_BOUND_S
