@@ -211,3 +211,29 @@ def test_spawn_reports_a_killed_child():
 def test_spawn_rejects_zero_processes():
     with pytest.raises(ValueError, match="nprocs must be >= 1"):
         td.spawn(spawned_sum, 0)
+
+
+def test_hosted_store_listens_on_the_given_address_only():
+    """A single-node job's rendezvous must not be reachable from other machines."""
+    from tandem import rendezvous
+
+    store = rendezvous.host_store("127.0.0.1", 0)
+    listening = []
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port = local.split(":")
+        if int(port, 16) == store.port and state == "0A":  # 0A: LISTEN
+            listening.append(address)
+    assert listening == ["0100007F"]  # 127.0.0.1, little-endian hex
+    del store
+
+
+def test_hosted_store_on_a_taken_port_is_a_clear_error():
+    from tandem import rendezvous
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(rendezvous.PortInUseError, match=f"127.0.0.1:{port}: the port is in use"):
+            rendezvous.host_store("127.0.0.1", port)

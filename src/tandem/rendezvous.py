@@ -9,6 +9,8 @@ the agreed port.
 
 from __future__ import annotations
 
+import errno
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,19 +21,26 @@ class PortInUseError(RuntimeError):
 
 
 def host_store(addr: str = "127.0.0.1", port: int = 0, timeout: float = 300.0) -> dist.TCPStore:
-    """Start a store server on `addr:port` (0: any free port; read it back from `.port`)."""
+    """Start a store server on `addr:port` (0: any free port; read it back from `.port`).
+
+    We bind the listening socket ourselves and hand it to the store: a TCPStore left to bind
+    alone listens on every interface, and a single-node job must be reachable on `addr` only.
+    """
     try:
-        return dist.TCPStore(
-            addr, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        )
-    except (RuntimeError, OSError) as error:
-        text = str(error).lower()
-        if "address already in use" in text or "failed to listen" in text or "bind" in text:
+        listener = socket.create_server((addr, port), backlog=1024)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
             raise PortInUseError(
                 f"cannot listen on {addr}:{port}: the port is in use by another program. "
                 "Pick another port (MASTER_PORT / --master), or let `tandem run` choose a free one."
             ) from None
-        raise
+        raise OSError(f"cannot listen on {addr}:{port}: {error.strerror}") from None
+    bound_port = listener.getsockname()[1]
+    # detach(): the store owns the socket from now on; Python must not close it under it.
+    return dist.TCPStore(
+        addr, bound_port, is_master=True, timeout=timedelta(seconds=timeout),
+        wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False,
+    )
 
 
 def connect_store(addr: str, port: int, timeout: float = 300.0) -> dist.TCPStore:
