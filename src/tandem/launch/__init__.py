@@ -8,6 +8,10 @@ Usage
     tandem run -np 2 -m mypackage.train       # a module, like `python -m`
     tandem run -np 4 --backend gloo --threads-per-rank 2 train.py
     tandem run -H localhost:4 train.py        # horovodrun's spelling; -np defaults to the slots
+    tandem run -np 4 --backend mpi train.py   # ranks started through mpiexec (launch/mpiexec.py)
+    tandem run -np 2 --max-restarts 3 train.py          # restart the job when a rank fails
+    tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 2 train.py   # one agent a node
+    tandem run -np 8 -H node1:4,node2:4 train.py        # remote agents started over ssh
     python -m tandem run ...                  # the same command
 
 Everything after the script (or module) is passed to every rank unchanged. Each rank calls
@@ -47,8 +51,12 @@ is killed when the job ends, so processes the ranks started do not outlive it.
 Bad input (-np 0, a script that does not exist, an unknown backend) is reported with exit
 code 2 before anything starts. A module that does not exist is reported by the ranks.
 
-Not yet supported: remote hosts in -H/--hostfile (local names such as localhost
-are fine), --backend mpi (ranks started through mpiexec) and --max-restarts.
+Restarts (launch/restart.py): with --max-restarts K a failed job is stopped and started
+again, up to K times, each rank seeing TANDEM_RESTART=<attempt>; td.Checkpointer or
+td.save/td.load resume it. Several nodes (launch/multinode.py): node 0's agent hosts the
+rendezvous at --master and a control plane that authenticates agents with the job's secret
+(--secret / TANDEM_SECRET); a failure on any node stops every node. docs/failures.md shows
+each failure report.
 
 From Python
 -----------
