@@ -47,7 +47,128 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run, parser=parser)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_run_parser,)
+def _scale(args: argparse.Namespace) -> int:
+    from tandem.bench import scaling
+    from tandem.launch import LaunchError
+
+    try:
+        config = scaling.ScaleConfig(
+            nps=scaling.parse_sizes(args.np) if args.np else scaling.default_sizes(),
+            program=args.program, args=tuple(args.args),
+            module=args.module, mode=args.mode, steps=args.steps, warmup=args.warmup,
+            out=args.out, backend=args.backend, threads_per_rank=args.threads_per_rank,
+            timeout=args.timeout,
+        )
+        scaling.run(config)
+    except (ValueError, LaunchError, scaling.ScaleError) as error:
+        print(f"tandem scale: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
+    return 0
+
+
+def add_scale_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`tandem scale`: run a script at several world sizes; table, JSON and PNG."""
+    from tandem.bench import scaling
+
+    parser = subparsers.add_parser(
+        "scale",
+        help="scaling analysis: tandem scale --np 1,2,4 train.py",
+        description=scaling.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("-np", "--np", default=None, metavar="N,N,...",
+                        help="world sizes to measure (default: 1, 2, 4, ... up to the cores)")
+    parser.add_argument("--mode", choices=scaling.MODES, default="strong",
+                        help="strong: fixed global batch (default); weak: fixed per-rank batch")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per size (20)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps not measured first (3)")
+    parser.add_argument("--out", default="results/scale",
+                        help="directory for scaling.json, scaling.png and the raw records")
+    parser.add_argument("--backend", default=None, help="communication backend of the jobs")
+    parser.add_argument("--threads-per-rank", type=int, default=None, metavar="T",
+                        help="threads per rank at every size (default: cores // largest N)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="seconds a collective may wait before failing")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="run the program as a module, like `python -m module`")
+    parser.add_argument("program", metavar="script.py|module", help="what each rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.set_defaults(handler=_scale)
+
+
+def _bench_allreduce(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from tandem.bench import allreduce, plots
+
+    if args.sizes:
+        sizes = args.sizes
+    else:
+        sizes = [s for s in allreduce.DEFAULT_SIZES if args.min_size <= s <= args.max_size]
+    backends = [name.strip().lower() for name in args.backends.split(",") if name.strip()]
+    try:
+        results = allreduce.run(np=args.np, sizes=sizes or [args.min_size], budget_s=args.budget,
+                                backends=backends)
+    except (ValueError, RuntimeError) as error:
+        print(f"tandem bench allreduce: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
+    print(allreduce.format_report(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    png = plots.plot_bandwidth(results, str(out.with_suffix(".png")), allreduce.LABELS)
+    print(f"\nwrote {out} and {png}")
+    return 0
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`tandem bench allreduce`: bus bandwidth per message size and backend; JSON and PNG."""
+    parser = subparsers.add_parser(
+        "bench", help="micro-benchmarks: tandem bench allreduce -np 2",
+        description="Micro-benchmarks of this machine's communication.", allow_abbrev=False,
+    )
+    benches = parser.add_subparsers(title="benchmarks", metavar="BENCH")
+    from tandem.bench import allreduce
+
+    bench = benches.add_parser(
+        "allreduce", help="all-reduce time and bus bandwidth per message size, per backend",
+        description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    allreduce.add_arguments(bench)
+    bench.add_argument("--backend", dest="backends", help="the same as --backends")
+    bench.add_argument("--sizes", default=None, metavar="4K,1M,...",
+                       type=lambda text: sorted({allreduce.parse_size(t) for t in text.split(",") if t}),
+                       help="message sizes to measure (default: --min-size to --max-size, x4)")
+    bench.set_defaults(handler=_bench_allreduce, out="results/allreduce.json")
+    parser.set_defaults(handler=lambda args: parser.print_help(sys.stderr) or 2)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from tandem import doctor
+
+    return doctor.main()
+
+
+def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`tandem doctor`: backends, MPI, GPUs, cores, network, ports and versions."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="what this machine offers: backends, MPI, GPUs, cores, network, versions",
+        description="Print one line per check (with the fix when something is missing); "
+        "always exits 0.",
+    )
+    parser.set_defaults(handler=_doctor)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_run_parser,
+    add_scale_parser,
+    add_bench_parser,
+    add_doctor_parser,
+)
 
 
 def _version() -> str:

@@ -26,6 +26,7 @@ Remainders (N samples, k ranks, global batch B):
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from tandem.comm.groups import Group, group_rank, group_size
+from tandem.diagnostics import steps, timeline
 
 # Keyword arguments `partition_dataset` sets itself; passing them through would contradict it.
 _RESERVED = ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last")
@@ -139,6 +141,26 @@ class ShardedLoader(DataLoader):
         """The epoch the next pass will use."""
         return self.sampler.epoch
 
+    def __iter__(self) -> Iterator[Any]:
+        # The base iterator is made now (not at the first batch): iter() starts the epoch.
+        return _timed(super().__iter__(), self.batch_size)
+
+
+def _timed(batches: Iterator[Any], per_rank: int) -> Iterator[Any]:
+    """Each batch, with the time the script waited for it reported to `tandem scale`
+    (`diagnostics.steps`) and the timeline: two clock reads per batch."""
+    while True:
+        start = time.perf_counter_ns()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        end = time.perf_counter_ns()
+        steps.add_batch((end - start) * 1e-9, per_rank)
+        if timeline.ENABLED:
+            timeline.batch_fetched(start, end)
+        yield batch
+
 
 def check_batch_size(batch_size: int, size: int) -> int:
     """The per-rank batch for a global `batch_size` over `size` ranks, or an error with the fix."""
@@ -193,6 +215,8 @@ def partition_dataset(
     size, rank = group_size(group), group_rank(group)
     if rank < 0:
         raise ValueError(f"this rank is not a member of {group!r}; only members can read a shard")
+    # `tandem scale --mode weak` keeps the per-rank batch: the global one grows with the world.
+    batch_size = steps.scaled_batch(batch_size, size)
     per_rank = check_batch_size(batch_size, size)
     sampler = ShardSampler(
         len(dataset), rank, size, shuffle=shuffle, seed=seed, drop_last=drop_last,

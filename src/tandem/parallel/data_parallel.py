@@ -212,6 +212,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "DistributedOptimizer.step() takes no closure: gradients are averaged once per "
                 "step, and a closure would run backward again after that"
             )
+        if timeline.ENABLED:
+            timeline.step_started()  # backward is over
         wait_s = 0.0
         reducer = self._reducer
         if reducer is not None:

@@ -246,6 +246,8 @@ class Reducer:
             )
         self._counts[i] = count
         if count > self.max_passes:
+            if self.max_passes == 0 and timeline.ENABLED:
+                timeline.backward_started()  # the round's first gradient: forward is over
             self.max_passes = count
         if count < self._accumulate:
             return

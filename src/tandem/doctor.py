@@ -1,0 +1,189 @@
+"""`tandem doctor`: what this machine offers a distributed job, one line each, with the fix.
+
+    $ tandem doctor
+    tandem     0.1.0 (python 3.12.3, torch 2.13.0, numpy 2.3.1, mpi4py 4.1.2)
+    Gloo       available
+    NCCL       not available: no CUDA GPU visible (NCCL needs one); use gloo on CPUs
+    ...
+
+Every check is a small function returning `Check(name, ok, detail, fix)`; none of them
+communicates, starts MPI or changes anything, so it is safe to run anywhere, any time. The
+command always exits 0: it reports, it does not judge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# torchrun's and tandem's conventional rendezvous ports; `tandem run` itself lets the
+# operating system pick a free port, but MASTER_PORT-style jobs (SLURM, torchrun) use these.
+DEFAULT_PORTS = (29500, 29501, 29502, 29503)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self, width: int = 11) -> str:
+        text = f"{self.name:<{width}}{self.detail}"
+        return f"{text} -- fix: {self.fix}" if self.fix else text
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions() -> Check:
+    parts = [f"python {platform.python_version()}"]
+    for package in ("torch", "numpy", "mpi4py", "matplotlib"):
+        parts.append(f"{package} {_version(package) or 'missing'}")
+    return Check("tandem", True, f"{_version('tandem') or 'unknown'} ({', '.join(parts)})")
+
+
+def check_gloo() -> Check:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_gloo_available():
+        return Check("Gloo", True, "available")
+    return Check("Gloo", False, "not available in this torch build",
+                 "install a stock torch wheel from pytorch.org (they all include Gloo)")
+
+
+def check_nccl() -> Check:
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        return Check("NCCL", False, "not available: no CUDA GPU visible",
+                     "none needed on CPUs (Gloo is used); for GPUs install a CUDA build of torch")
+    if not dist.is_nccl_available():
+        return Check("NCCL", False, "not available in this torch build",
+                     "install a CUDA build of torch from pytorch.org")
+    version = ".".join(map(str, torch.cuda.nccl.version()))
+    return Check("NCCL", True, f"available (NCCL {version})")
+
+
+def check_mpi() -> Check:
+    if importlib.util.find_spec("mpi4py") is None:
+        return Check("MPI", False, "not available: mpi4py is not installed",
+                     "pip install mpi4py mpich   (or mpi4py against your system MPI)")
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        # Reading the library version is allowed before MPI_Init: do not start MPI here.
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as error:
+        return Check("MPI", False, f"mpi4py {mpi4py.__version__} cannot load an MPI library "
+                     f"({error})", "pip install mpich (or point mpi4py at a system MPI)")
+    library = MPI.Get_library_version().strip().splitlines()[0].strip()
+    major, minor = MPI.Get_version()
+    return Check("MPI", True,
+                 f"available: {' '.join(library.split())} (MPI {major}.{minor}, mpi4py "
+                 f"{mpi4py.__version__})")
+
+
+def check_cuda() -> Check:
+    import torch
+
+    if not torch.cuda.is_available():
+        build = torch.version.cuda
+        detail = "none visible" + (f" (torch built for CUDA {build})" if build else
+                                   " (CPU-only torch build)")
+        return Check("CUDA", False, detail, "")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return Check("CUDA", True, f"{len(names)} device(s): {', '.join(names)}")
+
+
+def check_cores() -> Check:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    total = os.cpu_count()
+    detail = f"{usable} usable" + (f" of {total}" if total and total != usable else "")
+    detail += f"; `tandem run -np N` gives each rank {usable} // N threads"
+    return Check("cores", True, detail)
+
+
+def _interfaces() -> list[tuple[str, str]]:
+    """(name, state) of each network interface, from /sys where Linux has it."""
+    names = sorted(name for _, name in socket.if_nameindex())
+    found = []
+    for name in names:
+        state = "?"
+        with contextlib.suppress(OSError):
+            with open(f"/sys/class/net/{name}/operstate") as file:
+                state = file.read().strip()
+        found.append((name, state))
+    return found
+
+
+def check_network() -> Check:
+    try:
+        interfaces = _interfaces()
+    except OSError as error:
+        return Check("network", False, f"cannot list interfaces ({error})")
+    up = [name for name, state in interfaces if state in ("up", "unknown") and name != "lo"]
+    listed = ", ".join(f"{name} ({state})" for name, state in interfaces)
+    if not up:
+        return Check("network", False, f"only loopback is up: {listed}",
+                     "fine for one machine; several hosts need a NIC that is up")
+    return Check("network", True, listed)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(ports: tuple[int, ...] = DEFAULT_PORTS) -> Check:
+    busy = [port for port in ports if not _port_free(port)]
+    span = f"{ports[0]}-{ports[-1]}"
+    if busy:
+        return Check("ports", False, f"{span}: in use: {', '.join(map(str, busy))}",
+                     "tandem run picks a free port itself; for torchrun/SLURM set MASTER_PORT "
+                     "to a free one")
+    return Check("ports", True, f"{span} free (rendezvous ports of torchrun-style jobs)")
+
+
+CHECKS: tuple[Callable[[], Check], ...] = (
+    check_versions, check_gloo, check_nccl, check_mpi, check_cuda, check_cores,
+    check_network, check_ports,
+)
+
+
+def run_checks() -> list[Check]:
+    """Every check; one that breaks becomes a failed `Check` naming the error."""
+    results = []
+    for check in CHECKS:
+        try:
+            results.append(check())
+        except Exception as error:  # a broken probe must not hide the other lines
+            name = check.__name__.removeprefix("check_")
+            results.append(Check(name, False, f"check failed: {type(error).__name__}: {error}"))
+    return results
+
+
+def main() -> int:
+    """Print one line per check; always 0."""
+    for check in run_checks():
+        print(check.line(), flush=True)
+    return 0
