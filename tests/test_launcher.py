@@ -254,6 +254,12 @@ def test_options_come_from_tandem_variables_unless_given():
         _config("t.py", environ={"TANDEM_NP": "many"})
 
 
+def test_timeline_reaches_every_rank_as_an_absolute_path():
+    config = _config("-np", "2", "--timeline", "trace.json", "t.py")
+    env = rank_environment(config, 1, 12345, {})
+    assert env["TANDEM_TIMELINE"] == os.path.abspath("trace.json")
+
+
 def test_hosts_set_the_default_number_of_processes(tmp_path):
     assert _config("-H", "localhost:2,127.0.0.1", "t.py").np == 3
     hostfile = tmp_path / "hosts"

@@ -82,6 +82,8 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, 
     env = dict(base)
     if config.timeout is not None:
         env["TANDEM_TIMEOUT"] = str(config.timeout)
+    if config.timeline is not None:
+        env["TANDEM_TIMELINE"] = os.path.abspath(config.timeline)
     # N ranks each running one thread per core would oversubscribe the machine N times.
     threads = config.threads_per_rank or max(1, cores() // config.np)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -102,6 +102,8 @@ OPTIONS: tuple[Option, ...] = (
            "where node 0 hosts the rendezvous store (every node gives the same)"),
     Option("secret", ("--secret",), str, "S",
            "shared secret that authenticates the agents of a multi-node job; - reads stdin"),
+    Option("timeline", ("--timeline",), str, "FILE",
+           "write a Chrome/Perfetto trace of every rank (compute, data, each bucket) to FILE"),
 )
 
 
@@ -122,6 +124,7 @@ class LaunchConfig:
     node_rank: int = 0
     master: tuple[str, int] | None = None  # node 0's rendezvous store, for multi-node jobs
     secret: str | None = None
+    timeline: str | None = None  # a trace file; the ranks get it as TANDEM_TIMELINE
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -239,4 +242,5 @@ def config_from_args(
         node_rank=values["node_rank"] or 0,
         master=values["master"],
         secret=values["secret"],
+        timeline=values["timeline"],
     )
