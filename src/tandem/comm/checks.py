@@ -19,6 +19,7 @@ vector has the same size on every rank.
 
 from __future__ import annotations
 
+import functools
 import sys
 import zlib
 
@@ -38,6 +39,7 @@ class CollectiveMismatchError(ValueError):
     """Ranks called a collective with arguments that do not agree."""
 
 
+@functools.lru_cache(maxsize=1024)
 def _code(text: str | None) -> int:
     return _IGNORED if text is None else zlib.crc32(text.encode()) & 0x7FFFFFFF
 
@@ -63,7 +65,7 @@ def describe(
     return f"{collective}({', '.join(parts)})"
 
 
-def _encode(collective, tensor, op, root, ignore_dim0, fingerprint=None) -> torch.Tensor:
+def _encode(collective, tensor, op, root, ignore_dim0, fingerprint=None) -> list[int]:
     shape = list(tensor.shape)
     if ignore_dim0 and shape:
         shape[0] = _IGNORED
@@ -75,7 +77,7 @@ def _encode(collective, tensor, op, root, ignore_dim0, fingerprint=None) -> torc
         _IGNORED if fingerprint is None else fingerprint.seq,
         _IGNORED if fingerprint is None else fingerprint.site_code, *slots, extra,
     ]
-    return torch.tensor(values, dtype=torch.int64)
+    return values
 
 
 def agree(
@@ -100,22 +102,25 @@ def agree(
         stream = "world" if group is None else tuple(group.ranks)
         fingerprint = fingerprints.next_fingerprint(collective, stream)
     mine = _encode(collective, tensor, op, root, ignore_dim0, fingerprint)
-    both = torch.cat([mine, -mine])
+    # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
+    # check's own bookkeeping must not cost more than its message.
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
     backend = state.backend
     target = both if backend.supports_device(both.device) else both.to(state.world.device)
     backend.allreduce(target, "max", group).wait(state.timeout)
-    high, neg_low = target.cpu().split(_WIDTH)
-    differ = high != -neg_low
-    if not differ.any():
+    result = target.tolist()
+    high, low = result[:_WIDTH], [-v for v in result[_WIDTH:]]
+    if high == low:
         return
+    differ = [i for i in range(_WIDTH) if high[i] != low[i]]
     mine_text = describe(collective, tensor, op, root, ignore_dim0)
     if fingerprint is not None:
         mine_text = f"#{fingerprint.seq} {mine_text} at {fingerprint.site}"
-        if differ.nonzero().flatten().tolist() == [_SITE]:
+        if differ == [_SITE]:
             # The same collective from different lines: legitimate when the code branches on
             # the rank (`if rank == 0: barrier() else: barrier()`), so a warning, once per
             # pair of lines (every rank sees the same pair, so all decide alike).
-            _warn_sites(mine_text, group, (int(high[_SITE]), int(-neg_low[_SITE])))
+            _warn_sites(mine_text, group, (high[_SITE], low[_SITE]))
             return
     _raise_mismatch(mine_text, group, debug=fingerprint is not None)
 
