@@ -101,6 +101,20 @@ def _ordered_named_params(
     return sorted(((names[id(p)], p) for p in params), key=lambda item: order[id(item[1])])
 
 
+
+@contextlib.contextmanager
+def _unsynced(reducer) -> Iterator[None]:
+    """`no_sync()` of both wrappers: hold the reducer's reductions back (none in a world of one)."""
+    if reducer is None:
+        yield
+        return
+    reducer.set_sync(False)
+    try:
+        yield
+    finally:
+        reducer.set_sync(True)
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap an optimizer so that `step()` uses gradients averaged across the group.
 
@@ -266,17 +280,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces them all."""
-        if self._reducer is None:
-            yield
-            return
-        self._reducer.set_sync(False)
-        try:
-            yield
-        finally:
-            self._reducer.set_sync(True)
+        return _unsynced(self._reducer)
 
 
 class DistributedDataParallel(nn.Module):
@@ -352,14 +358,6 @@ class DistributedDataParallel(nn.Module):
         with torch.no_grad():
             coalesced(self._buffers_to_sync, send, copy_back=runtime.rank() != self._root)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces them all."""
-        if self._reducer is None:
-            yield
-            return
-        self._reducer.set_sync(False)
-        try:
-            yield
-        finally:
-            self._reducer.set_sync(True)
+        return _unsynced(self._reducer)
