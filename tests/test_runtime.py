@@ -237,3 +237,22 @@ def test_hosted_store_on_a_taken_port_is_a_clear_error():
         port = taken.getsockname()[1]
         with pytest.raises(rendezvous.PortInUseError, match=f"127.0.0.1:{port}: the port is in use"):
             rendezvous.host_store("127.0.0.1", port)
+
+
+@pytest.mark.timeout(120)
+def test_a_script_started_by_torchrun_joins_its_job(tmp_path):
+    """torchrun's variables (and its agent's store) are read: the same script, unchanged."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, tandem as td
+        world = td.init()
+        total = td.allreduce(torch.ones(1) * (world.rank + 1), op="sum").item()
+        print(f"rank {world.rank} of {world.size} total {total}")
+    """))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    done = subprocess.run([torchrun, "--nproc-per-node", "2", str(script)], env=clean,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 of 2 total 3.0", "rank 1 of 2 total 3.0"]
