@@ -130,5 +130,9 @@ class WatchedBackend(Backend):
         return self._inner.supports_device(device)
 
     def shutdown(self) -> None:
-        self.watchdog.stop()
-        self._inner.shutdown()
+        # The engine must be torn down while the interpreter is alive, whatever the watchdog
+        # does: Gloo threads left to interpreter teardown abort the process (std::terminate).
+        try:
+            self.watchdog.stop()
+        finally:
+            self._inner.shutdown()
