@@ -33,12 +33,13 @@ import json
 import os
 import random
 import re
-import select
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "tests" / "scripts" / "fault_train.py"
@@ -65,21 +66,6 @@ def named(kind: str, rank: int, debug: bool, err: str) -> bool:
     return re.search(patterns[kind], err) is not None
 
 
-def gone(pids: list[int], timeout: float = 5.0) -> list[int]:
-    """The pids still running after `timeout` (a zombie counts as gone)."""
-    deadline, alive = time.monotonic() + timeout, []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-        if not ready:
-            alive.append(pid)
-    return alive
 
 
 def run_trial(kind: str, world: int, rank: int, step: int, debug: bool, timeout_s: float = 5.0,
@@ -94,7 +80,7 @@ def run_trial(kind: str, world: int, rank: int, step: int, debug: bool, timeout_
     failed_at = re.search(rf"^\[{rank}\] failing at ([\d.]+)$", done.stdout, re.MULTILINE)
     pids = [int(p) for p in re.findall(r"^\[\d+\] pid=(\d+) ", done.stdout, re.MULTILINE)]
     elapsed = ended - float(failed_at.group(1)) if failed_at else None
-    orphans = gone(pids)
+    orphans = still_running(pids, timeout=5.0)
     result = {
         "kind": kind, "world": world, "rank": rank, "step": step, "debug": debug,
         "exit_code": done.returncode, "seconds_after_fault": elapsed,

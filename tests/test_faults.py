@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.testing import still_running
+
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 10.0
 DEBUG_BOUND_S = 5.0  # debug mode names a rank that skipped a collective within 5 s
@@ -70,4 +72,4 @@ def test_ranks_do_not_outlive_a_killed_agent():
             agent.kill()
     pids = [int(p) for p in re.findall(r"^\[\d\] pid=(\d+) ", "".join(seen), re.MULTILINE)]
     assert len(pids) == 2, seen
-    assert faults.gone(pids, timeout=10.0) == [], "ranks outlived their killed agent"
+    assert still_running(pids, timeout=10.0) == [], "ranks outlived their killed agent"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from tandem.cli import build_parser, main
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
 from tandem.launch.agent import cores, describe, exit_code, rank_environment
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile
+from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -54,18 +54,9 @@ def _pids(output: str) -> list[int]:
 
 
 def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
-    """Every pid has exited (a zombie counts as gone), waiting on pidfds up to `timeout`."""
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-        assert readable, f"process {pid} outlived its job"
+    """Every pid has exited (a zombie counts as gone) within `timeout`."""
+    alive = still_running(pids, timeout)
+    assert not alive, f"processes {alive} outlived their job"
 
 
 # --- jobs ---------------------------------------------------------------------------------

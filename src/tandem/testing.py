@@ -23,6 +23,7 @@ import atexit
 import os
 import pickle
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -248,6 +249,26 @@ class LocalWorld:
             except subprocess.TimeoutExpired:
                 pass
         return self._logs()
+
+
+def still_running(pids: Sequence[int], timeout: float = 10.0) -> list[int]:
+    """The pids that have not exited within `timeout` (a zombie counts as exited).
+
+    Waits on pidfds, an event per process, so the check ends as soon as every pid is gone.
+    """
+    deadline, alive = time.monotonic() + timeout, []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+        if not ready:
+            alive.append(pid)
+    return alive
 
 
 _worlds: dict[tuple[int, str, tuple], LocalWorld] = {}
