@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
@@ -18,6 +17,7 @@ from typing import Any
 
 from tandem import rendezvous
 from tandem.environments import tandem_variables
+from tandem.launch.agent import describe
 
 _STOP_GRACE_S = 3.0
 # How long a reported error waits for a peer death that would explain it.
@@ -48,18 +48,6 @@ def _child(fn, args, variables, backend, conn) -> None:
         conn.close()
 
 
-def describe_exit(code: int | None) -> str:
-    """`exit code 3`, `killed by SIGKILL`: how a process ended, for people."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def stop_processes(processes: Sequence[mp.process.BaseProcess]) -> None:
     """SIGTERM, then SIGKILL whatever has not exited after a short grace."""
     for process in processes:
@@ -86,7 +74,7 @@ def _root_cause(processes, results, error: SpawnError) -> SpawnError:
     wait([p.sentinel for p in others], timeout=_CAUSE_GRACE_S)
     for rank, process in enumerate(processes):
         if process.exitcode not in (None, 0):
-            return SpawnError(rank, f"{describe_exit(process.exitcode)}; rank {error.rank} "
+            return SpawnError(rank, f"{describe(process.exitcode)}; rank {error.rank} "
                                     f"then failed with:\n{error}")
     return error
 
@@ -137,7 +125,7 @@ def spawn(
                     readers, rank
                 ):
                     raise SpawnError(
-                        rank, f"died before reporting ({describe_exit(process.exitcode)})"
+                        rank, f"died before reporting ({describe(process.exitcode)})"
                     )
     finally:
         stop_processes(processes)
