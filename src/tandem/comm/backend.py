@@ -58,6 +58,15 @@ class Backend(abc.ABC):
     def allreduce(self, tensor: torch.Tensor, op: str, group: Group | None) -> Work:
         """Reduce `tensor` across the group with a native op, in place, on every member."""
 
+    def allreduce_now(self, tensor: torch.Tensor, op: str, group: Group | None) -> Work | None:
+        """`allreduce` for a caller that waits at once: None if it already completed.
+
+        A blocking `td.allreduce` of a few kilobytes takes microseconds on MPI, less than the
+        asynchronous bookkeeping around it; engines that can finish such a message on the spot
+        override this. A `Work` returned here must still be waited for.
+        """
+        return self.allreduce(tensor, op, group)
+
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, root: int, group: Group | None) -> Work:
         """Copy `tensor` from global rank `root` into `tensor` on every member."""

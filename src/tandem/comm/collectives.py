@@ -84,14 +84,13 @@ class _Staging:
     """A contiguous buffer on a device the backend accepts, copied back when done."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        backend = runtime.get_backend()
         self.original = tensor
-        if backend.supports_device(tensor.device) and tensor.is_contiguous():
-            self.buffer = tensor
-        elif backend.supports_device(tensor.device):
-            self.buffer = tensor.contiguous()
-        else:
+        if not runtime.get_backend().supports_device(tensor.device):
             self.buffer = tensor.to(runtime.device()).contiguous()
+        elif tensor.is_contiguous():
+            self.buffer = tensor
+        else:
+            self.buffer = tensor.contiguous()
 
     def copy_back(self) -> torch.Tensor:
         if self.buffer is not self.original:
@@ -120,17 +119,24 @@ def allreduce(
     _check_member(group)
     data, as_numpy = _to_torch(tensor)
     checks.agree("allreduce", data, group, op=op)
-    target = data if inplace else data.clone()
-    staging = _Staging(target)
-    work = runtime.get_backend().allreduce(staging.buffer, "sum" if op == "mean" else op, group)
+    staging = _Staging(data if inplace else data.clone())
+    backend = runtime.get_backend()
+    native = "sum" if op == "mean" else op
+    if async_op:
+        work = backend.allreduce(staging.buffer, native, group)
+        return Handle(work, lambda: _reduced(staging, op, group, as_numpy))
+    # Waited for at once: the engine may finish it on the spot (see Backend.allreduce_now).
+    work = backend.allreduce_now(staging.buffer, native, group)
+    if work is not None:
+        work.wait(runtime.state().timeout)
+    return _reduced(staging, op, group, as_numpy)
 
-    def finish():
-        result = staging.copy_back()
-        if op == "mean":
-            _divide(result, group_size(group))
-        return _output(result, as_numpy)
 
-    return _complete(work, finish, async_op)
+def _reduced(staging: _Staging, op: str, group: Group | None, as_numpy: bool) -> Array:
+    result = staging.copy_back()
+    if op == "mean":
+        _divide(result, group_size(group))
+    return _output(result, as_numpy)
 
 
 def broadcast(
@@ -327,7 +333,7 @@ def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
 def barrier(group: Group | None = None) -> None:
     """Return once every rank of the group has called it."""
     _check_member(group)
-    checks.fingerprint("barrier", group)  # debug mode: is every rank in this barrier?
+    checks.agree_on_call("barrier", group)  # is every rank in this barrier?
     runtime.get_backend().barrier(group).wait(runtime.state().timeout)
 
 
@@ -351,7 +357,7 @@ def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
     """Every rank's picklable object, as a list in rank order."""
     _check_member(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    checks.fingerprint("allgather_object", group, payload)  # debug mode only
+    checks.agree_on_call("allgather_object", group, payload)
     lengths = _exchange_lengths(payload.numel(), group)
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)

@@ -120,6 +120,28 @@ class Progress:
             self._thread.join(timeout)
 
 
+def completed_within(request: Any, seconds: float) -> bool:
+    """Test `request` until it completes (True) or `seconds` pass (False), as `MPIWork.wait`
+    spins: tight for `SPIN_S`, then yielding the CPU between tests.
+
+    For a request nobody else knows yet (not in `Progress.outstanding`), so no lock is taken.
+    """
+    test = request.Test
+    if test():
+        return True
+    monotonic = time.monotonic
+    start = monotonic()
+    busy_until, until = start + SPIN_S, start + seconds
+    while monotonic() < busy_until:
+        if test():
+            return True
+    while monotonic() < until:
+        os.sched_yield()
+        if test():
+            return True
+    return False
+
+
 class MPIWork(Work):
     """One MPI request in flight, finished in the caller's thread.
 

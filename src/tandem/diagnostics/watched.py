@@ -90,6 +90,14 @@ class WatchedBackend(Backend):
         return self.watchdog.issue(self._inner.allreduce(tensor, op, group), "allreduce", group,
                                    tensor)
 
+    def allreduce_now(self, tensor, op, group):
+        # Finished on the spot: nothing was waited for, so only the count moves.
+        work = self._inner.allreduce_now(tensor, op, group)
+        if work is None:
+            self.watchdog.issued_done(group)
+            return None
+        return self.watchdog.issue(work, "allreduce", group, tensor)
+
     def broadcast(self, tensor, root, group):
         return self.watchdog.issue(self._inner.broadcast(tensor, root, group), "broadcast",
                                    group, tensor)
