@@ -12,9 +12,11 @@ its sequence number on the group and a hash of the user's call site, so a rank t
 collective is caught by the same single all-reduce. The same collective reached from different
 lines is only a warning (once per pair of lines): code that branches on the rank does that on
 purpose (`if rank == 0: ...; td.barrier() else: td.barrier()`). `barrier`
-and `allgather_object`, which have no arguments to check, go through `fingerprint()` and are
-checked in debug mode only. The two fields are always present (-1 when debug is off), so the
-vector has the same size on every rank.
+and `allgather_object`, which have no arguments to check, go through `agree_on_call()`: they
+are checked too, because MPI matches collectives by their order alone, so a rank that skipped
+an all-reduce and entered a barrier would otherwise complete its barrier against the other
+ranks' next message and fail later on garbage. The two fingerprint fields are always present
+(-1 when debug is off), so the vector has the same size on every rank.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _SHAPE_SLOTS = 12
 _HEADER = ("collective", "op", "dtype", "ndim", "root", "device", "seq", "site")
 _WIDTH = len(_HEADER) + _SHAPE_SLOTS + 1  # + a hash of any dims beyond the slots
 _IGNORED = -1
-_NO_ARGUMENTS = ("barrier", "allgather_object")  # checked in debug mode, for the fingerprint
+_NO_ARGUMENTS = ("barrier", "allgather_object")  # only the call itself is compared
 
 
 class CollectiveMismatchError(ValueError):
@@ -149,9 +151,9 @@ def _warn_sites(mine: str, group, sites: tuple[int, int]) -> None:
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
-def fingerprint(collective: str, group=None, tensor: torch.Tensor | None = None) -> None:
-    """Debug mode only: check that every rank is in this same collective (`barrier`...)."""
-    if runtime.state().debug and not fingerprints.suspended():
+def agree_on_call(collective: str, group=None, tensor: torch.Tensor | None = None) -> None:
+    """Check that every rank is in this same collective (`barrier`, `allgather_object`)."""
+    if not fingerprints.suspended():
         agree(collective, _NOTHING if tensor is None else tensor, group,
               ignore_dim0=tensor is not None)
 

@@ -13,8 +13,9 @@ module gives the MPI backend the behaviour of `python -m mpi4py`, plus a deadlin
   non-blocking barrier), so `MPI_Finalize` never waits without a deadline. Ranks that do not
   arrive in time are named, and this rank leaves as a failed one.
 
-A `sys.exit(n)` with n != 0 is not an exception and is not seen: such a rank waits for the
-others like a rank that finished (raise an exception to fail fast).
+`sys.exit(n)` with n != 0 (argparse's errors too) is a failure as well: it reaches no
+excepthook, so the guard wraps `sys.exit` to see it, and the rank leaves with code n. Only a
+bare `raise SystemExit(n)` goes unseen: such a rank waits for the others like one that finished.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class _ExitGuard:
         self.timeout = timeout
         self.policy = policy
         self.failure: str | None = None
+        self.exit_code = 1
         self.comm = MPI.COMM_WORLD.Dup()  # the exit barrier never meets anyone else's message
         previous = sys.excepthook
 
@@ -64,6 +66,16 @@ class _ExitGuard:
             previous(kind, value, traceback)
 
         sys.excepthook = excepthook
+        real_exit = sys.exit
+
+        def exit(status: object = None) -> None:
+            if status is not None and status != 0:
+                self.failure = f"sys.exit({status!r})"
+                # What Python itself would exit with: the number, or 1 for a message.
+                self.exit_code = status if isinstance(status, int) else 1
+            real_exit(status)
+
+        sys.exit = exit
         # Registered after mpi4py's own exit handler, so it runs before MPI_Finalize.
         atexit.register(self.leave)
 
@@ -95,5 +107,5 @@ class _ExitGuard:
         sys.stderr.write(f"tandem: {message}\n")
         sys.stderr.flush()
         if self.policy == "exit":
-            os._exit(1)
-        self.MPI.COMM_WORLD.Abort(1)
+            os._exit(self.exit_code)
+        self.MPI.COMM_WORLD.Abort(self.exit_code)
