@@ -20,6 +20,23 @@ def test_tandem_variables_round_trip():
         "10.0.0.1", 29501, True, "gloo")
 
 
+def test_an_mpi_rank_of_tandem_run_is_a_tandem_rank_under_mpi():
+    """The supervisor of `tandem run`'s MPI ranks gives each the variables of a local rank."""
+    from tandem.launch import mpi_rank
+
+    enclosing = {"TANDEM_RANK": "5", "TANDEM_SIZE": "8", "RANK": "3", "WORLD_SIZE": "4"}
+    hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    base = {**enclosing, **hydra, "TANDEM_LAUNCH_TOKEN": "secret"}
+    job = mpi_rank._mpi_job(environments, base)  # MPI's word, not the enclosing job's
+    env = mpi_rank._child_environment(environments, job, ("127.0.0.1", 4321), base)
+    child = detect(env)
+    assert (child.source, child.rank, child.size, child.local_rank, child.local_size) == (
+        "tandem", 1, 2, 1, 2)
+    assert (child.master_addr, child.master_port, child.store_hosted) == ("127.0.0.1", 4321, True)
+    assert (child.backend, child.under_mpi) == ("mpi", True)
+    assert "TANDEM_LAUNCH_TOKEN" not in env and env["PMI_RANK"] == "1"  # MPI's own, kept
+
+
 def test_torchrun():
     job = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "host", "MASTER_PORT": "1234"})

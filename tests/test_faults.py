@@ -2,9 +2,10 @@
 
 The trials are the ones `benchmarks/faults.py` runs twenty times each at world sizes 2 and 4
 (its `run_trial` is loaded from there, so the test and the benchmark judge alike); here one
-of each kind at world size 2, the rank and step drawn from a fixed seed. The contract's bound
-is 10 s from the fault to the end of the job, with TANDEM_TIMEOUT=5 (the skips without debug
-mode are found by the watchdog at the timeout; with debug mode within seconds).
+of each kind at world size 2, the rank and step drawn from a fixed seed, on Gloo and on MPI
+(`tandem run`'s CPU default, whose ranks mpiexec starts). The contract's bound is 10 s from
+the fault to the end of the job, with TANDEM_TIMEOUT=5 (the skips without debug mode are
+found by the watchdog at the timeout; with debug mode within seconds).
 """
 
 from __future__ import annotations
@@ -33,12 +34,34 @@ _random = random.Random(7)
 CASES = [(kind, debug, _random.randrange(1, 6))
          for kind, debug in [("kill", False), ("skip", False), ("skip", True),
                              ("skip_recv", True)]]  # an exception: test_launcher.py
+needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
+
+
+def _marks(backend: str) -> list:
+    return [] if backend == "gloo" else [needs_mpi]
+
+
+TRIALS = [pytest.param(backend, kind, debug, step, marks=_marks(backend),
+                       id=f"{backend}-{kind}{'-debug' if debug else ''}")
+          for backend in ("gloo", "mpi") for kind, debug, step in CASES]
+
+
+@pytest.fixture
+def on_backend(monkeypatch):
+    """Run `faults.run_trial`'s jobs on a given backend (its environment drops TANDEM_*)."""
+    environment = faults._env
+
+    def use(backend: str) -> None:
+        monkeypatch.setattr(faults, "_env",
+                            lambda extra: environment({**extra, "TANDEM_BACKEND": backend}))
+
+    return use
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind, debug, step", CASES,
-                         ids=[f"{k}{'-debug' if d else ''}" for k, d, _ in CASES])
-def test_a_fault_ends_the_job_fast_naming_the_rank(kind, debug, step):
+@pytest.mark.parametrize("backend, kind, debug, step", TRIALS)
+def test_a_fault_ends_the_job_fast_naming_the_rank(backend, kind, debug, step, on_backend):
+    on_backend(backend)
     result = faults.run_trial(kind, world=2, rank=1, step=step, debug=debug, timeout_s=5.0,
                               steps=30)
     assert result["all_ranks_started"], result
@@ -51,11 +74,13 @@ def test_a_fault_ends_the_job_fast_naming_the_rank(kind, debug, step):
 
 
 @pytest.mark.timeout(120)
-def test_ranks_do_not_outlive_a_killed_agent():
-    """SIGKILL to `tandem run` itself: its ranks notice (their watchdog) and end within seconds."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=needs_mpi)])
+def test_ranks_do_not_outlive_a_killed_agent(backend):
+    """SIGKILL to `tandem run` itself: its ranks notice and end within seconds (on Gloo their
+    watchdog sees the agent gone; on MPI their supervisor sees its connection to it close)."""
     agent = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "run", "-np", "2", str(faults.TRAIN), "ok", "--steps",
-         "500", "--step-seconds", "0.05"],
+        [sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", backend,
+         str(faults.TRAIN), "ok", "--steps", "500", "--step-seconds", "0.05"],
         cwd=ROOT, env=faults._env({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True,
     )

@@ -1,6 +1,8 @@
 """`tandem run`: real jobs of real processes, plus the option parsing without any.
 
-The jobs run through `python -m tandem run` exactly as a user types it. The only timed
+The jobs run through `python -m tandem run` exactly as a user types it, mostly without
+`--backend`: on this machine (mpi4py installed, no GPU) that is MPI, ranks started through
+mpiexec; a few run again with `--backend gloo`, the local agent's own path. The only timed
 assertion is the contract's fail-fast bound (section 7: the others are stopped "within
 seconds"; the launcher aims at 5 s): it is checked against 10 s, because these tests share two
 cores with other jobs and a loaded machine can stall a process for seconds.
@@ -8,6 +10,7 @@ cores with other jobs and a loaded machine can stall a process for seconds.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -23,12 +26,15 @@ from tandem.cli import build_parser, main
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
 from tandem.launch.agent import cores, describe, exit_code, rank_environment
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile
+from tandem.launch.launcher import default_backend, with_backend
 from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 FAIL_FAST_BOUND_S = 10.0  # contract: 5 s; doubled for two shared, loaded cores
 JOB_TIMEOUT_S = 90
+# What `tandem run` picks without --backend on a CPU machine (mpiexec comes with mpi4py's mpich).
+CPU_DEFAULT = "mpi" if importlib.util.find_spec("mpi4py") else "gloo"
 
 
 def _env() -> dict[str, str]:
@@ -63,8 +69,13 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_are_prefixed_and_exit_zero():
-    result = tandem_run("-np", "2", str(SCRIPTS / "launch_env.py"), "--lr", "0.1", "-np", "5")
+@pytest.mark.parametrize("flags, backend", [((), CPU_DEFAULT), (("--backend", "gloo"), "gloo")],
+                         ids=["default", "gloo"])
+def test_two_ranks_are_prefixed_and_exit_zero(flags, backend):
+    # Without --backend this is the end-to-end check of the CPU default (MPI here): every rank
+    # gets the same variables, the store included, and td.init() agrees with the launcher.
+    result = tandem_run("-np", "2", *flags, str(SCRIPTS / "launch_env.py"), "--lr", "0.1",
+                        "-np", "5")
     assert result.returncode == 0, result.stderr
     threads = max(1, cores() // 2)
     for rank in (0, 1):
@@ -74,12 +85,13 @@ def test_two_ranks_are_prefixed_and_exit_zero():
         assert f"hosted=1 omp={threads} mkl={threads} unbuffered=1" in line.group(0)
         assert line.group(0).endswith("args=--lr 0.1 -np 5")  # the script's args, untouched
         assert f"[{rank}] stderr line from rank {rank}" in result.stderr
-        assert f"[{rank}] allreduce=3" in result.stdout  # a real collective over the job
+        # a real collective over the job, on the backend the launcher chose
+        assert f"[{rank}] allreduce=3 backend={backend}" in result.stdout
     assert all(re.match(r"\[[01]\] ", line) for line in result.stdout.splitlines())
 
 
-def _failing_job(mode: str) -> tuple[subprocess.CompletedProcess, float]:
-    result = tandem_run("-np", "2", str(SCRIPTS / "launch_fail.py"), mode)
+def _failing_job(mode: str, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    result = tandem_run("-np", "2", *flags, str(SCRIPTS / "launch_fail.py"), mode)
     ended = time.time()
     failed_at = re.search(r"^\[1\] failing at ([\d.]+)$", result.stdout, re.MULTILINE)
     assert failed_at, result.stdout + result.stderr
@@ -91,8 +103,9 @@ def _failing_job(mode: str) -> tuple[subprocess.CompletedProcess, float]:
 
 
 @pytest.mark.timeout(120)
-def test_an_exception_on_one_rank_stops_the_job():
-    result, elapsed = _failing_job("raise")
+@pytest.mark.parametrize("flags", [(), ("--backend", "gloo")], ids=["default", "gloo"])
+def test_an_exception_on_one_rank_stops_the_job(flags):
+    result, elapsed = _failing_job("raise", *flags)
     assert result.returncode == 1
     assert elapsed < FAIL_FAST_BOUND_S, f"the job took {elapsed:.1f} s to stop"
     summary = result.stderr[result.stderr.index("tandem run: job failed"):]
@@ -146,10 +159,13 @@ def test_two_jobs_at_once_get_their_own_ports():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_launcher_stops_every_rank(signum):
+@pytest.mark.parametrize("signum, flags", [
+    (signal.SIGTERM, ()), (signal.SIGINT, ()), (signal.SIGTERM, ("--backend", "gloo")),
+], ids=["SIGTERM", "SIGINT", "SIGTERM-gloo"])
+def test_a_signal_to_the_launcher_stops_every_rank(signum, flags):
     agent = subprocess.Popen(
-        _command("-np", "2", str(SCRIPTS / "launch_fail.py"), "wait"), cwd=ROOT, env=_env(),
+        _command("-np", "2", *flags, str(SCRIPTS / "launch_fail.py"), "wait"), cwd=ROOT,
+        env=_env(),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     seen = []
@@ -197,6 +213,9 @@ def test_a_job_needs_at_least_one_process(np, tmp_path, capsys):
         (["-np", "2", "--max-restarts", "-1"], "--max-restarts -1: give 0 or more"),
         (["-np", "9", "-H", "localhost:4"], "-np 9 needs 9 slots"),
         (["-np", "2", "--backend", "tcp"], "unknown backend 'tcp'"),
+        (["-np", "2", "--backend", "mpi", "--max-restarts", "1"], "not yet supported with --backend mpi"),
+        (["-np", "2", "--backend", "mpi", "--nnodes", "2", "--master", "127.0.0.1:1"],
+         "--backend mpi runs one node only"),
         (["--threads-per-rank", "0", "-np", "2"], "--threads-per-rank 0"),
         ([], "give -np N (or set TANDEM_NP)"),
     ],
@@ -273,6 +292,30 @@ def test_threads_per_rank_respect_the_users_setting():
     forced = rank_environment(LaunchConfig(np=2, program="t.py", threads_per_rank=3), 0, 1,
                               {"OMP_NUM_THREADS": "7"})
     assert forced["OMP_NUM_THREADS"] == forced["MKL_NUM_THREADS"] == "3"
+
+
+def test_default_backend_is_the_fastest_that_can_run_the_job(tmp_path):
+    local = LaunchConfig(np=2, program="t.py")
+    assert default_backend(local, cuda=True, mpi=True) == "nccl"
+    assert default_backend(local, cuda=False, mpi=True) == "mpi"
+    assert default_backend(local, cuda=False, mpi=False) == "gloo"
+    # What `tandem run --backend mpi` cannot do yet goes to Gloo, even with MPI installed.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    for flags in (["-H", "localhost:2"], ["--hostfile", str(hostfile)], ["--max-restarts", "1"],
+                  ["--nnodes", "2", "--master", "127.0.0.1:29500"]):
+        config = _config("-np", "2", *flags, "t.py")
+        assert default_backend(config, cuda=False, mpi=True) == "gloo", flags
+        assert default_backend(config, cuda=True, mpi=True) == "nccl", flags
+
+
+def test_a_named_backend_wins_over_the_default(monkeypatch):
+    assert with_backend(LaunchConfig(np=2, program="t.py", backend="gloo")).backend == "gloo"
+    monkeypatch.setenv("TANDEM_BACKEND", "Gloo")  # a LaunchConfig built by hand (tandem scale)
+    assert with_backend(LaunchConfig(np=2, program="t.py")).backend == "gloo"
+    monkeypatch.delenv("TANDEM_BACKEND")
+    assert with_backend(LaunchConfig(np=2, program="t.py")).backend == default_backend(
+        LaunchConfig(np=2, program="t.py"))
 
 
 def test_exit_causes_read_like_a_shell():

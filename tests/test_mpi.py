@@ -161,7 +161,21 @@ def check_in_flight_out_of_order():
 
 
 def test_in_flight_out_of_order_and_progress():
-    run_distributed(check_in_flight_out_of_order, world_size=2, backend="mpi")
+    # The thread is forced: by default it runs only when a core is spare (see below).
+    run_distributed(check_in_flight_out_of_order, world_size=2, backend="mpi",
+                    env={"TANDEM_MPI_PROGRESS": "thread"})
+
+
+def test_progress_thread_only_with_a_spare_core(monkeypatch):
+    from tandem.comm import mpi_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(mpi_backend.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not mpi_backend.spare_core(local_size=2)  # 2 ranks x 2 threads fill 4 cores
+    assert mpi_backend.spare_core(local_size=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert mpi_backend.spare_core(local_size=2)  # compute runs on the GPUs
 
 
 def check_edges():
@@ -196,15 +210,24 @@ def check_timeouts():
         with pytest.raises(TimeoutError) as raised:
             td.recv(torch.zeros(4), src=1, tag=3)
         messages.append(str(raised.value))
+        # Without argument checks, so that rank 1 can complete exactly the operations left.
+        runtime.state().checks = False
         with pytest.raises(TimeoutError) as raised:
             td.barrier()
         messages.append(str(raised.value))
-        td.send(torch.ones(1), dst=1, tag=9)  # tell rank 1 to enter the barrier we left
+        # A blocking all-reduce first drives MPI itself (allreduce_now), then waits watched.
+        with pytest.raises(TimeoutError) as raised:
+            td.allreduce(torch.ones(3), op="sum")
+        messages.append(str(raised.value))
+        td.send(torch.ones(1), dst=1, tag=9)  # tell rank 1 to enter what we left
     else:
         box = torch.zeros(1)
         work = runtime.get_backend().recv(box, 0, 9, None)
         work.wait(60)
-        td.barrier()  # completes rank 0's abandoned barrier: the world is clean again
+        runtime.state().checks = False
+        td.barrier()  # completes rank 0's abandoned barrier ...
+        td.allreduce(torch.ones(3), op="sum")  # ... and all-reduce: the world is clean again
+    runtime.state().checks = True
     total = td.allreduce(torch.ones(1), op="sum").item()
     return messages, total
 
@@ -212,8 +235,9 @@ def check_timeouts():
 def test_timeouts_name_the_peer():
     results = run_distributed(check_timeouts, world_size=2, backend="mpi",
                               env={"TANDEM_TIMEOUT": "2"})
-    (recv_message, barrier_message), total = results[0]
+    (recv_message, barrier_message, allreduce_message), total = results[0]
     assert total == 2.0
+    assert "allreduce((3,) float32, sum)" in allreduce_message and "[1]" in allreduce_message
     assert "recv" in recv_message and "from rank 1" in recv_message and "tag 3" in recv_message
     assert "within 2 s" in recv_message
     assert "barrier" in barrier_message and "[1]" in barrier_message
@@ -260,3 +284,13 @@ def test_tandem_run_mpi_stops_the_job_when_a_rank_fails():
     assert ended - gave_up < 5.0, f"the job took {ended - gave_up:.1f} s to stop"
     assert "job failed: rank 1" in done.stderr and "exit code 1" in done.stderr
     assert "[1] RuntimeError: rank 1 cannot go on" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_tandem_run_mpi_sys_exit_is_a_failure():
+    done = _tandem_run("-np", "2", str(SCRIPTS / "mpi_exit_code.py"))
+    ended = time.time()
+    assert done.returncode == 3, done.stdout + done.stderr
+    exited = float(re.search(r"^\[1\] rank 1 exits at ([\d.]+)$", done.stdout, re.M).group(1))
+    assert ended - exited < 5.0, f"the job took {ended - exited:.1f} s to stop"
+    assert "job failed: rank 1" in done.stderr and "exit code 3" in done.stderr

@@ -92,7 +92,9 @@ def test_checkpointer_refuses_bad_input(tmp_path):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> torch.Tensor:
     out = tmp_path_factory.mktemp("reference") / "params.pt"
-    result = tandem_run("-np", "2", TRAIN, "ok", "--steps", STEPS, "--out", str(out))
+    # On Gloo, like the restarted jobs (restarts run on Gloo): one engine, bit for bit.
+    result = tandem_run("-np", "2", "--backend", "gloo", TRAIN, "ok", "--steps", STEPS,
+                        "--out", str(out))
     assert result.returncode == 0, result.stderr
     return torch.load(out)
 

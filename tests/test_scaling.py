@@ -196,9 +196,11 @@ def test_weak_mode_keeps_the_per_rank_batch(tmp_path):
 def test_communication_or_compute_dominates_as_expected(tmp_path):
     # Communication-bound: 64 small layers, every gradient reduced in its own message (130 per
     # step) and one sample per rank. On one machine a big model alone does not do it: loopback
-    # moves bytes about as fast as the optimizer touches them; per-message latency does.
+    # moves bytes about as fast as the optimizer touches them; per-message latency does. That
+    # is Gloo's (~0.4 ms a message here): MPI's is ~40x less, and no step is communication-
+    # bound on it (the CPU default of `tandem run`), so this job names Gloo.
     comm = scaling.run(scaling.ScaleConfig(
-        nps=(2,), program=SCRIPT, steps=4, warmup=2, out=str(tmp_path / "comm"),
+        nps=(2,), program=SCRIPT, steps=4, warmup=2, out=str(tmp_path / "comm"), backend="gloo",
         args=("--hidden", "64", "--layers", "64", "--bucket-mb", "0.001", "--batch", "2",
               "--samples", "64", "--report")),
         echo=lambda *_: None)["rows"][0]

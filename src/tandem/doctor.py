@@ -69,7 +69,8 @@ def check_nccl() -> Check:
 
     if not torch.cuda.is_available():
         return Check("NCCL", False, "not available: no CUDA GPU visible",
-                     "none needed on CPUs (Gloo is used); for GPUs install a CUDA build of torch")
+                     "none needed on CPUs (MPI or Gloo is used); for GPUs install a CUDA build "
+                     "of torch")
     if not dist.is_nccl_available():
         return Check("NCCL", False, "not available in this torch build",
                      "install a CUDA build of torch from pytorch.org")

@@ -72,7 +72,8 @@ def _port(env: Env, name: str) -> int | None:
 
 
 def detect_tandem(env: Env) -> JobEnvironment | None:
-    """Variables set by `tandem run` (see `tandem.launch`)."""
+    """Variables set by `tandem run` (see `tandem.launch`); under MPI by each rank's supervisor,
+    with TANDEM_UNDER_MPI=1 (launch/mpi_rank.py)."""
     if "TANDEM_RANK" not in env:
         return None
     return JobEnvironment(
@@ -224,6 +225,7 @@ def tandem_variables(
     master_port: int,
     store_hosted: bool = True,
     backend: str | None = None,
+    under_mpi: bool = False,
 ) -> dict[str, str]:
     """The variables a tandem launcher sets for one rank: the inverse of `detect_tandem`."""
     variables = {
@@ -237,4 +239,6 @@ def tandem_variables(
     }
     if backend:
         variables["TANDEM_BACKEND"] = backend
+    if under_mpi:
+        variables["TANDEM_UNDER_MPI"] = "1"
     return variables

@@ -1,4 +1,5 @@
-"""Prints what `tandem run` gave this rank, then checks the job with one real all-reduce."""
+"""Prints what `tandem run` gave this rank, then checks the job with one real all-reduce (and
+says which backend `td.init()` chose for it)."""
 
 import os
 import sys
@@ -17,7 +18,7 @@ print(
 )
 print(f"stderr line from rank {env['TANDEM_RANK']}", file=sys.stderr)
 
-td.init()
+world = td.init()
 total = td.allreduce(torch.tensor([td.rank() + 1.0]), op="sum")
-print(f"allreduce={total.item():g}")
+print(f"allreduce={total.item():g} backend={world.backend}")
 td.shutdown()

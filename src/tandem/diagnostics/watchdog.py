@@ -31,7 +31,8 @@ process: the job stops within seconds instead of at the timeout. A rank that is 
 (computing) never closes a cycle, so it is reported only at the timeout, with its stack.
 
 Without a rendezvous store (an MPI job started by plain `mpiexec`) the reports say what this
-rank waited for, and the other ranks' states are unknown. `TANDEM_WATCHDOG=0` turns it off.
+rank waited for, and the other ranks' states are unknown; MPI jobs of `tandem run` get the
+agent's store and report every rank, as Gloo jobs do. `TANDEM_WATCHDOG=0` turns it off.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class Watchdog:
                  board: Board | None, agent: int | None = None) -> None:
         self.rank, self.size, self.timeout, self.debug = rank, size, timeout, debug
         self.board = board
-        self.agent = agent  # pid of the tandem agent that started this rank, if one did
+        self.agent = agent  # pid of the tandem agent (under MPI: supervisor) that started this rank
         self._issued: dict[str, int] = {}
         self._labels: dict[int, str] = {}
         self._waiting: dict[int, tuple] = {}  # thread id -> the wait it is in
@@ -191,6 +192,11 @@ class Watchdog:
         issued = self._issued
         index = issued[stream] = issued.get(stream, 0) + 1
         return WatchedWork(work, (kind, stream, index, group, tensor, None, None), self)
+
+    def issued_done(self, group) -> None:
+        """Count an operation that completed before `issue` could wrap it (`allreduce_now`)."""
+        stream = "world" if group is None else self.stream(group)
+        self._issued[stream] = self._issued.get(stream, 0) + 1
 
     def issue_p2p(self, work: Work, kind: str, group, tensor, peer: int, tag: int) -> WatchedWork:
         src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
@@ -360,9 +366,9 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self._tick):
             if self.agent is not None and os.getppid() != self.agent:
-                self._end_job(f"tandem watchdog: rank {self.rank}: the agent that started it "
-                              f"(pid {self.agent}) is gone; ending this rank so that it does "
-                              "not outlive its job")
+                self._end_job(f"tandem watchdog: rank {self.rank}: the agent (or MPI supervisor) "
+                              f"that started it (pid {self.agent}) is gone; ending this rank so "
+                              "that it does not outlive its job")
             try:
                 self._serve()
                 self._inspect()
@@ -414,7 +420,9 @@ def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
         restart = environments.setting("RESTART") or "0"
         prefix = f"tandem/watchdog/{restart}/{next(_generation)}/"
         board = Board.connect(job.master_addr or "127.0.0.1", job.master_port, prefix)
-    # Ranks of `tandem run` end with their agent even if it is killed without a word.
+    # Ranks of `tandem run` end with their agent even if it is killed without a word. The parent
+    # is the agent itself, or under MPI the rank's supervisor (launch/mpi_rank.py), which kills
+    # its rank when the agent goes: watching the parent covers both.
     agent = os.getppid() if job.source == "tandem" and job.store_hosted else None
     dog = Watchdog(job.rank, job.size, float(timeout), bool(debug), board, agent)
     dog.start()

@@ -17,12 +17,17 @@ Usage
 Everything after the script (or module) is passed to every rank unchanged. Each rank calls
 td.init() and finds its place in the job from the variables set for it.
 
+The backend, unless --backend names one: nccl with GPUs; else mpi when mpi4py and mpiexec
+are installed and the job is local without restarts (no -H/--hostfile, --nnodes or
+--max-restarts); else gloo. `--backend gloo` keeps Gloo where MPI would be the default.
+
 What every rank gets
 --------------------
 - TANDEM_RANK, TANDEM_SIZE, TANDEM_LOCAL_RANK, TANDEM_LOCAL_SIZE,
   TANDEM_MASTER_ADDR/TANDEM_MASTER_PORT (a rendezvous store the launcher hosts on a
   port the operating system picked, so two jobs on one machine never collide),
-  TANDEM_BACKEND with --backend, TANDEM_TIMEOUT with --timeout.
+  TANDEM_BACKEND (the backend chosen above), TANDEM_TIMEOUT with --timeout. MPI ranks get
+  the same, plus TANDEM_UNDER_MPI=1, from their supervisor (launch/mpi_rank.py).
 - OMP_NUM_THREADS and MKL_NUM_THREADS: --threads-per-rank, by default
   cores // ranks, so N ranks do not each start one thread per core. Values already in the
   environment are kept unless --threads-per-rank is given.

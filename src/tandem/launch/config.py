@@ -83,7 +83,9 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("np", ("-np", "-n", "--np"), _integer, "N", "number of processes (ranks) to start"),
     Option("backend", ("--backend",), _backend, "NAME",
-           f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs, else gloo)"),
+           f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs; else mpi "
+           "when mpi4py and mpiexec are installed and the job is local without restarts (no "
+           "-H/--hostfile/--nnodes/--max-restarts); else gloo)"),
     Option("threads_per_rank", ("--threads-per-rank",), _integer, "T",
            "OMP/MKL threads per rank (default: cores // ranks, unless OMP_NUM_THREADS is set)"),
     Option("timeout", ("--timeout",), _seconds, "S",

@@ -3,16 +3,23 @@
 `mpiexec` starts one of these per rank; each starts the user's program as its child and
 connects it to the `tandem run` agent over three local sockets (control, stdout, stderr):
 
-    mpiexec -n N python mpi_rank.py --connect 127.0.0.1:PORT -- python -u train.py ...
+    mpiexec -n N python mpi_rank.py --connect 127.0.0.1:P1 --store 127.0.0.1:P2 -- python -u train.py
 
 The child inherits MPI's process-manager connection (`PMI_FD` and friends; `close_fds=False`
-keeps inheritable descriptors), so `td.init()` in it joins the MPI job as usual. It runs in a
-session of its own, so the agent stops it (and whatever it started) by process group, exactly
-like a locally started rank, and reads its output as it reads a local rank's pipes. On the
-control socket the supervisor says `pid <pid>` when the child started and `exit <code>` when
-it ended (a negative code: killed by that signal). It exits 0 itself either way: deciding
-what a failure means (stop the others, the summary, the job's exit code) is the agent's job,
-not mpiexec's.
+keeps inheritable descriptors), so `td.init()` in it joins the MPI job as usual. It also gets
+the same `TANDEM_*` variables as a locally started rank (its MPI rank, size and local rank, the
+agent's rendezvous store at `--store`) plus `TANDEM_UNDER_MPI=1`: it is a tandem rank that
+happens to be wired by MPI, so the watchdog's all-ranks reports, the timeline and scripts that
+read `TANDEM_RANK` work as under Gloo, while `td.init()` still picks the MPI backend.
+
+It runs in a session of its own, so the agent stops it (and whatever it started) by process
+group, exactly like a locally started rank, and reads its output as it reads a local rank's
+pipes. On the control socket the supervisor says `pid <pid>` when the child started and
+`exit <code>` when it ended (a negative code: killed by that signal); the agent never writes
+there, so end of file means the agent is gone, and the supervisor then kills the child's group
+(the rank's watchdog in turn ends the rank if the supervisor vanishes). It exits 0 itself
+either way: deciding what a failure means (stop the others, the summary, the job's exit code)
+is the agent's job, not mpiexec's.
 
 It is run by file path so that starting it does not import tandem (and torch); the one module
 it needs, `tandem.environments` (stdlib only), is loaded from its file.
@@ -27,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -49,20 +57,65 @@ def _connect(address: tuple[str, int], header: bytes) -> socket.socket:
     return sock
 
 
+def _address(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
+
+
+def _mpi_job(environments, env):
+    """This rank's place as mpiexec tells it (never from `TANDEM_*` or torchrun variables: those
+    may be an enclosing job's)."""
+    job = environments.detect_openmpi(env) or environments.detect_mpich(env)
+    if job is None:
+        raise SystemExit("mpi_rank.py: not started by mpiexec (neither OMPI_COMM_WORLD_RANK "
+                         "nor PMI_RANK is set)")
+    return job
+
+
+def _child_environment(environments, job, store: tuple[str, int], base) -> dict[str, str]:
+    """`base` minus the launch token, plus a local rank's `TANDEM_*` set and TANDEM_UNDER_MPI."""
+    env = {k: v for k, v in base.items() if k != "TANDEM_LAUNCH_TOKEN"}
+    env.update(environments.tandem_variables(
+        rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size,
+        master_addr=store[0], master_port=store[1], store_hosted=True, backend="mpi",
+        under_mpi=True,
+    ))
+    return env
+
+
+def _end_child_with_agent(control: socket.socket, child: subprocess.Popen) -> None:
+    """Kill the child's group when the agent is gone (end of file on the control socket).
+
+    The agent closes the socket only after it read `exit`, or by dying; in the second case
+    nobody is left to stop the rank or report on it, so it must not run on (nor hold the
+    other ranks in a collective) under an mpiexec that does not notice.
+    """
+    try:
+        while control.recv(256):
+            pass
+    except OSError:
+        pass
+    if child.returncode is None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connect", required=True, help="HOST:PORT of the agent")
+    parser.add_argument("--store", required=True, help="HOST:PORT of the agent's rendezvous store")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     environments = _environments()
-    job = environments.detect(os.environ)
+    job = _mpi_job(environments, os.environ)
     token = environments.setting("LAUNCH_TOKEN") or ""
-    host, port = args.connect.rsplit(":", 1)
-    address = (host, int(port))
+    address = _address(args.connect)
     streams = {kind: _connect(address, f"{token} {job.rank} {kind}\n".encode())
                for kind in ("control", "stdout", "stderr")}
-    env = {k: v for k, v in os.environ.items() if k != "TANDEM_LAUNCH_TOKEN"}
+    env = _child_environment(environments, job, _address(args.store), os.environ)
     child = subprocess.Popen(
         command, env=env, stdin=subprocess.DEVNULL, stdout=streams["stdout"].fileno(),
         stderr=streams["stderr"].fileno(), close_fds=False, start_new_session=True,
@@ -86,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         control.sendall(f"pid {child.pid}\n".encode())
     except OSError:
-        pass  # the agent is gone; the child still runs to its end under mpiexec
+        pass  # the agent is gone: the watcher below ends the child
+    threading.Thread(target=_end_child_with_agent, args=(control, child),
+                     name="tandem-agent-watch", daemon=True).start()
     code = child.wait()
     try:
         control.sendall(f"exit {code}\n".encode())

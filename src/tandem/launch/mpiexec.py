@@ -1,4 +1,4 @@
-"""The MPI front end of `tandem run --backend mpi`: ranks started through `mpiexec`.
+"""The MPI front end of `tandem run` (the CPU default, or `--backend mpi`): ranks started by `mpiexec`.
 
     tandem run --backend mpi -np 4 train.py
 
@@ -9,7 +9,9 @@ is run by the local agent's own machinery (`agent.LocalAgent`): the same `[rank]
 the same fail-fast stop (SIGTERM to every rank's process group, SIGKILL after a grace), the
 same summary naming the first rank to fail and its last lines, the same exit code. mpiexec
 only starts processes and wires MPI (its process-manager connection is inherited by the
-program, so `td.init()` joins the MPI job and picks the MPI backend).
+program, so `td.init()` joins the MPI job and picks the MPI backend). The agent still hosts
+the job's rendezvous store, and every rank gets it (`TANDEM_MASTER_ADDR/PORT`, passed on by
+its supervisor): MPI does not need it, the watchdog does, to ask every rank where it is.
 
 Ranks run on this machine only (as with the local launcher); the agent's sockets listen on
 127.0.0.1 and ranks authenticate with a per-job token.
@@ -29,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.launch.agent import LocalAgent, job_environment, rank_command
+from tandem.launch.agent import MASTER_ADDR, LocalAgent, job_environment, rank_command
 from tandem.launch.config import LaunchConfig, LaunchError
 from tandem.launch.output import block_agent_signals
 
@@ -85,7 +87,8 @@ class MPIExecAgent(LocalAgent):
             self._stop_mpiexec()
 
     def _start_ranks(self, port: int) -> None:
-        # `port` is the agent's rendezvous store; MPI ranks find each other through mpiexec.
+        # MPI ranks find each other through mpiexec; `port`, the agent's rendezvous store, is
+        # for the watchdog's cross-rank reports (each supervisor hands it to its rank).
         token = secrets.token_hex(16)
         listener = socket.create_server(("127.0.0.1", 0), backlog=3 * self.config.np)
         try:
@@ -98,7 +101,8 @@ class MPIExecAgent(LocalAgent):
             command = [
                 mpiexec, *_quiet_cleanup(mpiexec), "-n", str(self.config.np),
                 sys.executable, "-u", str(supervisor),
-                "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--",
+                "--connect", f"127.0.0.1:{listener.getsockname()[1]}",
+                "--store", f"{MASTER_ADDR}:{port}", "--",
                 *rank_command(self.config),
             ]
             self._mpiexec = subprocess.Popen(
@@ -230,7 +234,11 @@ def launch(config: LaunchConfig) -> int:
             f"--backend mpi runs local ranks only for now (got hosts {names}); drop -H/--hostfile"
         )
     if config.max_restarts:
-        raise LaunchError(f"--max-restarts {config.max_restarts} is not yet supported")
+        raise LaunchError(f"--max-restarts {config.max_restarts} is not yet supported with "
+                          "--backend mpi: use --backend gloo")
+    if config.nnodes > 1:
+        raise LaunchError(f"--backend mpi runs one node only for now (got --nnodes "
+                          f"{config.nnodes}): use --backend gloo")
     check_program(config)
     find_mpiexec()
     return MPIExecAgent(config).run()
