@@ -178,6 +178,26 @@ def test_progress_thread_only_with_a_spare_core(monkeypatch):
     assert mpi_backend.spare_core(local_size=2)  # compute runs on the GPUs
 
 
+def check_large_allreduce_in_pieces():
+    """From 8 MB an all-reduce goes to MPI in 4 MB pieces: every element, every dtype, every path."""
+    from tandem.comm import mpi_backend
+
+    me, n = td.rank(), td.size()
+    count = (mpi_backend.PIECES_FROM_BYTES // 4) * 2 + 3  # 16 MB of float32 and a ragged end
+    values = torch.arange(count, dtype=torch.float32) % 1000 + me
+    summed = td.allreduce(values, op="sum")  # allreduce_now
+    expected = n * (torch.arange(count, dtype=torch.float32) % 1000) + sum(range(n))
+    assert torch.equal(summed, expected)
+    big_ints = torch.full((count // 2,), me + 1, dtype=torch.int64)  # 8-byte items
+    assert torch.all(td.allreduce(big_ints, op="max", async_op=True).wait() == n)
+    halves = torch.full((count,), 0.5, dtype=torch.bfloat16)  # reduced in a float32 stand-in
+    assert torch.all(td.allreduce(halves, op="sum") == 0.5 * n)
+
+
+def test_large_allreduce_in_pieces():
+    run_distributed(check_large_allreduce_in_pieces, world_size=2, backend="mpi")
+
+
 def check_edges():
     """Empty tensors, zero-row splits, bad input: clear errors, never a hang."""
     backend = runtime.get_backend()
