@@ -2,6 +2,7 @@
 
     python benchmarks/faults.py                      # 20 kills, 5 of each other fault, np 2 and 4
     python benchmarks/faults.py --trials 3 --other-trials 1 --worlds 2 --kinds kill,raise
+    python benchmarks/faults.py --backend gloo       # the same on Gloo (default: tandem run's)
     python benchmarks/faults.py --overhead           # the price of the watchdog and debug mode
 
 Each trial runs `tandem run -np W tests/scripts/fault_train.py KIND --at STEP --rank R` (a
@@ -69,10 +70,12 @@ def named(kind: str, rank: int, debug: bool, err: str) -> bool:
 
 
 def run_trial(kind: str, world: int, rank: int, step: int, debug: bool, timeout_s: float = 5.0,
-              steps: int = 40) -> dict:
-    """One faulty job; returns what happened (see the module docstring for the verdict)."""
+              steps: int = 40, backend: str | None = None) -> dict:
+    """One faulty job (on `tandem run`'s default backend unless `backend` names one); returns
+    what happened (see the module docstring for the verdict)."""
     env = _env({"TANDEM_TIMEOUT": f"{timeout_s:g}", **({"TANDEM_DEBUG": "1"} if debug else {})})
-    command = [sys.executable, "-m", "tandem", "run", "-np", str(world), str(TRAIN), kind,
+    command = [sys.executable, "-m", "tandem", "run", "-np", str(world),
+               *(["--backend", backend] if backend else []), str(TRAIN), kind,
                "--steps", str(steps), "--at", str(step), "--rank", str(rank)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180)
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0, help="TANDEM_TIMEOUT of the jobs")
     parser.add_argument("--bound", type=float, default=10.0, help="seconds a job may take to end")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default=None,
+                        help="gloo or mpi (default: tandem run's, MPI on CPU when installed)")
     parser.add_argument("--overhead", action="store_true", help="measure the overhead instead")
     parser.add_argument("--overhead-worker", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--reps", type=int, default=30, help="overhead: repetitions")
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.other_trials, args.seed)
     results = []
     for number, trial in enumerate(plan, start=1):
-        result = run_trial(timeout_s=args.timeout, **trial)
+        result = run_trial(timeout_s=args.timeout, backend=args.backend, **trial)
         results.append(result)
         verdict = "ok" if result["ok"] and result["seconds_after_fault"] <= args.bound else "FAIL"
         seconds = result["seconds_after_fault"]

@@ -46,24 +46,11 @@ TRIALS = [pytest.param(backend, kind, debug, step, marks=_marks(backend),
           for backend in ("gloo", "mpi") for kind, debug, step in CASES]
 
 
-@pytest.fixture
-def on_backend(monkeypatch):
-    """Run `faults.run_trial`'s jobs on a given backend (its environment drops TANDEM_*)."""
-    environment = faults._env
-
-    def use(backend: str) -> None:
-        monkeypatch.setattr(faults, "_env",
-                            lambda extra: environment({**extra, "TANDEM_BACKEND": backend}))
-
-    return use
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend, kind, debug, step", TRIALS)
-def test_a_fault_ends_the_job_fast_naming_the_rank(backend, kind, debug, step, on_backend):
-    on_backend(backend)
+def test_a_fault_ends_the_job_fast_naming_the_rank(backend, kind, debug, step):
     result = faults.run_trial(kind, world=2, rank=1, step=step, debug=debug, timeout_s=5.0,
-                              steps=30)
+                              steps=30, backend=backend)
     assert result["all_ranks_started"], result
     assert result["exit_code"] != 0, result
     assert result["named"], result.get("stderr_tail")

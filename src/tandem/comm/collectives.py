@@ -16,7 +16,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm import checks
-from tandem.comm.backend import Work
+from tandem.comm.backend import Backend, Work
 from tandem.comm.groups import Group, group_ranks, group_size
 
 OPS = ("sum", "mean", "min", "max", "product")
@@ -83,9 +83,11 @@ def _output(tensor: torch.Tensor, as_numpy: bool) -> Array:
 class _Staging:
     """A contiguous buffer on a device the backend accepts, copied back when done."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    __slots__ = ("original", "buffer")
+
+    def __init__(self, tensor: torch.Tensor, backend: Backend | None = None) -> None:
         self.original = tensor
-        if not runtime.get_backend().supports_device(tensor.device):
+        if not (backend or runtime.get_backend()).supports_device(tensor.device):
             self.buffer = tensor.to(runtime.device()).contiguous()
         elif tensor.is_contiguous():
             self.buffer = tensor
@@ -119,8 +121,9 @@ def allreduce(
     _check_member(group)
     data, as_numpy = _to_torch(tensor)
     checks.agree("allreduce", data, group, op=op)
-    staging = _Staging(data if inplace else data.clone())
-    backend = runtime.get_backend()
+    state = runtime.state()
+    backend = state.backend
+    staging = _Staging(data if inplace else data.clone(), backend)
     native = "sum" if op == "mean" else op
     if async_op:
         work = backend.allreduce(staging.buffer, native, group)
@@ -128,7 +131,7 @@ def allreduce(
     # Waited for at once: the engine may finish it on the spot (see Backend.allreduce_now).
     work = backend.allreduce_now(staging.buffer, native, group)
     if work is not None:
-        work.wait(runtime.state().timeout)
+        work.wait(state.timeout)
     return _reduced(staging, op, group, as_numpy)
 
 

@@ -149,8 +149,10 @@ class Staging:
             nbytes = tensor.nbytes
             return [self._address(tensor, nbytes), nbytes, self._byte], None
         datatype = self._types.get(tensor.dtype)
-        if datatype is not None:  # the common case, kept short: it runs for every message
-            return [self._address(tensor, tensor.nbytes), tensor.numel(), datatype], None
+        if datatype is not None and tensor.numel():  # the common case, kept short (every message)
+            return [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), datatype], None
+        if datatype is not None:
+            return [_EMPTY, 0, datatype], None
         return self._staged(tensor, self._wider(tensor.dtype), reduce, copy_in, copy_out)
 
     def _cuda(self, tensor, reduce, copy_in, copy_out):

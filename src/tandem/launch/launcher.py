@@ -49,8 +49,8 @@ def _mpi_usable() -> bool:
 def default_backend(config: LaunchConfig, cuda: bool | None = None, mpi: bool | None = None) -> str:
     """The backend of a job that names none: `nccl` with GPUs, else `mpi`, else `gloo`.
 
-    MPI is the faster CPU engine (benchmarks/allreduce.py: 5-38x Gloo's bus bandwidth up to
-    16 MB here; 1.29x on the data-parallel MLP), so it is chosen whenever it can run the job:
+    MPI is the faster CPU engine (benchmarks/allreduce.py: 5-66x Gloo's bus bandwidth up to
+    16 MB here; 1.46x on the data-parallel MLP), so it is chosen whenever it can run the job:
     mpi4py and an `mpiexec` are installed, and the job is one local agent without restarts.
     `tandem run --backend mpi` does not yet do restarts, `--nnodes` or `-H/--hostfile`
     (mpiexec.launch), so those jobs run on Gloo. `cuda` and `mpi` override the probes (tests).
