@@ -2,7 +2,7 @@
 
     python benchmarks/dp_vs_ddp.py                       # ResNet-9 and the MLP, 2 ranks, Gloo
     python benchmarks/dp_vs_ddp.py --models mlp --steps 30 --reps 5
-    tandem run -np 2 --backend mpi benchmarks/dp_vs_ddp.py   # under a launcher: no spawning
+    tandem run -np 2 benchmarks/dp_vs_ddp.py   # under a launcher (MPI by default on CPU): no spawning
 
 Both run on every rank of one world (started with `td.spawn`, or the launcher's), on
 synthetic data, with the same per-rank batch (64 for the MLP 784-2048-2048-10, 32 for the
@@ -20,7 +20,7 @@ to JSON (`results/dp_vs_ddp.json` by default).
 
 DDP runs with its defaults (25 MB buckets, gradients copied into buckets, buffers broadcast
 each forward); `--ddp-views` adds a DDP with `gradient_as_bucket_view=True`. When tandem runs
-on MPI (`tandem run -np 2 --backend mpi benchmarks/dp_vs_ddp.py`), DDP gets a Gloo process
+on MPI (`tandem run -np 2 benchmarks/dp_vs_ddp.py`, MPI being the CPU default), DDP gets a Gloo process
 group of its own in the same processes: tandem-on-MPI against DDP-on-Gloo.
 """
 

@@ -112,9 +112,9 @@ def test_relate_and_table():
     ])
     assert [row.np for row in rows] == [1, 2]
     assert rows[1].speedup == pytest.approx(2.0) and rows[1].efficiency == pytest.approx(1.0)
-    config = scaling.ScaleConfig(nps=(1, 2), program="train.py")
+    config = scaling.ScaleConfig(nps=(1, 2), program="train.py", backend="gloo")
     table = scaling.format_table(scaling.build_report(config, rows))
-    assert "samples/s" in table and "2.00x" in table
+    assert "samples/s" in table and "2.00x" in table and "backend gloo" in table
 
 
 def test_summarize_explains_missing_records():

@@ -253,6 +253,16 @@ def run(config: ScaleConfig, echo=print) -> dict:
     return report
 
 
+def chosen_backend(config: ScaleConfig) -> str:
+    """The backend the jobs ran on: --backend, else `tandem run`'s choice for them."""
+    from tandem.launch import LaunchConfig
+    from tandem.launch.launcher import with_backend
+
+    job = LaunchConfig(np=max(config.nps), program=config.program, module=config.module,
+                       backend=config.backend)
+    return with_backend(job).backend
+
+
 def build_report(config: ScaleConfig, rows: Sequence[Row]) -> dict:
     command = " ".join(["tandem scale", "--np", ",".join(map(str, config.nps)),
                         "--mode", config.mode, "--steps", str(config.steps),
@@ -266,6 +276,7 @@ def build_report(config: ScaleConfig, rows: Sequence[Row]) -> dict:
         "warmup": config.warmup,
         "cores": cores(),
         "threads_per_rank": threads_per_rank(config),
+        "backend": chosen_backend(config),
         "rows": [asdict(row) for row in rows],
     }
 
@@ -279,7 +290,8 @@ def format_table(report: Mapping) -> str:
     header = (f"{'ranks':>5} {'samples/s':>10} {'speedup':>8} {'effic.':>7} {'batch':>6} "
               f"{'step ms':>8} {'compute':>8} {'comm':>7} {'data':>6}")
     lines = [f"{report['mode']} scaling of {report['program']}: {report['cores']} cores, "
-             f"{report['threads_per_rank']} thread(s) per rank", header, "-" * len(header)]
+             f"{report['threads_per_rank']} thread(s) per rank, backend "
+             f"{report.get('backend', '?')}", header, "-" * len(header)]
     for row in report["rows"]:
         line = (f"{row['np']:>5} {row['samples_per_s']:>10.1f} {row['speedup']:>7.2f}x "
                 f"{row['efficiency'] * 100:>6.0f}% {row['global_batch']:>6.0f} "
