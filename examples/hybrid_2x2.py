@@ -25,11 +25,10 @@ y_all = torch.tanh(x_all @ w) + 0.05 * torch.randn(2048, 1)
 model = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
 pipe = td.Pipeline(model, chunks=4, group=mesh.pp_group)
 optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
-if hasattr(td, "DistributedOptimizer"):
-    # Each stage's gradients are averaged over its dp group once per step (4 micro-batch
-    # backward passes feed each gradient, hence accumulate=chunks).
-    optimizer = td.DistributedOptimizer(optimizer, named_parameters=pipe.named_parameters(),
-                                        group=mesh.dp_group, accumulate=pipe.chunks)
+# Each stage's gradients are averaged over its dp group once per step: the pipeline holds the
+# reduction back until the last of its 4 micro-batch backward passes.
+optimizer = td.DistributedOptimizer(optimizer, named_parameters=pipe.named_parameters(),
+                                    group=mesh.dp_group)
 
 print(f"rank {td.rank()}: replica {mesh.dp_rank}, stage {mesh.pp_rank}, "
       f"keeps {[name for name, _ in pipe.named_parameters()]}")

@@ -280,10 +280,12 @@ def check_hybrid(averaging):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pipe = td.Pipeline(mlp(layers=4), chunks=2, group=mesh.pp_group)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    if averaging == "DistributedOptimizer":
-        # Every parameter gets one backward pass per micro-batch: reduce after the last.
+    if averaging.startswith("DistributedOptimizer"):
+        # One backward pass per micro-batch; the pipeline has the optimizer reduce after the
+        # last by itself, and an explicit accumulate=chunks (the older way) still works.
+        extra = {"accumulate": pipe.chunks} if averaging.endswith("chunks") else {}
         opt = _distributed_optimizer()(opt, named_parameters=pipe.named_parameters(),
-                                       group=mesh.dp_group, accumulate=pipe.chunks)
+                                       group=mesh.dp_group, **extra)
     for step in range(10):
         x, y = data(16, seed=100 + step)
         ref_opt.zero_grad()
@@ -306,7 +308,8 @@ def test_four_stages_and_hybrid_2x2():
     results = run_distributed(check_equivalence, world_size=4, timeout=260)
     for problems, _ in results:
         assert not problems, "\n".join(problems)
-    ways = ["allreduce"] + (["DistributedOptimizer"] if _distributed_optimizer() else [])
+    ways = ["allreduce"] + (["DistributedOptimizer", "DistributedOptimizer accumulate=chunks"]
+                            if _distributed_optimizer() else [])
     for averaging in ways:
         results = run_distributed(check_hybrid, world_size=4, args=(averaging,))
         names = set()

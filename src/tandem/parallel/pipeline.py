@@ -28,9 +28,10 @@ or "time" (even forward+backward time, profiled at construction on the first sta
 `sample=`, an input batch; the split is then shared with the other stages).
 
 Data × pipeline: `mesh = td.mesh(dp=2, pp=2)`, `Pipeline(..., group=mesh.pp_group)`, and
-`td.DistributedOptimizer(opt, named_parameters=pipe.named_parameters(), group=mesh.dp_group,
-accumulate=pipe.chunks)`: every parameter gets one backward pass per micro-batch, and the
-gradients are averaged across replicas once, after the last.
+`td.DistributedOptimizer(opt, named_parameters=pipe.named_parameters(), group=mesh.dp_group)`:
+every parameter gets one backward pass per micro-batch; the step runs all but the last with
+the optimizer's reducer paused (as `no_sync()`), so the gradients are averaged across replicas
+once, during the last (see `pipeline_run`).
 """
 
 from __future__ import annotations

@@ -80,6 +80,11 @@ class StepRunner:
         self.loss_total: torch.Tensor | None = None
         self.outputs: list = []
         self.param_ptrs = {p.data_ptr() for p in pipe.stage.parameters()}
+        # Data × pipeline: a DistributedOptimizer (or DDP) over this stage reduces once per step,
+        # after the last micro-batch's backward; the earlier ones run as inside its no_sync(),
+        # adding up in .grad, so users need no `accumulate=chunks` (which still works).
+        self.reducers = _reducers_of(pipe.stage) if train else []
+        self.backwards_left = len(weights)
         self._handlers = {
             ActionKind.RECV_ACT: self.recv_act,
             ActionKind.F: self.forward,
@@ -213,17 +218,15 @@ class StepRunner:
         mb, pipe = self.mb[i], self.pipe
         grads = None if pipe.is_last else self._wait(mb.grads, i)
         start = time.perf_counter_ns()
-        if pipe.is_last:
-            if mb.loss.requires_grad:
-                mb.loss.backward()
-        else:
-            pairs = [
-                (mb.outputs[k], g)
-                for k, g in zip(self.specs_out[i].floating, grads, strict=True)
-                if mb.outputs[k].requires_grad
-            ]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self.backwards_left -= 1
+        held = [r for r in self.reducers if r.sync_enabled] if self.backwards_left else []
+        for reducer in held:
+            reducer.set_sync(False)
+        try:
+            self._backward(mb, grads, i)
+        finally:
+            for reducer in held:
+                reducer.set_sync(True)
         if not pipe.is_first:
             # An input the stage did not use has no gradient: send zeros, the receiver waits for it.
             mb.in_grads = [
@@ -234,6 +237,19 @@ class StepRunner:
         mb.inputs = mb.outputs = mb.loss = mb.grads = None  # the micro-batch's graph is freed
         self.live -= 1
         self.live_bytes -= mb.nbytes
+
+    def _backward(self, mb: _Micro, grads, i: int) -> None:
+        if self.pipe.is_last:
+            if mb.loss.requires_grad:
+                mb.loss.backward()
+            return
+        pairs = [
+            (mb.outputs[k], g)
+            for k, g in zip(self.specs_out[i].floating, grads, strict=True)
+            if mb.outputs[k].requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     def send_grad(self, i: int) -> None:
         mb = self.mb[i]
@@ -275,3 +291,15 @@ def _concat(outputs: list):
     if isinstance(first, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in first):
         return type(first)(torch.cat([o[k] for o in outputs]) for k in range(len(first)))
     return outputs
+
+
+def _reducers_of(stage: torch.nn.Module) -> list:
+    """The live gradient reducers over `stage`'s parameters that reduce every backward pass."""
+    found = []
+    for param in stage.parameters():
+        ref = getattr(param, "_tandem_reducer", None)
+        reducer = ref() if ref is not None else None
+        if reducer is not None and not reducer.closed and reducer.accumulate == 1:
+            if reducer not in found:
+                found.append(reducer)
+    return found

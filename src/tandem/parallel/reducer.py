@@ -223,6 +223,19 @@ class Reducer:
     def set_sync(self, enabled: bool) -> None:
         self._sync_enabled = enabled
 
+    @property
+    def sync_enabled(self) -> bool:
+        return self._sync_enabled
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def accumulate(self) -> int:
+        """Backward passes per reduction (1: every backward)."""
+        return self._accumulate
+
     # -- backward ----------------------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
         if not self._sync_enabled:
