@@ -141,8 +141,8 @@ class Requests:
 
 
 def completed_within(request: Any, seconds: float) -> bool:
-    """Test `request` until it completes (True) or `seconds` pass (False), as `MPIWork.wait`
-    spins: tight for `SPIN_S`, then yielding the CPU between tests.
+    """Test `request` until it completes (True) or `seconds` pass (False): tight for `SPIN_S`,
+    then yielding the CPU once every `TESTS_PER_YIELD` tests.
 
     For a request nobody else knows yet (not in `Progress.outstanding`), so no lock is taken.
     """
@@ -156,8 +156,9 @@ def completed_within(request: Any, seconds: float) -> bool:
         if test():
             return True
     while monotonic() < until:
-        # Yield the CPU only every so many tests (as MPICH's own blocking calls do): a yield per
-        # test cost 8% at 1 MB on 2 busy cores, and oversubscribed ranks still get to run.
+        # Yield only every so many tests, as MPICH's own blocking calls poll: a system call per
+        # test is wasted when no other process wants this core, and with more ranks than cores
+        # the others still get to run.
         for _ in range(TESTS_PER_YIELD):
             if test():
                 return True
