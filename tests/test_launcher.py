@@ -309,6 +309,32 @@ def test_default_backend_is_the_fastest_that_can_run_the_job(tmp_path):
         assert default_backend(config, cuda=True, mpi=True) == "nccl", flags
 
 
+OPEN_MPI_TUNING = ["--mca", "coll_libnbc_iallreduce_algorithm", "3"]
+
+
+@pytest.mark.parametrize("banner, root, flags", [
+    ("mpiexec (Open MPI) 5.0.11", True, ["--enable-recovery", "--oversubscribe", "--bind-to",
+                                         "none", "--allow-run-as-root", *OPEN_MPI_TUNING]),
+    ("mpirun (Open MPI) 4.1.6", False,
+     ["--enable-recovery", "--oversubscribe", "--bind-to", "none", *OPEN_MPI_TUNING]),
+    ("HYDRA build details:\n    Version: 5.0.2", True, ["-disable-auto-cleanup"]),
+    ("", True, []),
+], ids=["openmpi-root", "openmpi4-user", "hydra", "unknown"])
+def test_mpiexec_gets_the_flags_of_the_mpi_it_is(tmp_path, monkeypatch, banner, root, flags):
+    """What `tandem run` (and the test harness: start_flags) add for the mpiexec it found,
+    asked through `mpiexec --version`: Open MPI refuses more ranks than cores and root."""
+    from tandem.launch import mpiexec
+
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(mpiexec.os, "geteuid", lambda: 0 if root else 1000)
+    monkeypatch.delenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", raising=False)
+    assert mpiexec._quiet_cleanup(str(fake)) + mpiexec.start_flags(str(fake)) == flags
+    monkeypatch.setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")  # the user's choice
+    assert not set(OPEN_MPI_TUNING) & set(mpiexec.start_flags(str(fake)))
+
+
 def test_a_named_backend_wins_over_the_default(monkeypatch):
     assert with_backend(LaunchConfig(np=2, program="t.py", backend="gloo")).backend == "gloo"
     monkeypatch.setenv("TANDEM_BACKEND", "Gloo")  # a LaunchConfig built by hand (tandem scale)

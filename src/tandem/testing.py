@@ -48,13 +48,13 @@ class DistributedTestError(AssertionError):
     """A rank failed, or did not answer in time; the message holds its traceback or stacks."""
 
 
-def _mpiexec() -> str:
-    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
-        "mpiexec"
-    )
-    if not found:
-        raise RuntimeError("the MPI backend needs mpiexec: pip install mpi4py mpich")
-    return found
+def mpiexec_command(size: int) -> list[str]:
+    """`mpiexec -n size`, with the flags tandem's launcher gives the MPI it finds (Open MPI's:
+    more ranks than cores, root; see `launch.mpiexec.start_flags`)."""
+    from tandem.launch.mpiexec import find_mpiexec, start_flags
+
+    mpiexec = find_mpiexec()
+    return [mpiexec, *start_flags(mpiexec), "-n", str(size)]
 
 
 def _tail(path: Path) -> str:
@@ -104,7 +104,7 @@ class LocalWorld:
             env["TANDEM_BACKEND"] = "mpi"
             log = open(self._log_dir / "all.log", "wb")  # noqa: SIM115 - owned by the process
             self._processes.append(
-                subprocess.Popen([_mpiexec(), "-n", str(self.size), *command], env=env,
+                subprocess.Popen([*mpiexec_command(self.size), *command], env=env,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
         else:
@@ -142,12 +142,27 @@ class LocalWorld:
 
         thread = threading.Thread(target=accept_all, daemon=True)
         thread.start()
-        thread.join(_START_TIMEOUT_S)
+        deadline, exited = time.monotonic() + _START_TIMEOUT_S, None
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(0.2)
+            # A process that is gone before every rank connected (an mpiexec that refused to
+            # start the job, a rank that failed its init) will not connect: no need to wait.
+            exited = next((p for p in self._processes if p.poll() is not None), None)
+            if exited is not None:
+                thread.join(1.0)  # connections already made (one saying why it failed)
+                break
         if len(accepted) < self.size:
             listener.close()
+            for connection in accepted:  # a rank that failed its init says why
+                if connection.poll(1):
+                    status, rank, payload = connection.recv()
+                    if status != "ready":
+                        raise DistributedTestError(f"rank {rank} could not init:\n{payload}")
+            why = (f"{exited.args[0]} exited with code {exited.returncode}" if exited else
+                   f"not within {_START_TIMEOUT_S:.0f} s")
             raise DistributedTestError(
-                f"only {len(accepted)} of {self.size} {self.backend} ranks started within "
-                f"{_START_TIMEOUT_S:.0f} s\n{self._logs()}"
+                f"only {len(accepted)} of {self.size} {self.backend} ranks started ({why})"
+                f"\n{self._logs()}"
             )
         for connection in accepted:
             status, rank, payload = connection.recv()

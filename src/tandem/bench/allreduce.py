@@ -181,14 +181,15 @@ def _run_gloo(np: int, sizes: Sequence[int], budget_s: float) -> dict[str, list[
 
 
 def _run_mpi(np: int, sizes: Sequence[int], budget_s: float, timeout: float) -> dict:
-    from tandem.launch.mpiexec import find_mpiexec
+    from tandem.launch.mpiexec import find_mpiexec, start_flags
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as folder:
         result = Path(folder) / "mpi.json"
+        mpiexec = find_mpiexec()
         command = [
-            find_mpiexec(), "-n", str(np), sys.executable, "-m", "tandem.bench.allreduce",
+            mpiexec, *start_flags(mpiexec), "-n", str(np), sys.executable, "-m", "tandem.bench.allreduce",
             "--mpi-worker", str(result), "--sizes", ",".join(map(str, sizes)),
             "--budget", str(budget_s),
         ]

