@@ -295,25 +295,20 @@ def test_tandem_run_mpi_prefixes_each_ranks_output():
 
 
 @pytest.mark.timeout(120)
-def test_tandem_run_mpi_stops_the_job_when_a_rank_fails():
-    done = _tandem_run("-np", "2", str(SCRIPTS / "mpi_fail.py"))
+@pytest.mark.parametrize("script, code, fault", [
+    ("mpi_fail.py", 1, "gives up"),  # an exception
+    ("mpi_exit_code.py", 3, "exits"),  # sys.exit(3): no exception, yet a failure
+], ids=["raise", "sys.exit"])
+def test_tandem_run_mpi_stops_the_job_when_a_rank_fails(script, code, fault):
+    done = _tandem_run("-np", "2", str(SCRIPTS / script))
     ended = time.time()
-    assert done.returncode == 1, done.stdout + done.stderr
-    gave_up = float(re.search(r"^\[1\] rank 1 gives up at ([\d.]+)$", done.stdout, re.M).group(1))
+    assert done.returncode == code, done.stdout + done.stderr
+    at = float(re.search(rf"^\[1\] rank 1 {fault} at ([\d.]+)$", done.stdout, re.M).group(1))
     # Rank 0 waits in a barrier for ever: only the launcher stops it.
-    assert ended - gave_up < 5.0, f"the job took {ended - gave_up:.1f} s to stop"
-    assert "job failed: rank 1" in done.stderr and "exit code 1" in done.stderr
-    assert "[1] RuntimeError: rank 1 cannot go on" in done.stderr
+    assert ended - at < 5.0, f"the job took {ended - at:.1f} s to stop"
+    assert "job failed: rank 1" in done.stderr and f"exit code {code}" in done.stderr
+    if script == "mpi_fail.py":
+        assert "[1] RuntimeError: rank 1 cannot go on" in done.stderr
     # Stopping the job is the agent's: mpiexec neither races it nor explains it (Hydra runs
     # with -disable-auto-cleanup, Open MPI with --enable-recovery; see launch/mpiexec.py).
     assert "mpiexec:" not in done.stderr, done.stderr
-
-
-@pytest.mark.timeout(120)
-def test_tandem_run_mpi_sys_exit_is_a_failure():
-    done = _tandem_run("-np", "2", str(SCRIPTS / "mpi_exit_code.py"))
-    ended = time.time()
-    assert done.returncode == 3, done.stdout + done.stderr
-    exited = float(re.search(r"^\[1\] rank 1 exits at ([\d.]+)$", done.stdout, re.M).group(1))
-    assert ended - exited < 5.0, f"the job took {ended - exited:.1f} s to stop"
-    assert "job failed: rank 1" in done.stderr and "exit code 3" in done.stderr
