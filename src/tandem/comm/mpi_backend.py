@@ -146,39 +146,42 @@ class MPIBackend(Backend):
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, tensor, op, group):
         # The gradient reducer's call: kept to the minimum (a few microseconds over mpi4py).
-        handle = self._world if group is None else self._handle(group)
-        spec, after = self.staging.spec(tensor, True)
-        request = self._iallreduce(handle.comm, spec, self._ops[op])
-        return MPIWork(self.progress, request, (after,) if after else (), (tensor, spec),
-                       (_collective, "allreduce", tensor, self.rank, handle, op))
+        return self._allreduce_work(*self._post_allreduce(tensor, op, group))
 
     def allreduce_now(self, tensor, op, group):
         # A blocking td.allreduce: the caller drives it on the spot, which finishes messages up
         # to tens of megabytes as fast as a blocking MPI_Allreduce, without the progress
         # bookkeeping. Only a longer wait becomes an MPIWork, watched and bounded by a deadline.
-        handle = self._world if group is None else self._handle(group)
-        spec, after = self.staging.spec(tensor, True)
-        request = self._iallreduce(handle.comm, spec, self._ops[op])
+        posted = self._post_allreduce(tensor, op, group)
         try:
-            done = completed_within(request, ON_THE_SPOT_S)
+            done = completed_within(posted[0], ON_THE_SPOT_S)
         except self._MPI.Exception as error:
-            described = _collective("allreduce", tensor, self.rank, handle, op)[0]
+            described = _collective("allreduce", tensor, self.rank, posted[3], op)[0]
             raise RuntimeError(f"MPI {described} failed: {error}") from error
         if not done:
-            return MPIWork(self.progress, request, (after,) if after else (), (tensor, spec),
-                           (_collective, "allreduce", tensor, self.rank, handle, op))
+            return self._allreduce_work(*posted)
+        after = posted[1]
         if after is not None:
             after()
         return None
 
+    def _post_allreduce(self, tensor, op, group):
+        """(request, copy-back step or None, spec, communicator, tensor, op) of a posted all-reduce."""
+        handle = self._world if group is None else self._handle(group)
+        spec, after = self.staging.spec(tensor, True)
+        return self._iallreduce(handle.comm, spec, self._ops[op]), after, spec, handle, tensor, op
+
+    def _allreduce_work(self, request, after, spec, handle, tensor, op) -> MPIWork:
+        return MPIWork(self.progress, request, (after,) if after else (), (tensor, spec),
+                       (_collective, "allreduce", tensor, self.rank, handle, op))
+
     def _iallreduce(self, comm, spec: list, op):
         """`Iallreduce`, posted in `PIECE_BYTES` pieces when the message is large.
 
-        Measured here with raw mpi4py (2 ranks, mpich): 16 MB took 3.8 ms whole and 3.1 ms as
-        four 4 MB pieces posted together; 64 MB 30 ms against 22 ms. In benchmarks/allreduce.py
-        tandem then beats raw mpi4py by 1.17x at 16 MB and 1.31x at 256 MB (64 MB: even), and
-        the MLP's data-parallel step went from 47 to 44 ms. Every rank posts the pieces back to
-        back, so they match in order like one operation.
+        On MPICH here a large message goes faster in pieces: `benchmarks/allreduce.py` has
+        tandem at 1.17x raw mpi4py's (whole-message) bandwidth at 16 MB and 1.31x at 256 MB
+        (even at 64 MB), and `benchmarks/dp_vs_ddp.py`'s MLP step went from 47 to 44 ms. Every
+        rank posts the pieces back to back, so they match in order like one operation.
         """
         buffer, count, datatype = spec
         nbytes = len(buffer)
@@ -325,7 +328,8 @@ def spare_core(local_size: int) -> bool:
     free: with GPUs, or with fewer compute threads than cores. When the local ranks' torch
     threads fill every core (what `tandem run` and `mpiexec` give by default), the thread takes
     time from compute: tandem's MLP step on 2 ranks and 2 cores took 50 ms with it, 47 ms
-    without (benchmarks/dp_vs_ddp.py), and the docstring of `mpi_progress` measures the same.
+    without (`TANDEM_MPI_PROGRESS=thread|none tandem run -np 2 benchmarks/dp_vs_ddp.py
+    --models mlp`), and the docstring of `mpi_progress` measures the same.
     """
     if torch.cuda.is_available():
         return True

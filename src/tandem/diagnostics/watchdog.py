@@ -188,15 +188,16 @@ class Watchdog:
         return self._labels.get(id(group.handle)) or f"[{','.join(map(str, group.ranks))}]"
 
     def issue(self, work: Work, kind: str, group, tensor=None) -> WatchedWork:
+        stream, index = self.count(group)
+        return WatchedWork(work, (kind, stream, index, group, tensor, None, None), self)
+
+    def count(self, group) -> tuple[str, int]:
+        """Count one operation on `group`'s stream: (the stream, its index there). Called alone
+        for an operation that completed before `issue` could wrap it (`allreduce_now`)."""
         stream = "world" if group is None else self.stream(group)
         issued = self._issued
         index = issued[stream] = issued.get(stream, 0) + 1
-        return WatchedWork(work, (kind, stream, index, group, tensor, None, None), self)
-
-    def issued_done(self, group) -> None:
-        """Count an operation that completed before `issue` could wrap it (`allreduce_now`)."""
-        stream = "world" if group is None else self.stream(group)
-        self._issued[stream] = self._issued.get(stream, 0) + 1
+        return stream, index
 
     def issue_p2p(self, work: Work, kind: str, group, tensor, peer: int, tag: int) -> WatchedWork:
         src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)

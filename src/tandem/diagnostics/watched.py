@@ -94,7 +94,7 @@ class WatchedBackend(Backend):
         # Finished on the spot: nothing was waited for, so only the count moves.
         work = self._inner.allreduce_now(tensor, op, group)
         if work is None:
-            self.watchdog.issued_done(group)
+            self.watchdog.count(group)
             return None
         return self.watchdog.issue(work, "allreduce", group, tensor)
 
