@@ -101,6 +101,40 @@ def test_zero_matches_single_process_training_with_a_share_of_the_state(kind):
         assert r["state_bytes"] <= r["plain_bytes"] // 2 + 16, (rank, r)
 
 
+def check_zero_clip(norm_type):
+    """ZeroOptimizer.clip_grad_norm_ clips the averaged gradient by its global norm, as
+    nn.utils.clip_grad_norm_ does in one process (the norm is returned equal too)."""
+    reference, model = _model(), _model()
+    ref_opt = _optimizer("adam", reference)
+    opt = td.ZeroOptimizer(_optimizer("adam", model))
+    norms = []
+    per_rank = 12 // td.size()  # a global batch of 12: 2 and 3 ranks (78 elements: uneven shards)
+    mine = slice(td.rank() * per_rank, (td.rank() + 1) * per_rank)
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 3, generator=generator), torch.randn(12, 2, generator=generator)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type=norm_type)
+        ref_opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        got = opt.clip_grad_norm_(0.05, norm_type=norm_type)
+        opt.step()
+        norms.append(abs(float(got) - float(expected)))
+    return max(norms), _max_difference(model, reference)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_clip_grad_norm_uses_the_global_norm_of_the_average(world_size):
+    for norm_type in (2.0, float("inf")):
+        for rank, (norm_error, difference) in enumerate(
+                run_distributed(check_zero_clip, world_size=world_size, args=(norm_type,))):
+            # float32 sums over B vs B/k samples: the same rounding as the equivalence tests.
+            assert norm_error <= 1e-6 and difference <= 1e-5, (rank, norm_type, norm_error, difference)
+
+
 def check_local_sgd():
     # period 1 with plain SGD: averaging parameters each step == averaging gradients.
     reference, model = _model(), _model()

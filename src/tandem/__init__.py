@@ -19,10 +19,10 @@ from tandem.comm.collectives import (
 )
 from tandem.comm.groups import Group, Mesh, mesh, new_group
 from tandem.data import partition_dataset
-from tandem.diagnostics.replicas import ReplicaMismatchError, check_replicas
+from tandem.diagnostics.replicas import ReplicaBufferWarning, ReplicaMismatchError, check_replicas
 from tandem.diagnostics.steps import report
 from tandem.diagnostics.watchdog import PeerUnreachableError, WatchdogTimeout
-from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
+from tandem.parallel.broadcast import broadcast_buffers, broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.data_parallel import DistributedDataParallel, DistributedOptimizer
 from tandem.parallel.join import join
 from tandem.parallel.local_sgd import LocalSGD
@@ -57,6 +57,7 @@ __all__ = [
     "Pipeline",
     "PipelineStats",
     "PeerUnreachableError",
+    "ReplicaBufferWarning",
     "ReplicaMismatchError",
     "SpawnError",
     "SyncBatchNorm",
@@ -69,6 +70,7 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "broadcast_buffers",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",

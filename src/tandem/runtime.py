@@ -95,24 +95,59 @@ def init(
     timeout: float | None = None,
     debug: bool | None = None,
     checks: bool = True,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
 ) -> World:
     """Join the job this process was started in (a world of one without a launcher).
 
-    Idempotent: a second call returns the same `World`; asking for a different backend then
-    is an error. `timeout` (seconds, default 300 or `TANDEM_TIMEOUT`) bounds every wait.
-    `checks=False` or `TANDEM_CHECKS=0` turns off the cross-rank argument checks;
+    The job is read from the launcher's variables (`tandem run`, torchrun, Open MPI, MPICH,
+    SLURM). Without a launcher, `rank` and `world_size` join one the way torch.distributed's
+    manual template does (`mp.Process(target=run, args=(rank, n))`, then
+    `td.init(rank=rank, world_size=n)` in each): rank 0 hosts the rendezvous at
+    `init_method="tcp://host:port"`, or, without it or with `"env://"`, at MASTER_ADDR and
+    MASTER_PORT, and the other ranks connect to it. `local_rank` is LOCAL_RANK if set, else the
+    rank, and `local_size` LOCAL_WORLD_SIZE if set, else `world_size`: one node, like the
+    template; set both variables for a job that spans nodes. A world of one needs no
+    rendezvous. Under a launcher, `rank`/`world_size` must agree with what it says. The MPI
+    backend learns its ranks from mpiexec, so it cannot join a job named this way.
+
+    An environment that names a rendezvous but no rank (MASTER_ADDR or MASTER_PORT without
+    RANK/WORLD_SIZE, or only one of those two) is an error, never a silent world of one. Every
+    mistake in the arguments or the environment is raised here, before any communication.
+
+    Idempotent: a second call returns the same `World`; asking for a different backend, rank
+    or world size then is an error. `timeout` (seconds, default 300 or `TANDEM_TIMEOUT`) bounds
+    every wait. `checks=False` or `TANDEM_CHECKS=0` turns off the cross-rank argument checks;
     `debug=True` or `TANDEM_DEBUG=1` turns on per-collective fingerprints.
     """
     global _state
     if _state is not None:
-        if backend is not None and backend.lower() != _state.world.backend:
+        current = _state.world
+        if backend is not None and backend.lower() != current.backend:
             raise ValueError(
-                f"tandem is already initialised with backend {_state.world.backend!r}; "
+                f"tandem is already initialised with backend {current.backend!r}; "
                 f"init(backend={backend!r}) cannot change it. Call td.shutdown() first."
             )
-        return _state.world
-    job = environments.detect()
+        asked = {"rank": (rank, current.rank), "world_size": (world_size, current.size)}
+        for name, (value, actual) in asked.items():
+            if value is not None and value != actual:
+                raise ValueError(
+                    f"tandem is already initialised as rank {current.rank} of {current.size}; "
+                    f"init({name}={value!r}) cannot change it. Call td.shutdown() first."
+                )
+        return current
+    job = environments.resolve(rank, world_size, init_method)
     name = choose_backend(backend, job)
+    if name == "mpi" and job.source == "manual":
+        raise ValueError(
+            f"backend 'mpi' cannot join a job named by td.init(rank={job.rank}, "
+            f"world_size={job.size}): MPI learns its ranks from its launcher, and mpi4py needs "
+            "mpiexec. Start the job with `mpiexec -n N python script.py` or "
+            "`tandem run -np N --backend mpi script.py` and call td.init(backend='mpi') without "
+            "rank=/world_size=, or use backend='gloo' (or 'nccl' on GPUs)."
+        )
     if timeout is None:
         timeout = float(environments.setting("TIMEOUT") or DEFAULT_TIMEOUT_S)
     if timeout <= 0:

@@ -15,6 +15,7 @@ enough to run every few hundred steps:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import nn
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.parallel.broadcast import agree_layout, coalesced, describe_tensors
+from tandem.parallel.broadcast import agree_layout, coalesced, describe_tensors, each_once
 
 _WEIGHT_PERIOD = 65_521  # a prime: weights 1..65521 repeat, never align with power-of-two shapes
 
@@ -33,17 +34,14 @@ class ReplicaMismatchError(RuntimeError):
     """Replicas that should hold identical tensors do not."""
 
 
-def _named(model: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def _named(model: nn.Module | Mapping[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
+    """The tensors to compare, and the names of those that are buffers (not parameters)."""
     if isinstance(model, nn.Module):
-        seen: set[int] = set()
-        named = []
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                named.append((name, tensor))
-        return named
+        named = each_once([*model.named_parameters(), *model.named_buffers()])
+        parameters = {id(p) for p in model.parameters()}
+        return named, {name for name, t in named if id(t) not in parameters}
     if isinstance(model, Mapping):
-        return [(str(k), v) for k, v in model.items() if isinstance(v, torch.Tensor)]
+        return [(str(k), v) for k, v in model.items() if isinstance(v, torch.Tensor)], set()
     raise TypeError(f"check_replicas takes an nn.Module or a state dict, not {type(model).__name__}")
 
 
@@ -73,18 +71,39 @@ def _difference(mine: torch.Tensor, reference: torch.Tensor) -> float:
     return float(torch.nan_to_num(difference, nan=float("inf")).max())
 
 
-def check_replicas(
-    model: nn.Module | Mapping[str, Any], group: Group | None = None, atol: float = 0.0
-) -> None:
-    """Return if every rank of `group` holds the same parameters and buffers, else raise.
+BUFFER_POLICIES = ("warn", "strict", "ignore")
 
-    `ReplicaMismatchError` (raised on every rank) names each tensor that differs, the ranks
+
+class ReplicaBufferWarning(UserWarning):
+    """Buffers (e.g. BatchNorm running statistics) differ between replicas."""
+
+
+def check_replicas(
+    model: nn.Module | Mapping[str, Any],
+    group: Group | None = None,
+    atol: float = 0.0,
+    buffers: str = "warn",
+) -> None:
+    """Return if every rank of `group` holds the same parameters, else raise.
+
+    `ReplicaMismatchError` (raised on every rank) names each parameter that differs, the ranks
     whose copy differs from the group's first rank, and the largest absolute difference.
     `atol=0` asks for bit-identical replicas; `atol > 0` accepts differences up to `atol`.
+
+    Buffers of a module are compared too, but per-rank buffers are expected in data
+    parallelism: plain BatchNorm keeps running statistics of each rank's own shard. With
+    `buffers="warn"` (default) those that differ are named in a `ReplicaBufferWarning` with
+    the ways to make them equal; `buffers="strict"` makes them an error like parameters;
+    `buffers="ignore"` skips them. A state dict has no buffer/parameter distinction: every
+    tensor in it is held to the parameters' standard.
     """
+    if buffers not in BUFFER_POLICIES:
+        raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_POLICIES))}, got {buffers!r}")
     if atol < 0:
         raise ValueError(f"atol must be >= 0, got {atol}")
-    named = _named(model)
+    named, buffer_names = _named(model)
+    if buffers == "ignore":
+        named = [(n, t) for n, t in named if n not in buffer_names]
     if group_size(group) == 1:
         return
     agree_layout("check_replicas", describe_tensors(named), group, always=True)
@@ -108,7 +127,7 @@ def check_replicas(
     )
     differences = collectives.allgather(local_differences.reshape(-1, 1), group=group)
     differences = differences.reshape(len(ranks), len(suspects))
-    problems = []
+    problems, buffer_problems = [], []
     for k, i in enumerate(suspects):
         name, tensor = named[i]
         bad = [(r, float(differences[j, k])) for j, r in enumerate(ranks)
@@ -119,7 +138,9 @@ def check_replicas(
                    if not bool((per_rank[j, i] == per_rank[0, i]).all())]
         if bad:
             detail = ", ".join(f"rank {r} by up to {d:.3g}" for r, d in bad)
-            problems.append(f"  {name} {tuple(tensor.shape)}: differs from rank {ranks[0]} on {detail}")
+            line = f"  {name} {tuple(tensor.shape)}: differs from rank {ranks[0]} on {detail}"
+            lenient = name in buffer_names and buffers == "warn"
+            (buffer_problems if lenient else problems).append(line)
     if problems:
         raise ReplicaMismatchError(
             f"replicas diverged: {len(problems)} of {len(named)} tensors differ (atol={atol}):\n"
@@ -127,4 +148,14 @@ def check_replicas(
             + "\nBroadcast them from one rank (td.broadcast_parameters) and look for a rank that "
             "skipped a step or used a different seed or data."
         )
-
+    if buffer_problems:
+        warnings.warn(
+            f"check_replicas: the parameters are identical, but {len(buffer_problems)} buffer(s) "
+            f"differ between ranks:\n" + "\n".join(buffer_problems)
+            + "\nThese are per-rank statistics (BatchNorm running mean/var of each rank's own "
+            "shard), expected without SyncBatchNorm. To make them equal: convert the model with "
+            "td.SyncBatchNorm.convert(model) before training, or call td.broadcast_buffers(model) "
+            "before evaluating or saving. check_replicas(model, buffers='strict') makes this an error.",
+            ReplicaBufferWarning,
+            stacklevel=2,
+        )

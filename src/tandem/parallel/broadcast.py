@@ -128,17 +128,20 @@ def agree_layout(what: str, layout: list[str], group: Group | None = None, *, al
     raise LayoutMismatchError("\n".join(lines))
 
 
+def each_once(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with each tensor once, under its first name (shared weights)."""
+    seen: set[int] = set()
+    unique = []
+    for name, tensor in named:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique.append((name, tensor))
+    return unique
+
+
 def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     if isinstance(model_or_state_dict, nn.Module):
-        # Parameters and buffers, each once even when shared between modules.
-        seen: set[int] = set()
-        named = []
-        for name, tensor in [*model_or_state_dict.named_parameters(),
-                             *model_or_state_dict.named_buffers()]:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                named.append((name, tensor))
-        return named
+        return each_once([*model_or_state_dict.named_parameters(), *model_or_state_dict.named_buffers()])
     if isinstance(model_or_state_dict, Mapping):
         return [(str(k), v) for k, v in model_or_state_dict.items() if isinstance(v, torch.Tensor)]
     raise TypeError(
@@ -185,6 +188,23 @@ def broadcast_parameters(
     agree_layout("broadcast_parameters", describe_tensors(named), group)
     is_root = runtime.rank() == root
     coalesced((t for _, t in named), _broadcaster(root, group), copy_back=not is_root)
+
+
+def broadcast_buffers(model: nn.Module, root: int = 0, group: Group | None = None) -> None:
+    """Copy `root`'s buffers (BatchNorm running statistics, ...) into every rank's, in place.
+
+    Without SyncBatchNorm each rank's BatchNorm keeps statistics of its own shard; call this
+    before evaluating or saving so that every replica evaluates the same model. Parameters are
+    not touched (data parallelism keeps them identical).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"broadcast_buffers takes an nn.Module, not {type(model).__name__}")
+    named = each_once(model.named_buffers())
+    _check_root(root, group)
+    if group_size(group) == 1 or not named:
+        return
+    agree_layout("broadcast_buffers", describe_tensors(named), group)
+    coalesced((t for _, t in named), _broadcaster(root, group), copy_back=runtime.rank() != root)
 
 
 # -- optimizer state ------------------------------------------------------------------------

@@ -5,9 +5,11 @@
     for x, y in loader:
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
-Gradients are averaged across the group *during* backward (see `reducer.py`): `step()` waits
-for what is still in flight and then steps the wrapped optimizer. Both classes are thin fronts
-over the same `Reducer`. In a group of one they add nothing: no hooks, no buffers.
+Gradients are averaged across the group *during* backward (see `reducer.py`), and when
+`backward()` returns every `.grad` holds the average (DDP's contract): clipping, GradScaler,
+logging gradients and `zero_grad()` behave as in one process. `step()` steps the wrapped
+optimizer. Both classes are thin fronts over the same `Reducer`. In a group of one they add
+nothing: no hooks, no buffers.
 
 Each `step()` records a `StepStats` (wall time of the iteration, time blocked on
 communication, time in the inner optimizer) with `time.perf_counter` only, no device
@@ -131,8 +133,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
       what has been accumulated (the last, short window of an epoch) with a warning.
     - `group`: the data-parallel group (default: the world).
 
-    `zero_grad()` while reductions are in flight is an error (see its docstring);
-    `synchronize()` waits for them without stepping (e.g. to clip gradients before `step()`).
+    When `backward()` returns, the gradients are averaged: clip them, unscale them
+    (`GradScaler`), read or log them as in one process. `synchronize()` and
+    `skip_synchronize()` exist for Horovod scripts (`opt.synchronize(); clip; with
+    opt.skip_synchronize(): opt.step()`); here they have nothing left to do.
     """
 
     def __init__(
@@ -160,8 +164,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.group = group
         self._clock = _StepClock()
         timeline.configure()
-        self._synchronized = False
-        self._pending_wait = 0.0
+        self._skip_sync = False
+        self._wait_s = 0.0  # communication waited for since the last step
         self._warned_short = False
         named = _ordered_named_params(optimizer, named_parameters)
         self._reducer: Reducer | None = None
@@ -170,7 +174,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reducer = Reducer(
                 named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
                 first_cap_bytes=int(first_bucket_mb * _MB), accumulate=accumulate, group=group,
-                owner="DistributedOptimizer",
+                on_round_end=self._round_done, owner="DistributedOptimizer",
                 options=f"op={op} accumulate={accumulate} compression={describe(hook)}",
             )
 
@@ -208,19 +212,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._clock.last
 
     # -- the data-parallel part -----------------------------------------------------------
-    def synchronize(self) -> None:
-        """Wait until every gradient is averaged, without stepping; the next step() will not
-        reduce again."""
-        if self._reducer is not None and not self._already_reduced(self._reducer):
-            self._pending_wait = self._reducer.finish_round()
-            self._synchronized = True
+    def _round_done(self, wait_s: float) -> None:
+        self._wait_s += wait_s
 
-    def _already_reduced(self, reducer: Reducer) -> bool:
-        """synchronize() reduced the gradients and no backward has run since."""
-        return self._synchronized and reducer.max_passes == 0 and not reducer.has_pending()
+    def synchronize(self) -> None:
+        """Average what is still local (a short accumulation window, passes inside `no_sync()`);
+        a no-op when backward() has already averaged every gradient."""
+        reducer = self._reducer
+        if reducer is not None and reducer.round_open():
+            self._warn_short_window(reducer)
+            reducer.finish_round()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's `with opt.skip_synchronize(): opt.step()`: step without reducing again.
+
+        Gradients are averaged when backward() returns, so a step never reduces twice anyway;
+        inside this block it does not even average a still-open window (Horovod's meaning).
+        """
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Finish averaging the gradients, then step the wrapped optimizer."""
+        """Step the wrapped optimizer on the averaged gradients."""
         if closure is not None:
             raise ValueError(
                 "DistributedOptimizer.step() takes no closure: gradients are averaged once per "
@@ -228,15 +245,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if timeline.ENABLED:
             timeline.step_started()  # backward is over
-        wait_s = 0.0
         reducer = self._reducer
-        if reducer is not None:
-            if self._already_reduced(reducer):
-                wait_s = self._pending_wait
-            else:
-                self._warn_short_window(reducer)
-                wait_s = reducer.finish_round()
-        self._synchronized = False
+        if reducer is not None and not self._skip_sync:
+            self.synchronize()
+        wait_s, self._wait_s = self._wait_s, 0.0
         start = time.perf_counter_ns()
         result = self.optimizer.step()
         end = time.perf_counter_ns()
@@ -259,25 +271,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients, like the wrapped optimizer's zero_grad().
+        """Clear the gradients, like the wrapped optimizer's zero_grad(); legal anywhere.
 
-        An error while reductions launched by backward() are still in flight: they read and
-        write the gradient buffers in the background, so clearing them now would race with
-        the communication and leave the ranks with different gradients. Call step() (or
-        synchronize()) first.
+        The one error: reductions still in flight, which only a backward() that raised half-way
+        leaves behind (they read and write the gradient buffers in the background).
         """
         reducer = self._reducer
         if reducer is not None:
             if reducer.has_pending():
                 raise RuntimeError(
-                    "DistributedOptimizer.zero_grad() was called after backward() but before step(): "
-                    "backward() has started averaging gradients across ranks in the background, and "
-                    "clearing them now would race with that communication. Call step() (or "
-                    "synchronize() to discard the step) before zero_grad(); to accumulate several "
-                    "backward passes, use accumulate=k or no_sync()."
+                    "DistributedOptimizer.zero_grad(): a backward() that did not finish left gradient "
+                    "reductions in flight, and clearing the gradients now would race with them. "
+                    "Call opt.synchronize() first (every rank must), or end the job."
                 )
             reducer.reset_window()
-        self._synchronized = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -289,9 +296,12 @@ class DistributedDataParallel(nn.Module):
     """A module wrapper over the same reducer: gradients are averaged when backward() returns.
 
     Like torch's DDP: the root's parameters and buffers are copied to every rank at
-    construction, buffers (e.g. BatchNorm statistics) again before each forward when
-    `broadcast_buffers`, and `no_sync()` skips the reduction for the passes inside it. Use any
-    optimizer on `module.parameters()`.
+    construction; with `broadcast_buffers` (the default) buffers (e.g. BatchNorm statistics)
+    are copied from the root again before each *training* forward (`train()` mode, grad
+    enabled, outside `no_sync()`). A forward in `eval()` or under `torch.no_grad()` makes no
+    collective, so evaluating on one rank, or on uneven data, never waits for the others.
+    `no_sync()` skips the reduction for the passes inside it. Use any optimizer on
+    `module.parameters()`.
     """
 
     def __init__(
@@ -323,8 +333,7 @@ class DistributedDataParallel(nn.Module):
             hook = make_comm_hook(compression)
             self._reducer = Reducer(
                 named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
-                first_cap_bytes=int(first_bucket_mb * _MB), group=group,
-                finalize_on_backward_end=True, on_round_end=self._round_done,
+                first_cap_bytes=int(first_bucket_mb * _MB), group=group, on_round_end=self._round_done,
                 owner="DistributedDataParallel", options=f"op={op} compression={describe(hook)}",
             )
             if broadcast_buffers:
@@ -342,10 +351,17 @@ class DistributedDataParallel(nn.Module):
         reducer = self._reducer
         if reducer is not None and reducer.has_pending():
             raise RuntimeError("DistributedDataParallel: forward() while gradients are still being averaged")
-        # Joined ranks (td.join) cannot answer a buffer broadcast, so buffers wait until after it.
-        if self._buffers_to_sync and reducer is not None and not reducer._join_mode:
+        if self._buffers_to_sync and self._training_forward(reducer):
             self._sync_buffers()
         return self.module(*args, **kwargs)
+
+    def _training_forward(self, reducer: Reducer) -> bool:
+        """A forward whose backward will reduce: the only kind that communicates (as in DDP).
+
+        Joined ranks (td.join) cannot answer a buffer broadcast, so buffers wait until after it.
+        """
+        return (self.training and torch.is_grad_enabled() and reducer.sync_enabled
+                and not reducer.joining)
 
     def _sync_buffers(self) -> None:
         from tandem.parallel.broadcast import coalesced

@@ -16,9 +16,14 @@ How a step flows:
    (`comm_hook(bucket) -> Work`; by default one in-place all-reduce). Buckets are launched
    strictly in index order, because Gloo and MPI match collectives by their order: bucket i
    waits for buckets < i even when it is ready first.
-4. `finish_round()` (called by `step()`, or at the end of backward for the module wrapper)
-   launches, in order, the buckets backward did not complete (a parameter that got no gradient
-   contributes zeros), then waits for every bucket in order.
+4. At the end of the backward pass that completes a round (every backward with accumulate=1;
+   the k-th of a window with accumulate=k; never one inside `no_sync()`), an autograd
+   end-of-backward callback (DDP's mechanism) calls `finish_round()`: it launches, in order,
+   the buckets backward did not complete (a parameter that got no gradient contributes zeros),
+   then waits for every bucket in order. So **when `backward()` returns, every `.grad` holds
+   the averaged gradient**, and the recipes of one-process training (clipping, GradScaler,
+   reading gradients, `zero_grad()` anywhere) work unchanged. `step()` finishes a round only
+   when one is still open (a short accumulation window, or passes made inside `no_sync()`).
 
 Every bucket buffer ends with one "used" flag per parameter (1 when this rank produced a
 gradient for it). A parameter whose gradient was None on every rank stays None, as it would in
@@ -80,7 +85,6 @@ class Reducer:
         first_cap_bytes: int,
         accumulate: int = 1,
         group: Group | None = None,
-        finalize_on_backward_end: bool = False,
         on_round_end: Callable[[float], None] | None = None,
         owner: str = "DistributedOptimizer",
         options: str = "",
@@ -96,7 +100,6 @@ class Reducer:
         self._op = op
         self._hook = comm_hook
         self._accumulate = accumulate
-        self._finalize_on_backward_end = finalize_on_backward_end
         self._on_round_end = on_round_end
         self._mean_scale = 1.0 / self._size if op == "mean" else 1.0
         self._scale = self._mean_scale
@@ -209,11 +212,17 @@ class Reducer:
             unused.clear()
         self._next = 0
         self.max_passes = 0
-        self._callback_queued = False
+        self._local_passes = False
+        self._callback_queued = False  # also after a backward that raised before its end
 
     def has_pending(self) -> bool:
         """Whether reductions were launched and not yet waited for."""
         return self._next > 0
+
+    def round_open(self) -> bool:
+        """Whether gradients were produced since the last finished round (a short accumulation
+        window, or backward passes inside `no_sync()`), so a step must still reduce them."""
+        return self.max_passes > 0 or self._next > 0 or self._local_passes
 
     def reset_window(self) -> None:
         """Forget gradients counted since the last round (zero_grad wiped them)."""
@@ -244,8 +253,10 @@ class Reducer:
                     f"{self._owner}: backward() inside no_sync() while the previous backward's "
                     f"reductions are still in flight; call step() before starting a new window"
                 )
+            self._local_passes = True
             return  # no_sync(): autograd accumulates locally in param.grad
-        if self._finalize_on_backward_end and not self._callback_queued:
+        if not self._callback_queued:
+            # Once per backward pass: its end finishes the round (see the module docstring).
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         b = self._bucket_of[i]
@@ -308,7 +319,9 @@ class Reducer:
         self._next = b + 1
 
     def _backward_done(self) -> None:
-        if self._sync_enabled:
+        self._callback_queued = False
+        # accumulate=k: only the pass that completes the window ends the round.
+        if self.max_passes >= self._accumulate:
             self.finish_round()
 
     # -- completion --------------------------------------------------------------------------
@@ -367,6 +380,11 @@ class Reducer:
             raise RuntimeError(f"{self._owner}: td.join() entered with reductions pending; call step() first")
         self._join_mode = True
         self._scale = 1.0  # the divisor (the number of contributing ranks) is known only later
+
+    @property
+    def joining(self) -> bool:
+        """Inside `td.join()`: ranks out of data answer the reductions with zeros."""
+        return self._join_mode
 
     def exit_join(self) -> None:
         self._join_mode = False

@@ -21,6 +21,12 @@ not for those that use whole-tensor norms (LAMB, LARS, Adafactor): their norms w
 over shards. A parameter that got no gradient on any rank is stepped with a zero gradient (so
 weight decay and momentum still move it), where torch would skip it.
 
+**Where it differs from `DistributedOptimizer`:** the model's `.grad` stays this rank's own
+gradient after backward() (the average exists only as shards, made in `step()`), so recipes
+that read gradients between backward() and step() need its help: clip with
+`opt.clip_grad_norm_(max_norm)` (the global norm of the averaged gradient), not
+`nn.utils.clip_grad_norm_`. GradScaler's `unscale_` is not supported (each rank would see
+inf in its own shard only and skip different steps): use bf16 autocast, which needs no scaler.
 The model's gradients stay local (this class averages its shard only). The model's
 parameters stay the source of truth: each step re-reads this rank's shard from
 them, so loading a model state dict between steps is safe. `state_dict()` gathers the full,
@@ -72,6 +78,8 @@ class ZeroOptimizer:
             raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
         self.optimizer = optimizer
         self.group = group
+        self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
+        self._flat: torch.Tensor | None = None
         self._size = group_size(group)
         self._rank = group_rank(group)
         self._params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
@@ -135,6 +143,7 @@ class ZeroOptimizer:
         return [p for params in self._params for p in params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
         for p in self.parameters:
             if p.grad is None:
                 continue
@@ -144,15 +153,47 @@ class ZeroOptimizer:
                 p.grad.detach_()
                 p.grad.zero_()
 
+    def _reduce_gradients(self) -> torch.Tensor:
+        """Reduce-scatter the local gradients: this rank's shard of their average. Returns the
+        flat buffer, free for the parameters' all-gather."""
+        flat = self._pack_gradients()
+        self._communicate("reducescatter", self._shard_grad, flat)
+        self._shard_grad.div_(self._size)
+        self._reduced = True
+        return flat
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the *averaged* gradient by its global norm, as `nn.utils.clip_grad_norm_` would
+        in one process; returns that norm. Call it between backward() and step().
+
+        The model's `.grad` is this rank's own gradient until `step()` (see the module
+        docstring), so `nn.utils.clip_grad_norm_(model.parameters())` would clip the wrong
+        thing. This reduce-scatters now (step() then does not again), and the norm is one
+        all-reduce of the shards' partial sums.
+        """
+        if not self._reduced:
+            self._flat = self._reduce_gradients()
+        grad = self._shard_grad
+        if norm_type == float("inf"):
+            local = grad.abs().max() if grad.numel() else grad.new_zeros(())
+            total = collectives.allreduce(local.reshape(1), op="max", group=self.group)[0]
+        else:
+            local = grad.abs().pow(norm_type).sum().reshape(1)
+            total = collectives.allreduce(local, op="sum", group=self.group)[0].pow(1.0 / norm_type)
+        grad.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Average gradients, step this rank's shard, and gather the new parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        flat = self._pack_gradients()
-        self._communicate("reducescatter", self._shard_grad, flat)
-        self._shard_grad.div_(self._size)
+        if self._reduced and self._flat is not None:
+            flat, self._flat = self._flat, None
+        else:
+            flat = self._reduce_gradients()
+        self._reduced = False
         self._read_shard()
         with torch.no_grad():
             for view, grad in self._views:

@@ -1,0 +1,194 @@
+"""td.init(rank=, world_size=): torch.distributed's manual template joins a job, in real processes.
+
+The parent starts the ranks with `multiprocessing` (no launcher variables), each calls
+`td.init(rank=r, world_size=n)` and sends what it saw back through a queue. Every wait has a
+deadline, and the children are killed whatever happens.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+
+import pytest
+import torch
+
+import tandem as td
+
+DEADLINE_S = 120.0
+# What a launcher sets; none of it may reach the children, which must be placed by arguments only.
+LAUNCHER_PREFIXES = ("TANDEM_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def _is_launcher_variable(name: str) -> bool:
+    return name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """This process's environment without any launcher's variables (restored afterwards)."""
+    for name in [n for n in os.environ if _is_launcher_variable(n)]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _python(code: str, env: dict[str, str], timeout: float = 60):
+    """Run `code` in a fresh interpreter with no launcher variables but `env`."""
+    clean = {k: v for k, v in os.environ.items() if not _is_launcher_variable(k)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**clean, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def template_rank(rank: int, n: int, results, init_kwargs: dict) -> None:
+    """The template's `run(rank, n)`: join, all-reduce, report to the parent."""
+    try:
+        world = td.init(rank=rank, world_size=n, timeout=60, **init_kwargs)
+        total = td.allreduce(torch.tensor([float(rank + 1)]), op="sum").item()
+        assert td.init(rank=rank, world_size=n) is world  # idempotent, as without arguments
+        try:
+            td.init(rank=(rank + 1) % n, world_size=n)
+            raise AssertionError("init with another rank did not raise")
+        except ValueError as error:
+            assert f"already initialised as rank {rank} of {n}" in str(error), error
+        results.put(("ok", rank, (world.rank, world.size, world.local_rank, world.local_size,
+                                  world.backend, total)))
+    except BaseException:
+        results.put(("err", rank, traceback.format_exc()))
+    finally:
+        td.shutdown()
+
+
+def _run_template(n: int, **init_kwargs) -> list:
+    """Start `n` ranks as the template does and return what each reported, in rank order."""
+    context = mp.get_context("spawn")  # no fork of a pytest process with threads in it
+    results = context.Queue()
+    processes = [context.Process(target=template_rank, args=(rank, n, results, init_kwargs),
+                                 daemon=True) for rank in range(n)]
+    reports: dict[int, tuple] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        for process in processes:
+            process.start()
+        while len(reports) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"ranks {sorted(set(range(n)) - set(reports))} did not report "
+                            f"within {DEADLINE_S:.0f} s")
+            try:
+                status, rank, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = {rank: p.exitcode for rank, p in enumerate(processes)
+                        if rank not in reports and p.exitcode not in (None, 0)}
+                if dead:
+                    pytest.fail(f"ranks died without reporting (rank: exit code): {dead}")
+                continue
+            if status == "err":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            reports[rank] = payload
+        for process in processes:
+            process.join(max(1.0, deadline - time.monotonic()))
+        assert [p.exitcode for p in processes] == [0] * n
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        results.close()
+    return [reports[rank] for rank in range(n)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_manual_template_joins_a_gloo_job(no_launcher, n):
+    no_launcher.setenv("MASTER_ADDR", "127.0.0.1")
+    no_launcher.setenv("MASTER_PORT", str(_free_port()))
+    total = float(sum(range(1, n + 1)))
+    assert _run_template(n) == [(rank, n, rank, n, "gloo", total) for rank in range(n)]
+
+
+@pytest.mark.timeout(180)
+def test_init_method_tcp_instead_of_master_variables(no_launcher):
+    reports = _run_template(2, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    assert reports == [(0, 2, 0, 2, "gloo", 3.0), (1, 2, 1, 2, "gloo", 3.0)]
+
+
+@pytest.mark.timeout(180)
+def test_the_template_as_a_script(tmp_path):
+    """The template as users write it: `__main__`, the default start method, MASTER_* set."""
+    script = tmp_path / "template.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.multiprocessing as mp, tandem as td
+
+        def run(rank, n):
+            td.init(rank=rank, world_size=n)
+            total = td.allreduce(torch.ones(1) * (rank + 1), op="sum").item()
+            print(f"rank {td.rank()} of {td.size()} total {total}", flush=True)
+            td.shutdown()
+
+        if __name__ == "__main__":
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = os.environ["TEST_PORT"]
+            procs = [mp.Process(target=run, args=(r, 2)) for r in range(2)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(90)
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise SystemExit(0 if codes == [0, 0] else f"exit codes {codes}")
+    """))
+    clean = {k: v for k, v in os.environ.items() if not _is_launcher_variable(k)}
+    done = subprocess.run([sys.executable, str(script)], env={**clean, "TEST_PORT": str(_free_port())},
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["rank 0 of 2 total 3.0", "rank 1 of 2 total 3.0"]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_outside_the_world_is_an_error_before_any_communication():
+    done = _python("import tandem as td; td.init(rank=5, world_size=2)",
+                   env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    assert done.returncode != 0
+    assert "td.init(rank=5, world_size=2): rank 5 is not a rank of a world of 2 processes" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_without_a_rank_is_an_error_not_a_world_of_one():
+    done = _python("import tandem as td; td.init(); print('ran as a world of one')",
+                   env={"MASTER_PORT": "29500"})
+    assert done.returncode != 0
+    assert "ran as a world of one" not in done.stdout
+    assert "ValueError: MASTER_PORT=29500 is set but RANK and WORLD_SIZE are not" in done.stderr
+    assert "Pass td.init(rank=r, world_size=n), or start the script with `tandem run -np N` / torchrun" \
+        in done.stderr
+
+
+def test_mpi_cannot_join_a_job_named_by_arguments(no_launcher):
+    no_launcher.setenv("MASTER_ADDR", "127.0.0.1")
+    no_launcher.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match="backend 'mpi' cannot join a job named by "
+                                         r"td.init\(rank=0, world_size=2\).*mpiexec.*"
+                                         "`tandem run -np N --backend mpi"):
+        td.init(rank=0, world_size=2, backend="mpi")
+    assert not td.is_initialized()
+
+
+def test_missing_rendezvous_is_an_error_before_any_communication(no_launcher):
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT are not set"):
+        td.init(rank=1, world_size=2)
+    assert not td.is_initialized()
