@@ -74,6 +74,14 @@ def _difference(mine: torch.Tensor, reference: torch.Tensor) -> float:
 BUFFER_POLICIES = ("warn", "strict", "ignore")
 
 
+_BUFFER_ADVICE = (
+    "\nBuffers that differ are usually per-rank statistics (BatchNorm running mean/var of each "
+    "rank's own shard), expected without SyncBatchNorm. To make them equal: convert the model "
+    "with td.SyncBatchNorm.convert(model) before training, or call td.broadcast_buffers(model) "
+    "before evaluating or saving."
+)
+
+
 class ReplicaBufferWarning(UserWarning):
     """Buffers (e.g. BatchNorm running statistics) differ between replicas."""
 
@@ -147,15 +155,13 @@ def check_replicas(
             + "\n".join(problems)
             + "\nBroadcast them from one rank (td.broadcast_parameters) and look for a rank that "
             "skipped a step or used a different seed or data."
+            + (_BUFFER_ADVICE if any(line.split()[0] in buffer_names for line in problems) else "")
         )
     if buffer_problems:
         warnings.warn(
             f"check_replicas: the parameters are identical, but {len(buffer_problems)} buffer(s) "
             f"differ between ranks:\n" + "\n".join(buffer_problems)
-            + "\nThese are per-rank statistics (BatchNorm running mean/var of each rank's own "
-            "shard), expected without SyncBatchNorm. To make them equal: convert the model with "
-            "td.SyncBatchNorm.convert(model) before training, or call td.broadcast_buffers(model) "
-            "before evaluating or saving. check_replicas(model, buffers='strict') makes this an error.",
+            + _BUFFER_ADVICE + " check_replicas(model, buffers='strict') makes this an error.",
             ReplicaBufferWarning,
             stacklevel=2,
         )

@@ -350,7 +350,10 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         reducer = self._reducer
         if reducer is not None and reducer.has_pending():
-            raise RuntimeError("DistributedDataParallel: forward() while gradients are still being averaged")
+            raise RuntimeError(
+                "DistributedDataParallel: forward() while gradient reductions launched by a backward() "
+                "that did not finish are still in flight; call model.synchronize() on every rank "
+                "first (or end the job)")
         if self._buffers_to_sync and self._training_forward(reducer):
             self._sync_buffers()
         return self.module(*args, **kwargs)
@@ -373,6 +376,12 @@ class DistributedDataParallel(nn.Module):
 
         with torch.no_grad():
             coalesced(self._buffers_to_sync, send, copy_back=runtime.rank() != self._root)
+
+    def synchronize(self) -> None:
+        """Average what is still local: passes made only inside `no_sync()`, or the rest of a
+        backward() that raised half-way (then every rank must call it). A no-op otherwise."""
+        if self._reducer is not None and self._reducer.round_open():
+            self._reducer.finish_round()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces them all."""

@@ -250,8 +250,9 @@ class Reducer:
         if not self._sync_enabled:
             if self._next > 0:  # autograd just accumulated into a buffer being reduced
                 raise RuntimeError(
-                    f"{self._owner}: backward() inside no_sync() while the previous backward's "
-                    f"reductions are still in flight; call step() before starting a new window"
+                    f"{self._owner}: backward() inside no_sync() while reductions launched by an "
+                    f"earlier backward() that did not finish are still in flight; call synchronize() "
+                    f"on every rank first (or end the job)"
                 )
             self._local_passes = True
             return  # no_sync(): autograd accumulates locally in param.grad
