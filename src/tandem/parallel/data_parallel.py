@@ -218,6 +218,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Average what is still local (a short accumulation window, passes inside `no_sync()`);
         a no-op when backward() has already averaged every gradient."""
+        self._finish_open_round()
+
+    def _finish_open_round(self) -> None:
+        """Called by step() and synchronize() only: the warning points at their caller."""
         reducer = self._reducer
         if reducer is not None and reducer.round_open():
             self._warn_short_window(reducer)
@@ -246,8 +250,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if timeline.ENABLED:
             timeline.step_started()  # backward is over
         reducer = self._reducer
-        if reducer is not None and not self._skip_sync:
-            self.synchronize()
+        if not self._skip_sync:
+            self._finish_open_round()
         wait_s, self._wait_s = self._wait_s, 0.0
         start = time.perf_counter_ns()
         result = self.optimizer.step()
@@ -267,7 +271,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{reducer.max_passes} backward pass(es); the gradients accumulated so far are "
                 f"averaged now. Call step() once every {self.accumulate} passes (this warning is "
                 f"shown once).",
-                stacklevel=3,
+                stacklevel=4,  # the user's step() or synchronize() call
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
