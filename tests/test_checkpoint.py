@@ -49,10 +49,11 @@ def _expect(error_type, call, *fragments):
 def check_broadcast_and_replicas():
     model = _model(seed=100 + td.rank())  # a different random init on every rank
     model[1].running_mean.fill_(float(td.rank()))
-    before = _expect(ReplicaMismatchError, lambda: td.check_replicas(model),
+    # buffers="strict": the differing BatchNorm statistics are named beside the parameters.
+    before = _expect(ReplicaMismatchError, lambda: td.check_replicas(model, buffers="strict"),
                      "0.weight", "rank 1", "1.running_mean")
     td.broadcast_parameters(model)
-    td.check_replicas(model)
+    td.check_replicas(model, buffers="strict")
     reference = _model(seed=100)
     reference[1].running_mean.fill_(0.0)
     for (name, mine), (_, theirs) in zip(model.state_dict().items(), reference.state_dict().items(),
