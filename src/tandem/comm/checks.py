@@ -7,7 +7,7 @@ differ, the ranks disagree. Only then (the slow path) do the ranks exchange read
 descriptions, so that the error shows what each rank passed. The check is the same collective
 on every rank whatever the arguments, so it cannot itself deadlock on a mismatch.
 
-In debug mode two more fields carry the collective's fingerprint (`diagnostics.fingerprints`):
+In debug mode two more fields carry the collective's fingerprint (`comm.fingerprints`):
 its sequence number on the group and a hash of the user's call site, so a rank that skipped a
 collective is caught by the same single all-reduce. The same collective reached from different
 lines is only a warning (once per pair of lines): code that branches on the rank does that on
@@ -27,8 +27,7 @@ import zlib
 
 import torch
 
-from tandem import runtime
-from tandem.diagnostics import fingerprints
+from tandem.comm import context, fingerprints
 
 _SHAPE_SLOTS = 12
 _HEADER = ("collective", "op", "dtype", "ndim", "root", "device", "seq", "site")
@@ -92,7 +91,7 @@ def agree(
     ignore_dim0: bool = False,
 ) -> None:
     """Raise `CollectiveMismatchError` on every rank unless all ranks pass the same arguments."""
-    state = runtime.state()
+    state = context.current()
     if not (state.checks or state.debug):
         return
     from tandem.comm.groups import group_size
@@ -141,7 +140,7 @@ def _warn_sites(mine: str, group, sites: tuple[int, int]) -> None:
     with fingerprints.suspend():
         calls = allgather_object(mine, group=group)
     ranks = group_ranks(group)
-    if runtime.rank() == ranks[0]:
+    if context.current().world.rank == ranks[0]:
         lines = "\n".join(f"  rank {r}: {call}" for r, call in zip(ranks, calls, strict=True))
         print(f"tandem debug: ranks reached one collective from different lines:\n{lines}\n"
               "Fine if the code branches on the rank; otherwise a rank skipped a collective "
