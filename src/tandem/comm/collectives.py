@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.comm import checks, context
+from tandem.comm import checks, context, exchange
 from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_ranks, group_size
 
@@ -193,17 +193,6 @@ def reduce(
     return _complete(work, finish, async_op)
 
 
-def _exchange_lengths(length: int, group: Group | None) -> list[int]:
-    """Every rank's `length` (one int64 each), in group order."""
-    n = group_size(group)
-    mine = torch.tensor([length], dtype=torch.int64)
-    staging = _Staging(torch.zeros(n, dtype=torch.int64))
-    mine = mine.to(staging.buffer.device)
-    backend = context.current().backend
-    backend.allgather_into(staging.buffer, mine, group).wait(context.current().timeout)
-    return staging.copy_back().tolist()
-
-
 def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = None):
     """Concatenate every rank's tensor along dim 0; first dims may differ across ranks."""
     _check_member(group)
@@ -211,7 +200,7 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
     if data.dim() == 0:
         data = data.reshape(1)
     checks.agree("allgather", data, group, ignore_dim0=True)
-    lengths = _exchange_lengths(data.shape[0], group)
+    lengths = exchange.lengths(data.shape[0], group, context.current())
     longest = max(lengths)
     n = group_size(group)
     rest = tuple(data.shape[1:])
@@ -345,7 +334,7 @@ def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None)
     _check_member(group)
     _check_rank("root", root, group)
     if context.current().world.rank == root:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        payload = exchange.pickled(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         payload, length = None, torch.zeros(1, dtype=torch.int64)
@@ -359,20 +348,6 @@ def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None)
 def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
     """Every rank's picklable object, as a list in rank order."""
     _check_member(group)
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    payload = exchange.pickled(obj)
     checks.agree_on_call("allgather_object", group, payload)
-    lengths = _exchange_lengths(payload.numel(), group)
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    output = _Staging(torch.empty(group_size(group) * longest, dtype=torch.uint8))
-    source = _Staging(padded)
-    context.current().backend.allgather_into(output.buffer, source.buffer, group).wait(
-        context.current().timeout
-    )
-    gathered = output.copy_back().numpy()
-    return [
-        pickle.loads(gathered[i * longest : i * longest + n].tobytes())
-        for i, n in enumerate(lengths)
-    ]
-
+    return exchange.objects(payload, group, context.current())

@@ -27,7 +27,6 @@ layout from the same model, and the layout is unit-tested without processes.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -187,8 +186,3 @@ def describe_layout(params: Sequence[ParamInfo], buckets: Sequence[Bucket]) -> l
         for b in buckets
     ]
     return lines
-
-
-def layout_code(lines: Sequence[str]) -> int:
-    """A 31-bit checksum of a layout description (what ranks compare cheaply)."""
-    return zlib.crc32("\n".join(lines).encode()) & 0x7FFFFFFF
