@@ -38,6 +38,7 @@ timeline is off the reducer tests one module-level boolean per bucket.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import weakref
@@ -51,7 +52,7 @@ from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
-from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout
+from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 from tandem.parallel.compression import CommHook, GradBucket, allreduce_hook
 
 
@@ -161,30 +162,14 @@ class Reducer:
     # -- agreement, once --------------------------------------------------------------------
     def _agree(self, lines: list[str]) -> None:
         try:
-            agreement.agree(lines, self._group, explain=self._explain_layout,
-                            error=GradientLayoutError)
+            agreement.agree(lines, self._group, error=GradientLayoutError,
+                            explain=functools.partial(explain_layout, self._owner))
         except TimeoutError as error:
             raise TimeoutError(
                 f"{self._owner}: rank {runtime.rank()} waited {self._timeout:.0f} s for the ranks "
                 f"{list(group_ranks(self._group))} to build it; one of them did not (it failed "
                 f"earlier, or builds it at a different point of the script)"
             ) from error
-
-    def _explain_layout(self, ranks: tuple[int, ...], everyone: list[list[str]]) -> str:
-        first = everyone[0]
-        report = [f"{self._owner}: the ranks' parameters differ, so their gradients cannot be averaged:"]
-        for rank, theirs in zip(ranks[1:], everyone[1:], strict=True):
-            if theirs == first:
-                continue
-            n_mine = sum(line.startswith("param ") for line in first)
-            n_theirs = sum(line.startswith("param ") for line in theirs)
-            if n_mine != n_theirs:
-                report.append(f"  rank {ranks[0]} has {n_mine} parameters, rank {rank} has {n_theirs}")
-            differing = [(a, b) for a, b in zip(first, theirs, strict=False) if a != b]
-            for mine, other in differing[:4]:
-                report.append(f"  rank {ranks[0]}: {mine}\n  rank {rank}: {other}")
-        report.append("Build the same model, optimizer and options on every rank of the group.")
-        return "\n".join(report)
 
     # -- per-step state ----------------------------------------------------------------------
     def _reset_round(self) -> None:
