@@ -167,3 +167,47 @@ def test_the_guard_sees_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
     assert cycle_path(["a", "b", "c"], graph) == "a -> b -> c -> a"
+
+
+def test_a_gradient_bucket_crosses_six_files_to_the_wire():
+    """reducer -> hook -> watchdog -> engine -> watchdog -> hook -> reducer: the backend is the
+    reducer's own (no global look-up per bucket), and the watchdog counts in the wrapper's file."""
+    import os
+    import sys
+
+    import torch
+
+    import tandem as td
+    from tandem import runtime
+    from tandem.comm.watchdog import Ledger, WatchedBackend
+    from tandem.parallel.reducer import Reducer
+
+    td.init(backend="gloo")
+    try:
+        state = runtime.state()
+        state.backend = WatchedBackend(state.backend, Ledger(0, 1, 300.0))  # as in a larger world
+        model = torch.nn.Linear(4, 2)
+        reducer = Reducer(list(model.named_parameters()), cap_bytes=1 << 20, first_cap_bytes=1 << 20)
+        package = os.path.dirname(td.__file__) + os.sep
+        files: list[str] = []
+
+        def follow(frame, event, _):
+            if event == "return":
+                frame = frame.f_back
+            if event in ("call", "return") and frame is not None:
+                name = frame.f_code.co_filename
+                if name.startswith(package) and (not files or files[-1] != name[len(package):]):
+                    files.append(name[len(package):])
+
+        sys.setprofile(follow)
+        try:
+            reducer._launch(0)
+        finally:
+            sys.setprofile(None)
+        reducer._works[0].wait()
+    finally:
+        td.shutdown()
+    names = [name.replace(os.sep, "/") for name in files]
+    assert names == ["parallel/reducer.py", "parallel/compression.py", "comm/watchdog.py",
+                     "comm/torch_backend.py", "comm/watchdog.py", "parallel/compression.py",
+                     "parallel/reducer.py"], names

@@ -2,7 +2,7 @@
 
 from tandem.checkpoint import CheckpointError, load, save
 from tandem.checkpointer import Checkpointer
-from tandem.comm.checks import CollectiveMismatchError
+from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.collectives import (
     Handle,
     allgather,
