@@ -29,7 +29,7 @@ from tandem.comm import context, exchange
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_ranks, group_size
 
-Explain = Callable[[tuple[int, ...], list[Any]], "str | BaseException"]
+Explain = Callable[[tuple[int, ...], list[Any]], str | BaseException]
 
 
 class CollectiveMismatchError(ValueError):

@@ -27,8 +27,8 @@ import sys
 import torch
 
 from tandem.comm import agreement, context, fingerprints
-from tandem.comm.agreement import CollectiveMismatchError as CollectiveMismatchError  # old home
-from tandem.comm.groups import group_size
+from tandem.comm.agreement import CollectiveMismatchError as CollectiveMismatchError  # its old home
+from tandem.comm.groups import group_ranks, group_size
 
 _SHAPE_SLOTS = 12
 _HEADER = ("collective", "op", "dtype", "ndim", "root", "device", "seq", "site")
@@ -133,7 +133,7 @@ def _warn_sites(mine: str, group, engine: context.Context, sites: tuple[int, int
         return
     _warned_sites.add(sites)
     calls = agreement.everyone(mine, group, engine)
-    ranks = group.ranks if group is not None else tuple(range(engine.world.size))
+    ranks = group_ranks(group)
     if engine.world.rank == ranks[0]:
         print(f"tandem debug: ranks reached one collective from different lines:\n"
               f"{_lines(ranks, calls)}\nFine if the code branches on the rank; otherwise a rank "
