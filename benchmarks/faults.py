@@ -201,9 +201,10 @@ def cpu_costs(count: int = 20000) -> dict:
     """
     import torch
 
+    from tandem.comm import fingerprints
     from tandem.comm.backend import CompletedWork
-    from tandem.diagnostics import fingerprints
-    from tandem.diagnostics.watchdog import Watchdog, WatchedBackend
+    from tandem.comm.monitor import Watchdog
+    from tandem.comm.watchdog import WatchedBackend
 
     class Instant:
         name, rank, size = "instant", 0, 2

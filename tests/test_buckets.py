@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, layout_code
+from tandem.comm.agreement import checksum
+from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 
 F32, F16 = torch.float32, torch.float16
 KB = 1024
@@ -109,7 +110,7 @@ def test_layout_description_ignores_device_index():
     lines1 = describe_layout(params1, assign_buckets(params1))
     assert lines0 == lines1
     changed = [ParamInfo("w", (5,), F32, "cuda:0")]
-    assert layout_code(describe_layout(changed, assign_buckets(changed))) != layout_code(lines0)
+    assert checksum(describe_layout(changed, assign_buckets(changed))) != checksum(lines0)
 
 
 def test_param_info_of_tensor():
@@ -137,3 +138,14 @@ def test_small_last_bucket_per_kind_and_tiny_models():
     assert sorted(members(buckets)) == [[0, 2], [1, 3]]  # everything fits: one bucket per kind
     with pytest.raises(ValueError, match="last_cap_bytes"):
         assign_buckets(params, cap_bytes=10, last_cap_bytes=0)
+
+
+def test_layout_mismatch_names_each_rank_against_the_first():
+    same = [p("w", 4)]
+    other = [ParamInfo("w", (5,), F32, "cpu")]
+    layouts = [describe_layout(ps, assign_buckets(ps)) for ps in (same, same, other)]
+    text = explain_layout("DistributedOptimizer", [0, 1, 2], layouts)
+    assert text.startswith("DistributedOptimizer: the ranks' parameters differ")
+    assert "rank 1" not in text  # rank 1 agrees with rank 0
+    assert "rank 0: param 0 w (4,)" in text and "rank 2: param 0 w (5,)" in text
+

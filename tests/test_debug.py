@@ -17,8 +17,7 @@ import torch
 
 import tandem as td
 from tandem import runtime
-from tandem.comm import checks
-from tandem.diagnostics import fingerprints
+from tandem.comm import checks, fingerprints
 from tandem.testing import run_distributed
 
 DEBUG = {"TANDEM_DEBUG": "1"}
@@ -113,9 +112,6 @@ def test_fingerprints_name_the_users_line_not_tandems():
     assert mark.site == f"test_debug.py:{_line() - 1}"
     again = fingerprints.next_fingerprint("allreduce", "test-stream")
     assert (mark.seq + 1, str(again)) == (again.seq, f"#{again.seq} allreduce at {again.site}")
-    with fingerprints.suspend():
-        assert fingerprints.suspended()
-    assert not fingerprints.suspended()
     fingerprints.reset()
     assert fingerprints.next_fingerprint("barrier", "test-stream").seq == 1
     fingerprints.reset()

@@ -19,7 +19,7 @@ import torch
 
 import tandem as td
 from tandem import runtime
-from tandem.diagnostics import fingerprints, waitgraph
+from tandem.comm import fingerprints, waitgraph
 from tandem.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 from tandem.checkpoint import CheckpointError, load, save
 from tandem.checkpointer import Checkpointer
-from tandem.comm.checks import CollectiveMismatchError
+from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.collectives import (
     Handle,
     allgather,
@@ -18,10 +18,10 @@ from tandem.comm.collectives import (
     send,
 )
 from tandem.comm.groups import Group, Mesh, mesh, new_group
+from tandem.comm.watchdog import PeerUnreachableError, WatchdogTimeout
 from tandem.data import partition_dataset
 from tandem.diagnostics.replicas import ReplicaBufferWarning, ReplicaMismatchError, check_replicas
 from tandem.diagnostics.steps import report
-from tandem.diagnostics.watchdog import PeerUnreachableError, WatchdogTimeout
 from tandem.parallel.broadcast import broadcast_buffers, broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.data_parallel import DistributedDataParallel, DistributedOptimizer
 from tandem.parallel.join import join

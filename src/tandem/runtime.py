@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import environments
+from tandem.comm import context
 from tandem.comm.backend import Backend
 from tandem.environments import JobEnvironment
 
@@ -30,7 +31,11 @@ class World:
 
 @dataclass
 class RuntimeState:
-    """Everything `init` set up; owned by this module, read by the rest of tandem."""
+    """Everything `init` set up; owned by this module, read by the rest of tandem.
+
+    Installed as comm's context (`tandem.comm.context`): comm reads the backend, timeout,
+    checks and debug flags from this very object without importing this module.
+    """
 
     world: World
     backend: Backend
@@ -155,7 +160,7 @@ def init(
     device = _device_for(job)
     engine = _create_backend(name, job, timeout, device)
     debug = _flag(debug, "DEBUG", False)
-    from tandem.diagnostics.watchdog import watch
+    from tandem.comm.monitor import watch
 
     # Every operation, on every engine, is watched: no wait outlives the timeout unexplained.
     engine = watch(engine, job, timeout, debug)
@@ -172,6 +177,7 @@ def init(
         debug=debug,
         timeout=float(timeout),
     )
+    context.install(_state)  # comm reads the engine from here, never from this module
     return world
 
 
@@ -220,4 +226,5 @@ def shutdown() -> None:
     if _state is None:
         return
     current, _state = _state, None
+    context.clear()
     current.backend.shutdown()

@@ -14,15 +14,44 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from tandem.comm.groups import Group
-
 #: Reductions every backend implements natively. "mean" is built on "sum" one level up.
 NATIVE_OPS = ("sum", "min", "max", "product")
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """An ordered set of global ranks that communicate together (made by `groups.new_group`).
+
+    `handle` is the engine's own object for the group; `rank` is this process's index in the
+    group (-1 when it is not a member). Roots, sources and destinations passed to collectives
+    stay *global* ranks, as in torch.distributed. Defined here, beside the protocol that
+    receives it, so that the engines need nothing above this module.
+    """
+
+    ranks: tuple[int, ...]
+    handle: object
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __contains__(self, global_rank: int) -> bool:
+        return global_rank in self.ranks
+
+    def index(self, global_rank: int) -> int:
+        """The group rank of a global rank."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"rank {global_rank} is not in the group {list(self.ranks)}") from None
+
+    def __repr__(self) -> str:
+        return f"Group(ranks={list(self.ranks)})"
 
 
 class Work(abc.ABC):

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem import runtime
-from tandem.comm import checks
-from tandem.comm.backend import Backend, Work
+from tandem.comm import checks, context, exchange
+from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_ranks, group_size
 
 OPS = ("sum", "mean", "min", "max", "product")
@@ -37,7 +36,7 @@ class Handle:
 
     def wait(self) -> Any:
         if not self._finished:
-            self._work.wait(runtime.state().timeout)
+            self._work.wait(context.current().timeout)
             self._result = self._finish()
             self._finished = True
         return self._result
@@ -46,7 +45,7 @@ class Handle:
 def _complete(work: Work, finish: Callable[[], Any], async_op: bool):
     if async_op:
         return Handle(work, finish)
-    work.wait(runtime.state().timeout)
+    work.wait(context.current().timeout)
     return finish()
 
 
@@ -59,7 +58,7 @@ def _check_op(op: str) -> str:
 def _check_member(group: Group | None) -> None:
     if group is not None and group.rank < 0:
         raise ValueError(
-            f"rank {runtime.rank()} is not a member of {group!r}; only members may call it"
+            f"rank {context.current().world.rank} is not a member of {group!r}; only members may call it"
         )
 
 
@@ -85,10 +84,11 @@ class _Staging:
 
     __slots__ = ("original", "buffer")
 
-    def __init__(self, tensor: torch.Tensor, backend: Backend | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, engine: context.Context | None = None) -> None:
         self.original = tensor
-        if not (backend or runtime.get_backend()).supports_device(tensor.device):
-            self.buffer = tensor.to(runtime.device()).contiguous()
+        engine = engine or context.current()
+        if not engine.backend.supports_device(tensor.device):
+            self.buffer = tensor.to(engine.world.device).contiguous()
         elif tensor.is_contiguous():
             self.buffer = tensor
         else:
@@ -121,9 +121,9 @@ def allreduce(
     _check_member(group)
     data, as_numpy = _to_torch(tensor)
     checks.agree("allreduce", data, group, op=op)
-    state = runtime.state()
+    state = context.current()
     backend = state.backend
-    staging = _Staging(data if inplace else data.clone(), backend)
+    staging = _Staging(data if inplace else data.clone(), state)
     native = "sum" if op == "mean" else op
     if async_op:
         work = backend.allreduce(staging.buffer, native, group)
@@ -156,7 +156,7 @@ def broadcast(
     data, as_numpy = _to_torch(tensor)
     checks.agree("broadcast", data, group, root=root)
     staging = _Staging(data if inplace else data.clone())
-    work = runtime.get_backend().broadcast(staging.buffer, root, group)
+    work = context.current().backend.broadcast(staging.buffer, root, group)
     return _complete(work, lambda: _output(staging.copy_back(), as_numpy), async_op)
 
 
@@ -176,8 +176,8 @@ def reduce(
     data, as_numpy = _to_torch(tensor)
     checks.agree("reduce", data, group, op=op, root=root)
     staging = _Staging(data.clone())
-    work = runtime.get_backend().reduce(staging.buffer, root, "sum" if op == "mean" else op, group)
-    is_root = runtime.rank() == root
+    work = context.current().backend.reduce(staging.buffer, root, "sum" if op == "mean" else op, group)
+    is_root = context.current().world.rank == root
 
     def finish():
         if not is_root:
@@ -193,17 +193,6 @@ def reduce(
     return _complete(work, finish, async_op)
 
 
-def _exchange_lengths(length: int, group: Group | None) -> list[int]:
-    """Every rank's `length` (one int64 each), in group order."""
-    n = group_size(group)
-    mine = torch.tensor([length], dtype=torch.int64)
-    staging = _Staging(torch.zeros(n, dtype=torch.int64))
-    mine = mine.to(staging.buffer.device)
-    backend = runtime.get_backend()
-    backend.allgather_into(staging.buffer, mine, group).wait(runtime.state().timeout)
-    return staging.copy_back().tolist()
-
-
 def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = None):
     """Concatenate every rank's tensor along dim 0; first dims may differ across ranks."""
     _check_member(group)
@@ -211,7 +200,7 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
     if data.dim() == 0:
         data = data.reshape(1)
     checks.agree("allgather", data, group, ignore_dim0=True)
-    lengths = _exchange_lengths(data.shape[0], group)
+    lengths = exchange.lengths(data.shape[0], group, context.current())
     longest = max(lengths)
     n = group_size(group)
     rest = tuple(data.shape[1:])
@@ -221,7 +210,7 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
         padded[: data.shape[0]] = data
     source = _Staging(padded.contiguous())
     output = _Staging(torch.empty((n * longest, *rest), dtype=data.dtype, device=data.device))
-    work = runtime.get_backend().allgather_into(output.buffer, source.buffer, group)
+    work = context.current().backend.allgather_into(output.buffer, source.buffer, group)
 
     def finish():
         gathered = output.copy_back()
@@ -252,7 +241,7 @@ def reducescatter(
         torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
     )
     native = "sum" if op == "mean" else op
-    work = runtime.get_backend().reducescatter_into(output.buffer, source.buffer, native, group)
+    work = context.current().backend.reducescatter_into(output.buffer, source.buffer, native, group)
 
     def finish():
         result = output.copy_back()
@@ -291,9 +280,9 @@ def alltoall(
     # Tell every rank how many rows to expect from each peer: one small all-to-all.
     incoming = _Staging(torch.empty(n, dtype=torch.int64))
     outgoing = _Staging(torch.tensor(splits, dtype=torch.int64))
-    backend = runtime.get_backend()
+    backend = context.current().backend
     backend.alltoall_into(incoming.buffer, outgoing.buffer, [1] * n, [1] * n, group).wait(
-        runtime.state().timeout
+        context.current().timeout
     )
     received = incoming.copy_back().tolist()
     source = _Staging(data)
@@ -308,11 +297,11 @@ def send(tensor: Array, dst: int, tag: int = 0, *, async_op: bool = False,
          group: Group | None = None):
     """Send to global rank `dst`; the matching `recv` must pass a tensor of the same shape."""
     _check_rank("dst", dst, None)
-    if dst == runtime.rank():
+    if dst == context.current().world.rank:
         raise ValueError(f"rank {dst} cannot send to itself")
     data, _ = _to_torch(tensor)
     staging = _Staging(data)
-    work = runtime.get_backend().send(staging.buffer, dst, tag, group)
+    work = context.current().backend.send(staging.buffer, dst, tag, group)
     return _complete(work, lambda: None, async_op)
 
 
@@ -320,11 +309,11 @@ def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
          group: Group | None = None):
     """Receive from global rank `src` into `tensor` (in place) and return it."""
     _check_rank("src", src, None)
-    if src == runtime.rank():
+    if src == context.current().world.rank:
         raise ValueError(f"rank {src} cannot receive from itself")
     data, as_numpy = _to_torch(tensor)
     staging = _Staging(data)
-    work = runtime.get_backend().recv(staging.buffer, src, tag, group)
+    work = context.current().backend.recv(staging.buffer, src, tag, group)
 
     def finish():
         staging.copy_back()
@@ -337,15 +326,15 @@ def barrier(group: Group | None = None) -> None:
     """Return once every rank of the group has called it."""
     _check_member(group)
     checks.agree_on_call("barrier", group)  # is every rank in this barrier?
-    runtime.get_backend().barrier(group).wait(runtime.state().timeout)
+    context.current().backend.barrier(group).wait(context.current().timeout)
 
 
 def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None) -> Any:
     """`root`'s picklable object, on every rank."""
     _check_member(group)
     _check_rank("root", root, group)
-    if runtime.rank() == root:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    if context.current().world.rank == root:
+        payload = exchange.pickled(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         payload, length = None, torch.zeros(1, dtype=torch.int64)
@@ -359,20 +348,6 @@ def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None)
 def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
     """Every rank's picklable object, as a list in rank order."""
     _check_member(group)
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    payload = exchange.pickled(obj)
     checks.agree_on_call("allgather_object", group, payload)
-    lengths = _exchange_lengths(payload.numel(), group)
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    output = _Staging(torch.empty(group_size(group) * longest, dtype=torch.uint8))
-    source = _Staging(padded)
-    runtime.get_backend().allgather_into(output.buffer, source.buffer, group).wait(
-        runtime.state().timeout
-    )
-    gathered = output.copy_back().numpy()
-    return [
-        pickle.loads(gathered[i * longest : i * longest + n].tobytes())
-        for i, n in enumerate(lengths)
-    ]
-
+    return exchange.objects(payload, group, context.current())

@@ -5,42 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem import runtime
-
-
-@dataclass(frozen=True, eq=False)
-class Group:
-    """An ordered set of global ranks that communicate together.
-
-    `rank` is this process's index in the group (-1 when it is not a member). Roots, sources
-    and destinations passed to collectives stay *global* ranks, as in torch.distributed.
-    """
-
-    ranks: tuple[int, ...]
-    handle: object
-    rank: int
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def __contains__(self, global_rank: int) -> bool:
-        return global_rank in self.ranks
-
-    def index(self, global_rank: int) -> int:
-        """The group rank of a global rank."""
-        try:
-            return self.ranks.index(global_rank)
-        except ValueError:
-            raise ValueError(f"rank {global_rank} is not in the group {list(self.ranks)}") from None
-
-    def __repr__(self) -> str:
-        return f"Group(ranks={list(self.ranks)})"
+from tandem.comm import context
+from tandem.comm.backend import Group as Group  # where it is defined; imported from here too
 
 
 def new_group(ranks: Sequence[int]) -> Group:
     """A group of the given global ranks. Every rank of the world must call it, in the same order."""
-    world = runtime.world()
+    engine = context.current()
+    world = engine.world
     members = tuple(int(r) for r in ranks)
     if not members:
         raise ValueError("new_group needs at least one rank")
@@ -49,21 +21,21 @@ def new_group(ranks: Sequence[int]) -> Group:
     outside = [r for r in members if not 0 <= r < world.size]
     if outside:
         raise ValueError(f"ranks {outside} are outside the world of size {world.size}")
-    handle = runtime.get_backend().new_group(members)
+    handle = engine.backend.new_group(members)
     my_index = members.index(world.rank) if world.rank in members else -1
     return Group(members, handle, my_index)
 
 
 def group_size(group: Group | None) -> int:
-    return runtime.size() if group is None else group.size
+    return context.current().world.size if group is None else group.size
 
 
 def group_rank(group: Group | None) -> int:
-    return runtime.rank() if group is None else group.rank
+    return context.current().world.rank if group is None else group.rank
 
 
 def group_ranks(group: Group | None) -> tuple[int, ...]:
-    return tuple(range(runtime.size())) if group is None else group.ranks
+    return tuple(range(context.current().world.size)) if group is None else group.ranks
 
 
 @dataclass(frozen=True)
@@ -85,7 +57,7 @@ class Mesh:
 
 def mesh(dp: int = 1, pp: int = 1) -> Mesh:
     """Split the world into `dp` × `pp`. Every rank must call it."""
-    world = runtime.world()
+    world = context.current().world
     if dp < 1 or pp < 1:
         raise ValueError(f"mesh(dp={dp}, pp={pp}): both must be >= 1")
     if dp * pp != world.size:

@@ -20,19 +20,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tandem import environments
 from tandem.comm import mpi_exit
-from tandem.comm.backend import Backend, Work
+from tandem.comm.backend import Backend, Group, Work
 from tandem.comm.mpi_buffers import Staging, cuda_aware, row_elements
 from tandem.comm.mpi_progress import MPIWork, Progress, Requests, completed_within
 from tandem.environments import JobEnvironment
-
-if TYPE_CHECKING:
-    from tandem.comm.groups import Group
 
 _PROGRESS_MODES = ("auto", "thread", "none")
 # How long a blocking all-reduce is driven by its caller before it becomes a watched MPIWork:

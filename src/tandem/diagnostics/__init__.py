@@ -1,5 +1,7 @@
-"""Diagnostics: tools that turn a silent distributed failure into an error that says what went wrong.
+"""Diagnostics: optional reports that turn a silent distributed failure into a named one.
 
-`replicas.check_replicas` verifies that data-parallel replicas hold identical parameters; the
-watchdog, collective fingerprints and the timeline live in their own modules here.
+`replicas.check_replicas` verifies that data-parallel replicas hold identical parameters;
+`timeline` writes a Chrome/Perfetto trace and `steps` the per-step report. The watchdog that
+every operation passes through, and debug mode's collective fingerprints, are part of the
+engine: see `tandem.comm.watchdog` and `tandem.comm.monitor`.
 """

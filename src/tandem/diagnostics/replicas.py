@@ -24,8 +24,9 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.parallel.broadcast import agree_layout, coalesced, describe_tensors, each_once
+from tandem.comm.tensors import coalesced, each_once
 
 _WEIGHT_PERIOD = 65_521  # a prime: weights 1..65521 repeat, never align with power-of-two shapes
 

@@ -6,15 +6,13 @@
 Tensors travel flattened: every tensor of one dtype and device is packed into one buffer (split
 at `MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
 
-Also home to two helpers the rest of `tandem.parallel` shares: `coalesced` (run one collective
-over many tensors as a few flat buffers) and `agree_layout` (check once, cheaply, that every
-rank holds the same tensors before a collective that relies on it).
+The packing (`coalesced`, `each_once`) is `tandem.comm.tensors`; the one check that every rank
+holds the same tensors (`agree_layout`) is `tandem.comm.agreement`'s.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,120 +21,10 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.comm.agreement import LayoutMismatchError as LayoutMismatchError  # its old home
+from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
-
-# Large enough that per-message overhead vanishes, small enough that packing a big model does
-# not double its memory.
-MESSAGE_BYTES = 64 << 20
-# A tensor this big is bandwidth-bound: it travels on its own, in its own memory, rather than
-# paying two copies to be packed with others.
-OWN_MESSAGE_BYTES = 1 << 20
-
-
-class LayoutMismatchError(ValueError):
-    """Ranks passed different sets of tensors to an operation that needs them to match."""
-
-
-def coalesced(
-    tensors: Iterable[torch.Tensor],
-    communicate: Callable[[torch.Tensor], None],
-    *,
-    copy_back: bool = True,
-    message_bytes: int = MESSAGE_BYTES,
-) -> None:
-    """Pack `tensors` into flat buffers per (dtype, device), call `communicate(buffer)` on each
-    (it works in place), and copy the results back into the tensors unless `copy_back=False`.
-    Contiguous tensors of `OWN_MESSAGE_BYTES` or more are passed on their own, uncopied.
-
-    Every rank must pass tensors of the same dtypes and sizes in the same order: the buffers
-    (and so the messages) are then identical in number and shape on every rank.
-    """
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        if tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= OWN_MESSAGE_BYTES:
-            communicate(tensor.detach().view(-1))
-            continue
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for (dtype, device), members in by_kind.items():
-        limit = max(1, message_bytes // max(1, torch.empty(0, dtype=dtype).element_size()))
-        chunk: list[torch.Tensor] = []
-        count = 0
-        for tensor in [*members, None]:
-            if tensor is not None and (not chunk or count + tensor.numel() <= limit):
-                chunk.append(tensor)
-                count += tensor.numel()
-                continue
-            if chunk:
-                _communicate_chunk(chunk, dtype, device, communicate, copy_back)
-            chunk, count = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
-
-
-def _communicate_chunk(chunk, dtype, device, communicate, copy_back) -> None:
-    if sum(t.numel() for t in chunk) == 0:
-        return
-    if len(chunk) == 1 and chunk[0].is_contiguous():
-        communicate(chunk[0].detach().view(-1))  # works in the tensor's own memory
-        return
-    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-    communicate(flat)
-    if not copy_back:
-        return
-    offset = 0
-    with torch.no_grad():
-        for tensor in chunk:
-            n = tensor.numel()
-            tensor.copy_(flat[offset : offset + n].view(tensor.shape))
-            offset += n
-
-
-def describe_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """One line per tensor: name, shape and dtype (what `agree_layout` compares)."""
-    return [
-        f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for name, t in named
-    ]
-
-
-def agree_layout(what: str, layout: list[str], group: Group | None = None, *, always: bool = False) -> None:
-    """Raise `LayoutMismatchError` on every rank unless all ranks pass the same `layout`.
-
-    Costs one all-reduce of two integers; only on a mismatch do the ranks exchange their
-    layouts, to say which rank differs from the first rank of the group, and where.
-    Skipped when argument checks are off (`td.init(checks=False)`) unless `always`.
-    """
-    if group_size(group) == 1 or not (always or runtime.state().checks):
-        return
-    code = zlib.crc32("\n".join(layout).encode()) & 0x7FFFFFFF
-    # max of [c, -c] gives the largest and (negated) smallest code in one message.
-    bounds = torch.tensor([code, -code], dtype=torch.int64)
-    bounds = collectives.allreduce(bounds, op="max", group=group)
-    if int(bounds[0]) == -int(bounds[1]):
-        return
-    layouts = collectives.allgather_object(layout, group=group)
-    ranks = group_ranks(group)
-    reference = layouts[0]
-    lines = [f"{what}: the ranks hold different tensors (compared with rank {ranks[0]}):"]
-    for rank, theirs in zip(ranks[1:], layouts[1:], strict=True):
-        if theirs == reference:
-            continue
-        if len(theirs) != len(reference):
-            lines.append(f"  rank {rank} has {len(theirs)} tensors, rank {ranks[0]} has {len(reference)}")
-        for i, (mine, other) in enumerate(zip(reference, theirs, strict=False)):
-            if mine != other:
-                lines.append(f"  tensor #{i}: rank {ranks[0]} has {mine}; rank {rank} has {other}")
-                break
-    lines.append("Build the same model (and optimizer) on every rank before this call.")
-    raise LayoutMismatchError("\n".join(lines))
-
-
-def each_once(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs with each tensor once, under its first name (shared weights)."""
-    seen: set[int] = set()
-    unique = []
-    for name, tensor in named:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique.append((name, tensor))
-    return unique
+from tandem.comm.tensors import coalesced, each_once
 
 
 def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:

@@ -27,7 +27,6 @@ layout from the same model, and the layout is unit-tested without processes.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -189,6 +188,19 @@ def describe_layout(params: Sequence[ParamInfo], buckets: Sequence[Bucket]) -> l
     return lines
 
 
-def layout_code(lines: Sequence[str]) -> int:
-    """A 31-bit checksum of a layout description (what ranks compare cheaply)."""
-    return zlib.crc32("\n".join(lines).encode()) & 0x7FFFFFFF
+def explain_layout(owner: str, ranks: Sequence[int], layouts: Sequence[Sequence[str]]) -> str:
+    """The error for ranks whose `describe_layout` lines differ: each rank against the first."""
+    first = layouts[0]
+    report = [f"{owner}: the ranks' parameters differ, so their gradients cannot be averaged:"]
+    for rank, theirs in zip(ranks[1:], layouts[1:], strict=True):
+        if theirs == first:
+            continue
+        n_mine = sum(line.startswith("param ") for line in first)
+        n_theirs = sum(line.startswith("param ") for line in theirs)
+        if n_mine != n_theirs:
+            report.append(f"  rank {ranks[0]} has {n_mine} parameters, rank {rank} has {n_theirs}")
+        differing = [(a, b) for a, b in zip(first, theirs, strict=False) if a != b]
+        for mine, other in differing[:4]:
+            report.append(f"  rank {ranks[0]}: {mine}\n  rank {rank}: {other}")
+    report.append("Build the same model, optimizer and options on every rank of the group.")
+    return "\n".join(report)

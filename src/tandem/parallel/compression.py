@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from tandem import runtime
-from tandem.comm.backend import Work
+from tandem.comm.backend import Backend, Work
 from tandem.comm.groups import Group
 
 NAMES = ("none", "fp16", "bf16", "powersgd")
@@ -43,14 +42,15 @@ class GradBucket:
     "contributed" flag of `td.join`). A hook must leave in `buffer`, once its `Work` has been
     waited for, the SUM over the group of every rank's `buffer`: compression may approximate
     the gradients, but the flags must be summed exactly (any float format is exact for them).
-    `views[j]` is parameter j's gradient inside the buffer; `state` is the hook's own
+    `backend` is the engine to reduce with (the reducer's: a hook never looks it up per
+    bucket); `views[j]` is parameter j's gradient inside the buffer; `state` is the hook's own
     per-bucket storage; `contributing` is False when a rank out of data (`td.join`) only
     answers the others with zeros. A hook may issue more collectives from `Work.wait()`: the
     reducer waits for buckets in index order, after launching them all, so that order is the
     same on every rank.
     """
 
-    def __init__(self, index, buffer, numel, views, names, group, size) -> None:
+    def __init__(self, index, buffer, numel, views, names, group, size, backend) -> None:
         self.index: int = index
         self.buffer: torch.Tensor = buffer
         self.grads: torch.Tensor = buffer[:numel]
@@ -59,6 +59,7 @@ class GradBucket:
         self.names: list[str] = names
         self.group: Group | None = group
         self.size: int = size
+        self.backend: Backend = backend
         self.contributing: bool = True  # False while a joined rank only answers the others
         self.state: dict = {}
 
@@ -71,7 +72,7 @@ CommHook = Callable[[GradBucket], Work]
 
 def allreduce_hook(bucket: GradBucket) -> Work:
     """The default hook: sum the whole buffer in place, asynchronously."""
-    return runtime.get_backend().allreduce(bucket.buffer, "sum", bucket.group)
+    return bucket.backend.allreduce(bucket.buffer, "sum", bucket.group)
 
 
 class _CastBackWork(Work):
@@ -105,7 +106,7 @@ class CastHook:
         if low is None:
             low = bucket.state["cast"] = torch.empty_like(bucket.buffer, dtype=self.dtype)
         low.copy_(bucket.buffer)
-        work = runtime.get_backend().allreduce(low, "sum", bucket.group)
+        work = bucket.backend.allreduce(low, "sum", bucket.group)
         return _CastBackWork(work, low, bucket.buffer)
 
     def __repr__(self) -> str:
@@ -162,7 +163,7 @@ class _PowerSGDWork(Work):
             # P is the same on every rank (it was just all-reduced), so its Q factor is too.
             p.copy_(torch.linalg.qr(p).Q)
             torch.matmul(matrix.t(), p, out=q)
-        runtime.get_backend().allreduce(state.q_flat, "sum", bucket.group).wait(timeout)
+        bucket.backend.allreduce(state.q_flat, "sum", bucket.group).wait(timeout)
         share = 1.0 / bucket.size
         for matrix, p, q, error in state.matrices:
             error.copy_(matrix)  # this rank's gradient (plus last error)...
@@ -203,7 +204,7 @@ class PowerSGD:
         state.rounds += 1
         if state.rounds <= self.start_iter or not state.matrices:
             return allreduce_hook(bucket)
-        backend = runtime.get_backend()
+        backend = bucket.backend
         at = 0
         for segment in state.rest:
             state.rest_buffer[at : at + segment.numel()].copy_(segment.view(-1))

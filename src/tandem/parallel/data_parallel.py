@@ -371,7 +371,7 @@ class DistributedDataParallel(nn.Module):
                 and not reducer.joining)
 
     def _sync_buffers(self) -> None:
-        from tandem.parallel.broadcast import coalesced
+        from tandem.comm.tensors import coalesced
 
         backend, timeout = runtime.get_backend(), runtime.state().timeout
 

@@ -25,8 +25,9 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_size
-from tandem.parallel.broadcast import agree_layout, coalesced, describe_tensors
+from tandem.comm.tensors import coalesced
 
 
 class LocalSGD:

@@ -96,15 +96,14 @@ class Pipeline:
         except Exception as caught:  # shared with every rank below
             error = caught
         mine = building.describe_arguments(module, chunks, schedule, balance, counts)
-        everyone = building.share(mine, error, group, self._ranks, "rejected its arguments")
-        counts = building.agree(everyone, self._ranks, balance)
+        counts = building.agree_on_plan(mine, error, group, self._ranks, balance)
         stage = prefix = others = None
         error = None
         try:
             stage, prefix, others = building.select(module, counts, self.stage_index)
         except Exception as caught:  # shared with every rank below
             error = caught
-        building.share({}, error, group, self._ranks, "could not build its stage")
+        building.settle(error, group, self._ranks, "could not build its stage")
         building.free(others)
         self.stage, self._prefix = stage, prefix
         self.stage.to(self.device)

@@ -2,7 +2,8 @@
 
 Construction is the one moment the ranks compare their arguments (afterwards they only
 exchange tensors). A rank that fails must not leave the others waiting for it, so every rank
-reports its error or its plan with one `allgather_object`, and all of them raise together.
+puts its error or its plan into one agreement (`tandem.comm.agreement`: one small all-reduce
+when all is well), and all of them raise together when one failed or they differ.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from tandem.comm.collectives import allgather_object
+from tandem.comm.agreement import agree
+from tandem.comm.collectives import broadcast_object
 from tandem.parallel import pipeline_balance as balancing
 
 
@@ -86,38 +88,52 @@ def describe_arguments(module, chunks, schedule, balance, counts) -> dict:
     }
 
 
-def share(mine: dict, error: BaseException | None, group, ranks, doing: str) -> list[dict]:
-    """Every rank's `mine`; if any rank failed, raise on every rank (its own error where it
-    failed, elsewhere an error of the same type that names the failing stage)."""
-    mine = dict(mine, error=None if error is None else (type(error).__name__, str(error)))
-    everyone = [mine] if len(ranks) == 1 else allgather_object(mine, group=group)
-    if error is not None:
+def settle(error: BaseException | None, group, ranks, doing: str, mine: dict | None = None) -> None:
+    """Raise on every rank if any rank failed, or if the ranks' descriptions `mine` differ.
+
+    Where a rank failed it raises its own error; the others raise one of the same type that
+    names the failing stage. One all-reduce when every rank is fine and agrees (see
+    `tandem.comm.agreement`); every rank's description is exchanged only when one is not.
+    """
+    mine = dict(mine or {}, error=None if error is None else (type(error).__name__, str(error)))
+
+    def explain(_, everyone: list[dict]) -> str | BaseException:
+        if error is not None:
+            return error
+        failed = [(s, c["error"]) for s, c in enumerate(everyone) if c["error"]]
+        if failed:
+            stage, (kind, message) = failed[0]
+            also = f" (stages {[s for s, _ in failed]} all failed)" if len(failed) > 1 else ""
+            text = f"Pipeline stage {stage} (rank {ranks[stage]}) {doing}{also}: {message}"
+            return {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(text)
+        return _disagreement(everyone, ranks)
+
+    agree(mine, group, explain=explain)
+    if error is not None:  # every rank failed alike: each raises its own
         raise error
-    failed = [(s, c["error"]) for s, c in enumerate(everyone) if c["error"]]
-    if failed:
-        stage, (kind, message) = failed[0]
-        also = f" (stages {[s for s, _ in failed]} all failed)" if len(failed) > 1 else ""
-        text = f"Pipeline stage {stage} (rank {ranks[stage]}) {doing}{also}: {message}"
-        raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(text)
-    return everyone
 
 
-def agree(everyone: list[dict], ranks, balance) -> list[int] | None:
-    """The layer counts every rank will use; an error that lists the ranks where they differ."""
+def _disagreement(everyone: list[dict], ranks) -> str:
     for key in ("chunks", "schedule", "layers", "balance"):
         values = [c[key] for c in everyone]
         if any(v != values[0] for v in values):
             listing = ", ".join(f"rank {ranks[s]} {key}={v!r}" for s, v in enumerate(values))
-            raise ValueError(f"the pipeline's ranks disagree: {listing}; pass the same on every rank")
-    if balance == "time":  # profiled on stage 0 only
-        return everyone[0]["counts"]
-    splits = [c["counts"] for c in everyone]
-    if any(v != splits[0] for v in splits):
-        listing = ", ".join(f"rank {ranks[s]}: {v}" for s, v in enumerate(splits))
-        raise ValueError(
-            f"the ranks split the model differently ({listing}): build the same model everywhere"
-        )
-    return splits[0]
+            return f"the pipeline's ranks disagree: {listing}; pass the same on every rank"
+    listing = ", ".join(f"rank {ranks[s]}: {c.get('counts')}" for s, c in enumerate(everyone))
+    return f"the ranks split the model differently ({listing}): build the same model everywhere"
+
+
+def agree_on_plan(mine: dict, error: BaseException | None, group, ranks, balance) -> list[int]:
+    """The layer counts every rank will use; raised on every rank if one failed or they differ.
+
+    With balance="time" only the first stage profiled the layers: the others take its split.
+    """
+    timed = balance == "time"
+    settle(error, group, ranks, "rejected its arguments",
+           {key: value for key, value in mine.items() if not (timed and key == "counts")})
+    if timed and len(ranks) > 1:
+        return broadcast_object(mine["counts"], root=ranks[0], group=group)
+    return mine["counts"]
 
 
 def select(module, counts, stage_index: int) -> tuple[nn.Module, str, list[nn.Module]]:

@@ -38,6 +38,7 @@ timeline is off the reducer tests one module-level boolean per bucket.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import weakref
@@ -46,20 +47,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tandem import runtime
+from tandem.comm import agreement
+from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
-from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, layout_code
+from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 from tandem.parallel.compression import CommHook, GradBucket, allreduce_hook
 
 
-class GradientLayoutError(ValueError):
+class GradientLayoutError(CollectiveMismatchError):
     """Ranks built different models (or reducer options), so gradients cannot be averaged."""
-
-
-def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
-    backend = runtime.get_backend()
-    return tensor if backend.supports_device(tensor.device) else tensor.to(runtime.device())
 
 
 _live: weakref.WeakSet[Reducer] = weakref.WeakSet()  # for td.join() without arguments
@@ -130,7 +128,8 @@ class Reducer:
                 self._bucket_of[i] = spec.index
                 views.append(view)
             names = [self._names[i] for i in spec.params]
-            self.buckets.append(GradBucket(spec.index, buffer, spec.numel, views, names, group, self._size))
+            self.buckets.append(GradBucket(spec.index, buffer, spec.numel, views, names, group,
+                                           self._size, self._backend))
             self._members.append(spec.params)
         self.bytes_per_round = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
         # After bucket 0 is reduced: how many ranks contributed this round.
@@ -162,37 +161,15 @@ class Reducer:
 
     # -- agreement, once --------------------------------------------------------------------
     def _agree(self, lines: list[str]) -> None:
-        code = layout_code(lines)
-        bounds = _on_backend_device(torch.tensor([code, -code], dtype=torch.int64))
         try:
-            self._backend.allreduce(bounds, "max", self._group).wait(self._timeout)
+            agreement.agree(lines, self._group, error=GradientLayoutError,
+                            explain=functools.partial(explain_layout, self._owner))
         except TimeoutError as error:
             raise TimeoutError(
                 f"{self._owner}: rank {runtime.rank()} waited {self._timeout:.0f} s for the ranks "
                 f"{list(group_ranks(self._group))} to build it; one of them did not (it failed "
                 f"earlier, or builds it at a different point of the script)"
             ) from error
-        high, low = bounds.tolist()
-        if high == -low:
-            return
-        from tandem.comm.collectives import allgather_object
-
-        everyone = allgather_object(lines, group=self._group)
-        ranks = group_ranks(self._group)
-        first = everyone[0]
-        report = [f"{self._owner}: the ranks' parameters differ, so their gradients cannot be averaged:"]
-        for rank, theirs in zip(ranks[1:], everyone[1:], strict=True):
-            if theirs == first:
-                continue
-            n_mine = sum(line.startswith("param ") for line in first)
-            n_theirs = sum(line.startswith("param ") for line in theirs)
-            if n_mine != n_theirs:
-                report.append(f"  rank {ranks[0]} has {n_mine} parameters, rank {rank} has {n_theirs}")
-            differing = [(a, b) for a, b in zip(first, theirs, strict=False) if a != b]
-            for mine, other in differing[:4]:
-                report.append(f"  rank {ranks[0]}: {mine}\n  rank {rank}: {other}")
-        report.append("Build the same model, optimizer and options on every rank of the group.")
-        raise GradientLayoutError("\n".join(report))
 
     # -- per-step state ----------------------------------------------------------------------
     def _reset_round(self) -> None:

@@ -47,8 +47,8 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_rank, group_size
-from tandem.parallel.broadcast import agree_layout, describe_tensors
 
 
 def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:

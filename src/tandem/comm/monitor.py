@@ -1,16 +1,11 @@
-"""The watchdog: no collective or receive waits for ever, and a desync is named, not hung.
+"""The watchdog's monitor: no wait lasts for ever, and a desync is named, not hung.
 
-`td.init` wraps the engine in a `WatchedBackend` (every world larger than one, every engine:
-Gloo, NCCL, MPI), so every operation, the user's collectives and tandem's own hot paths alike,
-returns a `WatchedWork`. What that costs per operation, and where the rest of the cost goes:
-
-- issuing: one counter per *stream* (the collectives of a group, or the messages from one
-  rank to another with one tag; engines match operations by their place in a stream) and one
-  small object. Nothing is sent.
-- waiting: the waiting thread's entry goes into a dict for the duration of `Work.wait`.
-- nothing else until something goes wrong: a background thread per rank looks at the waits
-  once per tick (1 s, 0.25 s in debug mode) and polls one counter on the rendezvous store to
-  see whether a peer asked where everybody is. The store is touched by that thread only.
+`watch` wraps the engine `td.init` created in the `WatchedBackend` of `watchdog` (every
+world larger than one, every engine: Gloo, NCCL, MPI) and starts this rank's `Watchdog`: the
+counters of `watchdog.Ledger` plus a background thread that looks at the waits once per tick
+(1 s, 0.25 s in debug mode) and polls one counter on the rendezvous store to see whether a
+peer asked where everybody is. The store is touched by that thread only, and by a wait that
+failed; nothing here runs on the hot path.
 
 When a wait fails, the rank asks every rank where it is (a request counter on the store; each
 rank's thread answers with what it has issued, what it waits for, and its Python stack), and:
@@ -51,15 +46,17 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from tandem import environments
-from tandem.comm.backend import Backend, Work
-from tandem.diagnostics import fingerprints, waitgraph
-from tandem.diagnostics.watched import (
+from tandem.comm import fingerprints, waitgraph
+from tandem.comm.backend import Backend
+from tandem.comm.watchdog import (
     WAIT_LIMIT,
     WAIT_OP,
     WAIT_SERIAL,
     WAIT_START,
+    Ledger,
+    PeerUnreachableError,
+    WatchdogTimeout,
     WatchedBackend,
-    WatchedWork,
     op_dict,
 )
 
@@ -77,17 +74,10 @@ STACK_FRAMES = 14
 EXIT_CODE = 1
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe",
               "connection refused", "socket closed")
-_OWN_FILES = ("watchdog.py", "waitgraph.py", "watched.py")
+# Frames of these files are left out of the stacks in reports: they are the watchdog itself.
+_OWN_FILES = tuple(os.path.join("comm", name) for name in ("monitor.py", "waitgraph.py", "watchdog.py"))
 
 _generation = count()
-
-
-class WatchdogTimeout(TimeoutError):
-    """A wait passed the timeout; the message says who arrived and holds every rank's stack."""
-
-
-class PeerUnreachableError(RuntimeError):
-    """An operation failed because a peer died, left, or cannot be reached; names the peer."""
 
 
 class Board:
@@ -157,19 +147,16 @@ def _write_stderr(text: str) -> None:
         data = data[written:]
 
 
-class Watchdog:
-    """One rank's watchdog: wait bookkeeping, the monitor thread, queries and reports."""
+class Watchdog(Ledger):
+    """One rank's watchdog: the ledger's counters, the monitor thread, queries and reports."""
 
     def __init__(self, rank: int, size: int, timeout: float, debug: bool,
                  board: Board | None, agent: int | None = None) -> None:
-        self.rank, self.size, self.timeout, self.debug = rank, size, timeout, debug
+        super().__init__(rank, size, timeout)
+        self.debug = debug
         self.board = board
         self.agent = agent  # pid of the tandem agent (under MPI: supervisor) that started this rank
-        self._issued: dict[str, int] = {}
-        self._labels: dict[int, str] = {}
-        self._waiting: dict[int, tuple] = {}  # thread id -> the wait it is in
         self._checked: dict[int, float] = {}  # debug mode: wait serial -> last desync check
-        self._serial = 0
         self._asked: set[int] = set()
         self._served = 0  # requests made while this rank was still starting get answers too
         self._serving = threading.Lock()
@@ -180,39 +167,6 @@ class Watchdog:
         self._tick = DEBUG_TICK_S if debug else TICK_S
         self._thread: threading.Thread | None = None
         self._host = socket.gethostname()
-
-    # -- the hot path ---------------------------------------------------------------------
-    def stream(self, group) -> str:
-        if group is None:
-            return "world"
-        return self._labels.get(id(group.handle)) or f"[{','.join(map(str, group.ranks))}]"
-
-    def issue(self, work: Work, kind: str, group, tensor=None) -> WatchedWork:
-        stream, index = self.count(group)
-        return WatchedWork(work, (kind, stream, index, group, tensor, None, None), self)
-
-    def count(self, group) -> tuple[str, int]:
-        """Count one operation on `group`'s stream: (the stream, its index there). Called alone
-        for an operation that completed before `issue` could wrap it (`allreduce_now`)."""
-        stream = "world" if group is None else self.stream(group)
-        issued = self._issued
-        index = issued[stream] = issued.get(stream, 0) + 1
-        return stream, index
-
-    def issue_p2p(self, work: Work, kind: str, group, tensor, peer: int, tag: int) -> WatchedWork:
-        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
-        stream = f"{self.stream(group)} {src}->{dst} tag {tag}"
-        index = self._issued[stream] = self._issued.get(stream, 0) + 1
-        return WatchedWork(work, (kind, stream, index, (src, dst), tensor, peer, tag), self)
-
-    def name_group(self, handle: object, ranks) -> None:
-        label = f"[{','.join(map(str, ranks))}]"
-        taken = set(self._labels.values())
-        suffix = 2
-        unique = label
-        while unique in taken:
-            unique, suffix = f"{label}#{suffix}", suffix + 1
-        self._labels[id(handle)] = unique
 
     # -- answers and queries --------------------------------------------------------------
     def answer(self) -> dict:

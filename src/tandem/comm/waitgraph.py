@@ -1,7 +1,7 @@
 """What the watchdog concludes from the ranks' answers: who arrived, who deadlocked, and the report.
 
 Pure functions over plain data, tested without processes. Each rank's answer (see
-`watchdog.Watchdog.answer`) says how many operations it has *issued* on each stream and which
+`monitor.Watchdog.answer`) says how many operations it has *issued* on each stream and which
 operations it is *waiting* for. A stream is what an engine orders operations on: the
 collectives of one group (`world`, `[0, 1]`), or the messages from one rank to another with one
 tag (`world 1->0 tag 3`). Engines match the n-th operation of a stream on one rank with the

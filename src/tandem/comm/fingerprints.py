@@ -25,8 +25,6 @@ import os
 import sys
 import threading
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
@@ -103,7 +101,6 @@ def in_argument_check(frame: FrameType | None) -> bool:
 
 _sequence: dict[object, int] = {}
 _last: dict[int, Fingerprint] = {}  # thread id -> the last fingerprint it made
-_local = threading.local()
 
 
 def next_fingerprint(collective: str, stream: object) -> Fingerprint:
@@ -124,19 +121,3 @@ def reset() -> None:
     """Forget every count: a new `init` starts from #1 on every rank."""
     _sequence.clear()
     _last.clear()
-
-
-def suspended() -> bool:
-    """True inside `suspend()`: tandem is exchanging its own diagnostics, not user calls."""
-    return getattr(_local, "suspended", False)
-
-
-@contextmanager
-def suspend() -> Iterator[None]:
-    """No fingerprints inside (the mismatch report's own exchange would not agree on sites)."""
-    before = suspended()
-    _local.suspended = True
-    try:
-        yield
-    finally:
-        _local.suspended = before

@@ -1,0 +1,70 @@
+"""What the engine was given at `td.init`: the backend, the timeout, the checks, this process's place.
+
+comm sits below the runtime: it never reads `tandem.runtime`'s globals. `runtime.init` builds
+the backend and hands comm its state with `install`; `runtime.shutdown` takes it back with
+`clear`. Everything in comm that needs "the current engine" (groups, the collectives, the
+argument check, the agreement primitive) asks `current()`. The object installed is the
+runtime's own state, so a setting changed there (`runtime.state().checks = False`) is the one
+comm sees: there is one truth, owned by the runtime and read here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tandem.comm.backend import Backend
+
+
+class Place(Protocol):
+    """This process's place in the job: what comm reads of `runtime.World`."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+class Context(Protocol):
+    """What comm is given: satisfied by `runtime.RuntimeState`."""
+
+    world: Place
+    backend: Backend
+    timeout: float
+    checks: bool
+    debug: bool
+
+
+_current: Context | None = None
+
+
+def install(context: Context) -> None:
+    """Make `context` the engine every comm call uses (called by `td.init`)."""
+    global _current
+    _current = context
+
+
+def clear() -> None:
+    """Forget the engine (called by `td.shutdown`)."""
+    global _current
+    _current = None
+
+
+def current() -> Context:
+    """The installed context; a clear error when `td.init` has not been called."""
+    context = _current
+    if context is None:
+        raise RuntimeError("tandem is not initialised: call td.init() first")
+    return context
+
+
+def on_wire(tensor: torch.Tensor, context: Context) -> torch.Tensor:
+    """`tensor`, or a copy of it on the device the backend accepts (NCCL: this rank's GPU)."""
+    if context.backend.supports_device(tensor.device):
+        return tensor
+    return tensor.to(context.world.device)

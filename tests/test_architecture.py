@@ -1,0 +1,213 @@
+"""The layers of DESIGN §10 stay layers: no import circle between files or folders of tandem.
+
+Read statically with `ast` (nothing is imported), counting every `import`, function-level and
+`TYPE_CHECKING` ones included: a circle hidden inside a function is still a circle for a
+reader. `tandem.X.Y` belongs to the folder `tandem.X`; a top-level module is its own folder.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# Known circles that other branches of the restructuring (issue 12) remove; each entry is the
+# exact set of modules (or folders) of one circle. Removed by the launcher/layout branches:
+# delete an entry when its branch lands, and the guard covers that part too.
+KNOWN_FILE_CIRCLES = {
+    frozenset({"tandem.launch.launcher", "tandem.launch.mpiexec"}),  # launcher branch
+    frozenset({"tandem", "tandem.spawning"}),  # launcher branch (lazy tandem/__init__.py)
+    frozenset({"tandem.parallel.pipeline", "tandem.parallel.pipeline_run"}),  # layout branch
+}
+KNOWN_FOLDER_CIRCLES = {
+    frozenset({"tandem", "tandem.spawning"}),  # launcher branch (lazy tandem/__init__.py)
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((SRC / "tandem").rglob("*.py")):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imported(module: str, node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".")
+        if known[module].name != "__init__.py":
+            package = package[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join(package + ([base] if base else []))
+    # `from tandem.comm import checks` imports the module tandem.comm.checks.
+    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+            for alias in node.names]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the tandem modules it imports anywhere in its body."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in _imported(module, node, known):
+                while name not in known and "." in name:
+                    name = name.rsplit(".", 1)[0]
+                if name in known and name != module and name.split(".")[0] == "tandem":
+                    deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def folder(module: str, known: dict[str, Path]) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and known[module].name == "__init__.py"):
+        return ".".join(parts[:2])
+    return module
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    known = modules()
+    folders: dict[str, set[str]] = {folder(m, known): set() for m in graph}
+    for module, deps in graph.items():
+        for dep in deps:
+            a, b = folder(module, known), folder(dep, known)
+            if a != b:
+                folders[a].add(b)
+    return folders
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def cycle_path(component: list[str], graph: dict[str, set[str]]) -> str:
+    """One circle through the component, as `a -> b -> ... -> a`, to print in a failure."""
+    members = set(component)
+    start = component[0]
+    path, seen = [start], {start}
+    while True:
+        following = sorted(d for d in graph[path[-1]] if d in members)
+        back = start if start in following else None
+        if back and len(path) > 1:
+            return " -> ".join([*path, start])
+        fresh = [d for d in following if d not in seen]
+        if not fresh:
+            return " -> ".join([*path, following[0]]) + " (...)"
+        path.append(fresh[0])
+        seen.add(fresh[0])
+
+
+def _unexpected(graph: dict[str, set[str]], known: set[frozenset[str]]) -> list[str]:
+    return [f"{cycle_path(c, graph)}   (all of: {', '.join(c)})"
+            for c in circles(graph) if frozenset(c) not in known]
+
+
+def test_no_import_circle_between_files():
+    graph = import_graph()
+    unexpected = _unexpected(graph, KNOWN_FILE_CIRCLES)
+    assert not unexpected, "import circles between files:\n" + "\n".join(unexpected)
+
+
+def test_no_import_circle_between_folders():
+    graph = folder_graph(import_graph())
+    unexpected = _unexpected(graph, KNOWN_FOLDER_CIRCLES)
+    assert not unexpected, "import circles between folders:\n" + "\n".join(unexpected)
+
+
+def test_the_engine_imports_nothing_above_it():
+    """comm/ is the engine: it takes what it needs from `td.init` (comm/context.py)."""
+    graph = import_graph()
+    above = ("tandem.runtime", "tandem.diagnostics", "tandem.parallel", "tandem.data",
+             "tandem.checkpoint", "tandem.launch", "tandem.bench")
+    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("tandem.comm")
+                   for d in deps if d.startswith(above) or d == "tandem")
+    assert not wrong, "comm/ imports from above it:\n" + "\n".join(wrong)
+
+
+def test_the_guard_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert cycle_path(["a", "b", "c"], graph) == "a -> b -> c -> a"
+
+
+def test_a_gradient_bucket_crosses_six_files_to_the_wire():
+    """reducer -> hook -> watchdog -> engine -> watchdog -> hook -> reducer: the backend is the
+    reducer's own (no global look-up per bucket), and the watchdog counts in the wrapper's file."""
+    import os
+    import sys
+
+    import torch
+
+    import tandem as td
+    from tandem import runtime
+    from tandem.comm.watchdog import Ledger, WatchedBackend
+    from tandem.parallel.reducer import Reducer
+
+    td.init(backend="gloo")
+    try:
+        state = runtime.state()
+        state.backend = WatchedBackend(state.backend, Ledger(0, 1, 300.0))  # as in a larger world
+        model = torch.nn.Linear(4, 2)
+        reducer = Reducer(list(model.named_parameters()), cap_bytes=1 << 20, first_cap_bytes=1 << 20)
+        package = os.path.dirname(td.__file__) + os.sep
+        files: list[str] = []
+
+        def follow(frame, event, _):
+            if event == "return":
+                frame = frame.f_back
+            if event in ("call", "return") and frame is not None:
+                name = frame.f_code.co_filename
+                if name.startswith(package) and (not files or files[-1] != name[len(package):]):
+                    files.append(name[len(package):])
+
+        sys.setprofile(follow)
+        try:
+            reducer._launch(0)
+        finally:
+            sys.setprofile(None)
+        reducer._works[0].wait()
+    finally:
+        td.shutdown()
+    names = [name.replace(os.sep, "/") for name in files]
+    assert names == ["parallel/reducer.py", "parallel/compression.py", "comm/watchdog.py",
+                     "comm/torch_backend.py", "comm/watchdog.py", "parallel/compression.py",
+                     "parallel/reducer.py"], names
