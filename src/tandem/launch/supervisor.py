@@ -13,7 +13,8 @@ with a deadline:
 - SIGINT/SIGTERM/SIGHUP to the agent: passed on to the ranks; a second one kills them at once.
 
 When every rank is gone the attempt is over; `Failure` and `summary` put its first failure
-into words, the same way for every kind of job and on every node.
+into words, the same way for every kind of job and on every node. `Agent` is what those three
+kinds of job share: the event queue, the prefixed output, the ranks, the signal handlers.
 """
 
 from __future__ import annotations
