@@ -12,17 +12,13 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
-# Known circles that other branches of the restructuring (issue 12) remove; each entry is the
-# exact set of modules (or folders) of one circle. Removed by the launcher/layout branches:
-# delete an entry when its branch lands, and the guard covers that part too.
+# Known circles that another branch of the restructuring (issue 12) removes; each entry is the
+# exact set of modules (or folders) of one circle. Delete an entry when its branch lands, and
+# the guard covers that part too.
 KNOWN_FILE_CIRCLES = {
-    frozenset({"tandem.launch.launcher", "tandem.launch.mpiexec"}),  # launcher branch
-    frozenset({"tandem", "tandem.spawning"}),  # launcher branch (lazy tandem/__init__.py)
     frozenset({"tandem.parallel.pipeline", "tandem.parallel.pipeline_run"}),  # layout branch
 }
-KNOWN_FOLDER_CIRCLES = {
-    frozenset({"tandem", "tandem.spawning"}),  # launcher branch (lazy tandem/__init__.py)
-}
+KNOWN_FOLDER_CIRCLES: set[frozenset[str]] = set()
 
 
 def modules() -> dict[str, Path]:

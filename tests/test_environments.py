@@ -27,8 +27,8 @@ def test_an_mpi_rank_of_tandem_run_is_a_tandem_rank_under_mpi():
     enclosing = {"TANDEM_RANK": "5", "TANDEM_SIZE": "8", "RANK": "3", "WORLD_SIZE": "4"}
     hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     base = {**enclosing, **hydra, "TANDEM_LAUNCH_TOKEN": "secret"}
-    job = mpi_rank._mpi_job(environments, base)  # MPI's word, not the enclosing job's
-    env = mpi_rank._child_environment(environments, job, ("127.0.0.1", 4321), base)
+    job = mpi_rank._mpi_job(base)  # MPI's word, not the enclosing job's
+    env = mpi_rank._child_environment(job, ("127.0.0.1", 4321), base)
     child = detect(env)
     assert (child.source, child.rank, child.size, child.local_rank, child.local_size) == (
         "tandem", 1, 2, 1, 2)

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from tandem import rendezvous
+from tandem import rendezvous, settings
 from tandem.cli import build_parser, main
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
-from tandem.launch.agent import cores, describe, exit_code, rank_environment
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile
 from tandem.launch.launcher import default_backend, with_backend
+from tandem.launch.processes import cores, describe, exit_code
+from tandem.launch.ranks import Placement, rank_environment
 from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,7 +267,7 @@ def test_options_come_from_tandem_variables_unless_given():
 
 def test_timeline_reaches_every_rank_as_an_absolute_path():
     config = _config("-np", "2", "--timeline", "trace.json", "t.py")
-    env = rank_environment(config, 1, 12345, {})
+    env = rank_environment(config, 1, Placement.single(config.np, 12345), {})
     assert env["TANDEM_TIMELINE"] == os.path.abspath("trace.json")
 
 
@@ -285,11 +286,12 @@ def test_hosts_set_the_default_number_of_processes(tmp_path):
 
 def test_threads_per_rank_respect_the_users_setting():
     config = LaunchConfig(np=2, program="t.py")
-    env = rank_environment(config, 1, 1234, {"OMP_NUM_THREADS": "7"})
+    env = rank_environment(config, 1, Placement.single(2, 1234), {"OMP_NUM_THREADS": "7"})
     assert env["OMP_NUM_THREADS"] == "7"
     assert env["MKL_NUM_THREADS"] == str(max(1, cores() // 2))
     assert (env["TANDEM_RANK"], env["TANDEM_MASTER_PORT"]) == ("1", "1234")
-    forced = rank_environment(LaunchConfig(np=2, program="t.py", threads_per_rank=3), 0, 1,
+    forced = rank_environment(LaunchConfig(np=2, program="t.py", threads_per_rank=3), 0,
+                              Placement.single(2, 1),
                               {"OMP_NUM_THREADS": "7"})
     assert forced["OMP_NUM_THREADS"] == forced["MKL_NUM_THREADS"] == "3"
 
@@ -338,8 +340,10 @@ def test_mpiexec_gets_the_flags_of_the_mpi_it_is(tmp_path, monkeypatch, banner, 
 def test_a_named_backend_wins_over_the_default(monkeypatch):
     assert with_backend(LaunchConfig(np=2, program="t.py", backend="gloo")).backend == "gloo"
     monkeypatch.setenv("TANDEM_BACKEND", "Gloo")  # a LaunchConfig built by hand (tandem scale)
+    settings.reload()  # settings are read once per process
     assert with_backend(LaunchConfig(np=2, program="t.py")).backend == "gloo"
     monkeypatch.delenv("TANDEM_BACKEND")
+    settings.reload()
     assert with_backend(LaunchConfig(np=2, program="t.py")).backend == default_backend(
         LaunchConfig(np=2, program="t.py"))
 

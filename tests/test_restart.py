@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem.launch.ranks import Failure, summary
+from tandem.launch.supervisor import Failure, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tests" / "scripts" / "fault_train.py")

@@ -1,48 +1,43 @@
-"""tandem: distributed training for PyTorch — data, pipeline and hybrid parallelism."""
+"""tandem: distributed training for PyTorch — data, pipeline and hybrid parallelism.
 
-from tandem.checkpoint import CheckpointError, load, save
-from tandem.checkpointer import Checkpointer
-from tandem.comm.agreement import CollectiveMismatchError
-from tandem.comm.collectives import (
-    Handle,
-    allgather,
-    allgather_object,
-    allreduce,
-    alltoall,
-    barrier,
-    broadcast,
-    broadcast_object,
-    recv,
-    reduce,
-    reducescatter,
-    send,
-)
-from tandem.comm.groups import Group, Mesh, mesh, new_group
-from tandem.comm.watchdog import PeerUnreachableError, WatchdogTimeout
-from tandem.data import partition_dataset
-from tandem.diagnostics.replicas import ReplicaBufferWarning, ReplicaMismatchError, check_replicas
-from tandem.diagnostics.steps import report
-from tandem.parallel.broadcast import broadcast_buffers, broadcast_optimizer_state, broadcast_parameters
-from tandem.parallel.data_parallel import DistributedDataParallel, DistributedOptimizer
-from tandem.parallel.join import join
-from tandem.parallel.local_sgd import LocalSGD
-from tandem.parallel.pipeline import Pipeline, PipelineStats
-from tandem.parallel.sync_bn import SyncBatchNorm
-from tandem.parallel.zero import ZeroOptimizer
-from tandem.runtime import (
-    World,
-    device,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from tandem.spawning import SpawnError, spawn
+The public names are loaded on first use (PEP 562): `import tandem` defines them without
+importing torch, so the `tandem` command (`--help`, `run`'s parent process, `doctor`) starts
+fast, and `td.init`, `from tandem import allreduce` and the rest import what they need when
+they are first touched. `_EXPORTS` says where each name lives.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# module -> the public names it defines
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "tandem.checkpoint": ("CheckpointError", "load", "save"),
+    "tandem.checkpointer": ("Checkpointer",),
+    "tandem.comm.agreement": ("CollectiveMismatchError",),
+    "tandem.comm.collectives": ("Handle", "allgather", "allgather_object", "allreduce",
+                                "alltoall", "barrier", "broadcast", "broadcast_object", "recv",
+                                "reduce", "reducescatter", "send"),
+    "tandem.comm.groups": ("Group", "Mesh", "mesh", "new_group"),
+    "tandem.data": ("partition_dataset",),
+    "tandem.diagnostics.replicas": ("ReplicaBufferWarning", "ReplicaMismatchError", "check_replicas"),
+    "tandem.diagnostics.steps": ("report",),
+    "tandem.comm.watchdog": ("PeerUnreachableError", "WatchdogTimeout"),
+    "tandem.parallel.broadcast": ("broadcast_buffers", "broadcast_optimizer_state", "broadcast_parameters"),
+    "tandem.parallel.data_parallel": ("DistributedDataParallel", "DistributedOptimizer"),
+    "tandem.parallel.join": ("join",),
+    "tandem.parallel.local_sgd": ("LocalSGD",),
+    "tandem.parallel.pipeline": ("Pipeline", "PipelineStats"),
+    "tandem.parallel.sync_bn": ("SyncBatchNorm",),
+    "tandem.parallel.zero": ("ZeroOptimizer",),
+    "tandem.runtime": ("World", "device", "init", "is_initialized", "local_rank", "local_size",
+                       "rank", "shutdown", "size"),
+    "tandem.spawning": ("SpawnError", "spawn"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "CheckpointError",
@@ -96,3 +91,17 @@ __all__ = [
     "size",
     "spawn",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+

@@ -8,13 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem import environments
+from tandem import environments, settings
 from tandem.comm import context
 from tandem.comm.backend import Backend
 from tandem.environments import JobEnvironment
-
-BACKENDS = ("gloo", "nccl", "mpi")
-DEFAULT_TIMEOUT_S = 300.0
+from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S  # noqa: F401 - their old home
 
 
 @dataclass(frozen=True)
@@ -48,32 +46,17 @@ class RuntimeState:
 _state: RuntimeState | None = None
 
 
-def _flag(value: bool | None, setting: str, default: bool) -> bool:
-    if value is not None:
-        return bool(value)
-    text = environments.setting(setting)
-    if text is None or text == "":
-        return default
-    return text.strip().lower() not in ("0", "false", "no", "off")
-
-
 def mpi4py_available() -> bool:
     return importlib.util.find_spec("mpi4py") is not None
 
 
 def choose_backend(requested: str | None, job: JobEnvironment) -> str:
-    """The backend to use: asked for, then the launcher's choice, then what the machine has."""
-    name = requested or job.backend or environments.setting("BACKEND")
-    if name:
-        name = name.lower()
-        if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
-        if name == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA, and no GPU is visible: use 'gloo'")
-        return name
-    if job.under_mpi and mpi4py_available():
-        return "mpi"
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The backend to use: asked for, then the launcher's choice (TANDEM_BACKEND), then what
+    the machine has, in the order `tandem run` uses too (`settings.choose_backend`)."""
+    return settings.choose_backend(
+        requested or job.backend or settings.current().backend,
+        cuda=torch.cuda.is_available(), mpi=mpi4py_available(), mpi_job=job.under_mpi,
+    )
 
 
 def _device_for(job: JobEnvironment) -> torch.device:
@@ -153,13 +136,14 @@ def init(
             "`tandem run -np N --backend mpi script.py` and call td.init(backend='mpi') without "
             "rank=/world_size=, or use backend='gloo' (or 'nccl' on GPUs)."
         )
+    told = settings.current()
     if timeout is None:
-        timeout = float(environments.setting("TIMEOUT") or DEFAULT_TIMEOUT_S)
+        timeout = told.timeout_s
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
     device = _device_for(job)
     engine = _create_backend(name, job, timeout, device)
-    debug = _flag(debug, "DEBUG", False)
+    debug = told.debug if debug is None else bool(debug)
     from tandem.comm.monitor import watch
 
     # Every operation, on every engine, is watched: no wait outlives the timeout unexplained.
@@ -173,7 +157,7 @@ def init(
         world=world,
         backend=engine,
         job=job,
-        checks=_flag(None if checks is True else checks, "CHECKS", True),
+        checks=told.checks if checks is True else bool(checks),
         debug=debug,
         timeout=float(timeout),
     )

@@ -11,10 +11,11 @@
 
 Starting a world costs seconds (each rank imports torch), so a world of each size and backend
 is started once and reused: `run_distributed` ships the function (pickled by reference) to its
-ranks and collects `("ok" | "err", rank, result | traceback)` from each. A rank that raises
-fails the test with that rank's traceback; a rank that does not answer within `timeout` has its
-Python stacks dumped (faulthandler on SIGABRT) into the error, and the world is discarded.
-Any world that saw a failure it might not have recovered from is restarted for the next test.
+ranks and collects `("ok" | "err", rank, result | traceback)` from each. The ranks are started
+as every local rank is (`launch.processes.start_ranks`), by mpiexec for the MPI backend. A rank
+that raises fails the test with that rank's traceback; a rank that does not answer within
+`timeout` has its Python stacks dumped (faulthandler on SIGABRT) into the error, and the world
+is discarded. Any world that saw a failure it might not have recovered from is restarted for the next test.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.environments import tandem_variables
+from tandem.launch.processes import start_ranks, stop_processes, wait_all
 
 _START_TIMEOUT_S = 120.0
 _AFTER_ERROR_GRACE_S = 5.0
@@ -102,26 +104,23 @@ class LocalWorld:
         command = [sys.executable, "-m", "tandem.testing"]
         if self.backend == "mpi":
             env["TANDEM_BACKEND"] = "mpi"
-            log = open(self._log_dir / "all.log", "wb")  # noqa: SIM115 - owned by the process
-            self._processes.append(
-                subprocess.Popen([*mpiexec_command(self.size), *command], env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            )
+            command, envs, names = [*mpiexec_command(self.size), *command], [env], ["all"]
         else:
             from tandem import rendezvous
 
             self._store = rendezvous.host_store("127.0.0.1", 0)
-            for rank in range(self.size):
-                rank_env = dict(env)
-                rank_env.update(tandem_variables(
-                    rank=rank, size=self.size, local_rank=rank, local_size=self.size,
-                    master_addr="127.0.0.1", master_port=self._store.port, backend=self.backend,
-                ))
-                log = open(self._log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115
-                self._processes.append(
-                    subprocess.Popen(command, env=rank_env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-                )
+            envs = [{**env, **tandem_variables(
+                rank=rank, size=self.size, local_rank=rank, local_size=self.size,
+                master_addr="127.0.0.1", master_port=self._store.port, backend=self.backend,
+            )} for rank in range(self.size)]
+            names = [f"rank{rank}" for rank in range(self.size)]
+        logs = [open(self._log_dir / f"{name}.log", "wb") for name in names]  # noqa: SIM115
+        try:  # the ranks write their logs; we read them back by name
+            self._processes = start_ranks(command, envs, stdout=lambda rank: logs[rank],
+                                          stderr=subprocess.STDOUT)
+        finally:
+            for log in logs:
+                log.close()
         try:
             self._accept(listener)
         except BaseException:
@@ -178,12 +177,7 @@ class LocalWorld:
                 connection.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
-        for process in self._processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+        stop_processes(wait_all(self._processes, 10.0), signal.SIGKILL, grace=0)
         for pid in self._pids.values():
             try:
                 os.kill(pid, signal.SIGKILL)  # MPI ranks are not our children
@@ -258,11 +252,7 @@ class LocalWorld:
                 os.kill(self._pids[rank], signal.SIGABRT)
             except ProcessLookupError:
                 pass
-        for process in self._processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        wait_all(self._processes, 10.0)
         return self._logs()
 
 

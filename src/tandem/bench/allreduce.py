@@ -33,8 +33,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `tandem bench --help` needs none
+    import torch
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(9))  # 4 KB ... 256 MB
 BATCH_S = 0.01  # one timed batch of back-to-back calls lasts about this long
@@ -66,6 +68,8 @@ def _measure(
     `variants` maps a name to (setup, call); `agree(v)` returns rank 0's `v` on every rank,
     so all ranks run the same number of calls.
     """
+    import torch
+
     times: dict[str, list[float]] = {name: [] for name in variants}
     first = next(iter(variants))
     for nbytes in sizes:
@@ -129,6 +133,7 @@ def _nothing() -> None:
 
 def gloo_worker(sizes: Sequence[int], budget_s: float) -> dict[str, list[float]]:
     """One Gloo rank (run through `td.spawn`): raw torch.distributed, then tandem."""
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -148,6 +153,8 @@ def mpi_worker(sizes: Sequence[int], budget_s: float, result: Path) -> None:
 
     Rank 0 writes the times to `result` as JSON.
     """
+    import torch
+
     import tandem as td
 
     torch.set_num_threads(1)
@@ -210,6 +217,8 @@ def run(
     timeout: float = 900.0,
 ) -> dict:
     """Measure every variant of `backends` at `np` ranks; return the JSON-ready results."""
+    import torch
+
     if np < 2:
         raise ValueError(f"an all-reduce benchmark needs at least 2 ranks, got np={np}")
     times: dict[str, list[float]] = {}

@@ -56,7 +56,7 @@ is killed when the job ends, so processes the ranks started do not outlive it.
 Bad input (-np 0, a script that does not exist, an unknown backend) is reported with exit
 code 2 before anything starts. A module that does not exist is reported by the ranks.
 
-Restarts (launch/restart.py): with --max-restarts K a failed job is stopped and started
+Restarts (launch/coordinator.py): with --max-restarts K a failed job is stopped and started
 again, up to K times, each rank seeing TANDEM_RESTART=<attempt>; td.Checkpointer or
 td.save/td.load resume it. Several nodes (launch/multinode.py): node 0's agent hosts the
 rendezvous at --master and a control plane that authenticates agents with the job's secret

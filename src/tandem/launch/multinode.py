@@ -3,7 +3,7 @@
     node0$ tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 4 train.py
     node1$ tandem run --nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret S -np 4 train.py
 
-Node 0's agent (`restart.Coordinator`) hosts the rendezvous store at ADDR:PORT and a control
+Node 0's agent (`coordinator.Coordinator`) hosts the rendezvous store at ADDR:PORT and a control
 plane on a port the system picks, whose address it publishes in the store. Every other agent
 (`Member`, here) connects to the store, reads that address, connects, and authenticates with the
 job's secret (`--secret`/`TANDEM_SECRET`; node 0 generates one and prints it when none is
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -38,12 +37,13 @@ from typing import TextIO
 
 from tandem import rendezvous
 from tandem.launch import control, ssh
-from tandem.launch.agent import DRAIN_S, KILL_WAIT_S, STOP_GRACE_S
 from tandem.launch.config import LaunchConfig, LaunchError
-from tandem.launch.output import AGENT_SIGNALS, RankOutput, block_agent_signals
-from tandem.launch.ranks import LocalRanks, Placement
-from tandem.launch.restart import REMOTE_STOP_S, Coordinator, lost_after
-from tandem.runtime import DEFAULT_TIMEOUT_S
+from tandem.launch.coordinator import REMOTE_STOP_S, Coordinator, lost_after
+from tandem.launch.output import block_agent_signals
+from tandem.launch.processes import KILL_WAIT_S, signal_group
+from tandem.launch.ranks import Placement
+from tandem.launch.supervisor import DRAIN_S, Agent, Failure, Supervisor
+from tandem.settings import DEFAULT_TIMEOUT_S
 
 AGENTS_EXIT_S = 15.0  # -H: how long remote agents may take to exit after the job ends
 
@@ -65,34 +65,23 @@ def read_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str | None
     return line
 
 
-class Member:
+class Member(Agent):
     """The agent of node 1, 2...: joins node 0, runs its ranks when told, stops when told."""
 
     def __init__(self, config: LaunchConfig, secret: str, interface: str | None = None,
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
-        self.config, self.secret, self.interface = config, secret, interface
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.output = RankOutput(stdout, stderr)
-        self.ranks = LocalRanks(config, config.np, self.events, self.output)
+        super().__init__(config, stdout=stdout, stderr=stderr)
+        self.secret, self.interface = secret, interface
         self.peer: control.Peer | None = None
         self.master = "{}:{}".format(*config.master)
 
     def say(self, text: str) -> None:
         self.output.message(f"tandem run (node {self.config.node_rank}): {text}")
 
-    def run(self) -> int:
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {s: signal.signal(s, lambda n, f: self.events.put(("signal", n)))
-                        for s in AGENT_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
-        try:
-            return self._run()
-        finally:
-            self.ranks.reap()
-            if self.peer is not None:
-                self.peer.close()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    def close(self) -> None:
+        super().close()
+        if self.peer is not None:
+            self.peer.close()
 
     def _join(self) -> int | None:
         """Connect and authenticate; None when joined, else the exit code (after saying why)."""
@@ -158,68 +147,60 @@ class Member:
         attempt = body["attempt"]
         self.ranks.start(Placement(attempt, body["offset"], body["world"], tuple(body["store"]),
                                    self.interface))
-        failed: dict[int, int] = {}
-        deadline: float | None = None
-        killed, lost, finish = False, None, None
-
-        def stop(signum: int = signal.SIGTERM) -> None:
-            nonlocal deadline
-            if deadline is None:
-                self.ranks.signal(signum)
-                deadline = time.monotonic() + STOP_GRACE_S
-
-        while self.ranks.live:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                event = self.events.get(timeout=timeout)
-            except queue.Empty:
-                if killed:
-                    self.say(f"ranks {sorted(self.ranks.live)} did not exit after SIGKILL")
-                    break
-                self.ranks.signal(signal.SIGKILL)
-                killed, deadline = True, time.monotonic() + KILL_WAIT_S
-                continue
-            kind = event[0]
-            if kind == "exit":
-                _, rank, returncode = event
-                self.ranks.exited(rank)
-                if returncode != 0:
-                    failed[rank] = returncode
-                    self.peer.send(("exit", {"attempt": attempt, "rank": rank,
-                                             "returncode": returncode,
-                                             "pid": self.ranks.procs[rank].pid}))
-                    stop()
-            elif kind == "signal":
-                if deadline is None:
-                    self.peer.send(("interrupted", {"attempt": attempt, "signum": event[1]}))
-                    stop(event[1])
-                elif not killed:
-                    self.ranks.signal(signal.SIGKILL)
-                    killed = True
-            elif kind == "lost":
-                lost = event[2]
-                self.say(f"node 0 ({self.master}) is unreachable: {lost}; stopping this node's "
-                         "ranks")
-                stop()
-            elif kind == "message":
-                message_kind, message = event[2]
-                if message_kind == "stop" and message.get("attempt") == attempt:
-                    stop()
-                elif message_kind == "finish":
-                    finish = message
-                    stop()
-                elif message_kind == "note":
-                    self.output.message(message["text"])
+        run = _MemberAttempt(self, attempt)
+        run.run()
         self.output.join(DRAIN_S)
-        if lost is not None:
+        if run.lost is not None:
             return 1
-        tails = {rank: self.output.tail(rank) for rank in failed}
+        tails = {rank: self.output.tail(rank) for rank in run.failed}
         self.peer.send(("done", {"attempt": attempt, "tails": tails}))
-        if finish is not None:
-            if finish.get("summary"):
-                self.output.message(finish["summary"])
-            return int(finish["code"])
+        if run.finish is not None:
+            if run.finish.get("summary"):
+                self.output.message(run.finish["summary"])
+            return int(run.finish["code"])
         return None
+
+
+class _MemberAttempt(Supervisor):
+    """One attempt as node 1, 2... sees it: report failures to node 0, stop when it says so."""
+
+    def __init__(self, member: Member, attempt: int) -> None:
+        super().__init__(member.ranks, member.events, member.output,
+                         node=member.config.node_rank, host=socket.gethostname())
+        self.member, self.attempt = member, attempt
+        self.failed: dict[int, int] = {}
+        self.lost: str | None = None
+        self.finish: dict | None = None
+
+    def rank_exited(self, rank: int, returncode: int) -> None:
+        """Every failure goes to node 0, which decides what the job's first failure was."""
+        self.failed[rank] = returncode
+        self.member.peer.send(("exit", {"attempt": self.attempt, "rank": rank,
+                                        "returncode": returncode, "pid": self.ranks.pids[rank]}))
+        self.stop(self.rank_failure(rank, returncode))
+
+    def interrupted(self, signum: int) -> None:
+        self.member.peer.send(("interrupted", {"attempt": self.attempt, "signum": signum}))
+        self.stop(Failure(node=self.node, host=self.host, interrupt=signum), signum)
+
+    def give_up(self) -> None:
+        self.member.say(f"ranks {sorted(self.ranks.live)} did not exit after SIGKILL")
+
+    def other(self, event: tuple) -> None:
+        if event[0] == "lost":
+            self.lost = event[2]
+            self.member.say(f"node 0 ({self.member.master}) is unreachable: {self.lost}; "
+                            "stopping this node's ranks")
+            self.stop(None)
+        elif event[0] == "message":
+            kind, message = event[2]
+            if kind == "stop" and message.get("attempt") == self.attempt:
+                self.stop(None)
+            elif kind == "finish":
+                self.finish = message
+                self.stop(None)
+            elif kind == "note":
+                self.output.message(message["text"])
 
 
 def _coordinate(config: LaunchConfig, secret: str | None) -> int:
@@ -278,7 +259,7 @@ def launch_hosts(config: LaunchConfig) -> int:
             try:
                 agent.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(agent.pid, signal.SIGKILL)
+                signal_group(agent.pid, signal.SIGKILL)
                 agent.wait(KILL_WAIT_S)
 
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from typing import BinaryIO, TextIO
 
 TAIL_LINES = 20
@@ -25,6 +26,16 @@ AGENT_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 def block_agent_signals() -> None:
     """Call first thing in a helper thread: leave SIGINT/SIGTERM/SIGHUP to the main thread."""
     signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_SIGNALS)
+
+
+@contextmanager
+def signals_blocked():
+    """Threads created inside (the store's, a listener's) leave our signals to this thread."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _Sink:

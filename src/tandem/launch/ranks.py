@@ -1,12 +1,13 @@
-"""This machine's share of a job, one attempt at a time: start the ranks, signal them, report exits.
+"""This machine's ranks of one attempt: what each runs, what it gets, and their exits as events.
 
-Used by the agents of restartable and multi-node jobs (`restart.Coordinator`,
-`multinode.Member`); plain single-node jobs keep `agent.LocalAgent`. The ranks are started
-exactly as `LocalAgent` starts them (same command, same environment, each in its own session so
-that its process group can be signalled as a whole), plus their place in the whole job: global
-rank, world size, the rendezvous store, `TANDEM_RESTART=<attempt>`, and on multi-node jobs the
-network interface Gloo should use. Exits arrive as ("exit", rank, returncode) events on the
-agent's queue; `Failure` and `summary` put a failure into words the same way on every node.
+Every kind of job starts its local ranks here (`LocalRanks.start`, through
+`processes.start_ranks`): a plain single-node job, each attempt of a restartable one, each
+node of a multi-node one; `mpiexec.MPIExecRanks` starts the same ranks through mpiexec
+instead. A rank gets this Python running the script or module (`rank_command`), our
+environment plus thread limits (`job_environment`) and its place in the whole job
+(`rank_environment`): global rank, world size, the rendezvous store, `TANDEM_RESTART=<attempt>`,
+and on multi-node jobs the network interface Gloo should use. Exits arrive as
+("exit", rank, returncode) events on the supervisor's queue.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import subprocess
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.environments import tandem_variables
-from tandem.launch.agent import describe, exit_code, rank_command, rank_environment
 from tandem.launch.config import LaunchConfig
 from tandem.launch.output import RankOutput, block_agent_signals
+from tandem.launch.processes import cores, signal_group, start_ranks
+
+MASTER_ADDR = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -35,116 +38,94 @@ class Placement:
     store: tuple[str, int]
     gloo_interface: str | None = None
 
-
-@dataclass(frozen=True)
-class Failure:
-    """The first thing that went wrong in an attempt: a rank that failed, or a lost node."""
-
-    node: int
-    host: str
-    rank: int | None = None
-    pid: int | None = None
-    returncode: int | None = None
-    tail: tuple[str, ...] = ()
-    lost: str | None = None  # why the node is unreachable
-    interrupt: int | None = None  # the signal that stopped the job, when a person did
-
-    @property
-    def code(self) -> int:
-        if self.interrupt is not None:
-            return 128 + self.interrupt
-        return exit_code(self.returncode) if self.returncode is not None else 1
-
-    @property
-    def restartable(self) -> bool:
-        """A failed rank is worth a restart; a lost node or Ctrl-C is not."""
-        return self.lost is None and self.interrupt is None
-
-    def headline(self) -> str:
-        if self.interrupt is not None:
-            return (f"interrupted by {signal.Signals(self.interrupt).name} on node {self.node} "
-                    f"({self.host})")
-        if self.lost is not None:
-            return f"node {self.node} ({self.host}) is unreachable: {self.lost}"
-        return (f"rank {self.rank} (pid {self.pid}, node {self.node} on {self.host}) "
-                f"{describe(self.returncode)}; it was the first rank to fail")
+    @classmethod
+    def single(cls, np: int, port: int) -> Placement:
+        """A one-node job of `np` ranks around a store on this machine's `port`."""
+        return cls(attempt=0, offset=0, world=np, store=(MASTER_ADDR, port))
 
 
-def summary(failure: Failure, attempts: str = "") -> str:
-    """What every agent prints when a job (or one attempt of it) fails."""
-    lines = [f"tandem run: job failed{attempts}: {failure.headline()}."]
-    if failure.rank is not None and failure.lost is None and failure.interrupt is None:
-        if failure.tail:
-            lines.append(f"tandem run: last {len(failure.tail)} line(s) of rank {failure.rank}:")
-            lines.extend(f"  [{failure.rank}] {line}" for line in failure.tail)
-        else:
-            lines.append(f"tandem run: rank {failure.rank} printed nothing.")
-    return "\n".join(lines)
+def rank_command(config: LaunchConfig) -> list[str]:
+    """The command line of every rank: this Python, running the script or module."""
+    if config.module:
+        return [sys.executable, "-u", "-m", config.program, *config.args]
+    return [sys.executable, "-u", config.program, *config.args]
 
 
-def _signal_group(pid: int, signum: int) -> None:
-    try:
-        os.killpg(pid, signum)  # a rank's pid is its process group id (start_new_session)
-    except (ProcessLookupError, PermissionError):
-        pass
+def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """What every rank gets whoever starts it (us, or mpiexec): timeout, threads, unbuffered."""
+    env = dict(base)
+    env.pop("TANDEM_SECRET", None)  # the agents' secret is none of the ranks' business
+    if config.timeout is not None:
+        env["TANDEM_TIMEOUT"] = str(config.timeout)
+    if config.timeline is not None:
+        env["TANDEM_TIMELINE"] = os.path.abspath(config.timeline)
+    # N ranks each running one thread per core would oversubscribe the machine N times.
+    threads = config.threads_per_rank or max(1, cores() // config.np)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if config.threads_per_rank is not None or name not in base:
+            env[name] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def rank_environment(config: LaunchConfig, local: int, placement: Placement,
+                     base: Mapping[str, str], nproc: int | None = None) -> dict[str, str]:
+    """The environment of this node's rank `local` (of `nproc`, default `config.np`):
+    `job_environment` plus its place in the job."""
+    env = job_environment(config, base)
+    host, port = placement.store
+    env.update(tandem_variables(
+        rank=placement.offset + local, size=placement.world, local_rank=local,
+        local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
+        backend=config.backend,
+    ))
+    env["TANDEM_RESTART"] = str(placement.attempt)
+    if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
+        env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface
+    return env
 
 
 class LocalRanks:
     """The ranks this machine runs in one attempt; exits become ("exit", rank, code) events."""
 
-    def __init__(self, config: LaunchConfig, nproc: int, events: queue.SimpleQueue,
-                 output: RankOutput) -> None:
-        self.config, self.nproc, self._events, self.output = config, nproc, events, output
-        self.procs: dict[int, subprocess.Popen] = {}
+    def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
+                 nproc: int | None = None) -> None:
+        self.config, self._events, self.output = config, events, output
+        self.nproc = config.np if nproc is None else nproc
+        self.pids: dict[int, int] = {}  # global rank -> pid (also its process group id)
         self.live: set[int] = set()
 
-    def environment(self, local: int, placement: Placement,
-                    base: Mapping[str, str]) -> dict[str, str]:
-        host, port = placement.store
-        env = rank_environment(self.config, local, port, base)
-        env.update(tandem_variables(
-            rank=placement.offset + local, size=placement.world, local_rank=local,
-            local_size=self.nproc, master_addr=host, master_port=port, store_hosted=True,
-            backend=self.config.backend,
-        ))
-        env["TANDEM_RESTART"] = str(placement.attempt)
-        env.pop("TANDEM_SECRET", None)  # the agents' secret is none of the ranks' business
-        if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
-            env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface
-        return env
-
     def start(self, placement: Placement) -> None:
-        self.procs, self.live = {}, set()
-        command = rank_command(self.config)
-        for local in range(self.nproc):
-            rank = placement.offset + local
-            proc = subprocess.Popen(
-                command, env=self.environment(local, placement, os.environ),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            self.procs[rank] = proc
-            self.live.add(rank)
-            self.output.attach(rank, proc.stdout, proc.stderr)
-            threading.Thread(target=self._wait, args=(rank, proc), daemon=True,
-                             name=f"tandem-rank{rank}-wait").start()
+        envs = [rank_environment(self.config, local, placement, os.environ, self.nproc)
+                for local in range(self.nproc)]
+        processes = start_ranks(rank_command(self.config), envs)
+        self.pids, self.live = {}, set()
+        for local, proc in enumerate(processes):
+            self.watch(placement.offset + local, proc.pid, proc.stdout, proc.stderr, proc.wait)
 
-    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+    def watch(self, rank: int, pid: int, stdout, stderr, wait) -> None:
+        """Copy a started rank's output; report its exit code (`wait()`'s result) as an event."""
+        self.pids[rank] = pid
+        self.live.add(rank)
+        self.output.attach(rank, stdout, stderr)
+        threading.Thread(target=self._wait, args=(rank, wait), daemon=True,
+                         name=f"tandem-rank{rank}-wait").start()
+
+    def _wait(self, rank: int, wait) -> None:
         block_agent_signals()
-        self._events.put(("exit", rank, proc.wait()))
+        self._events.put(("exit", rank, wait()))
 
     def exited(self, rank: int) -> None:
         self.live.discard(rank)
 
     def signal(self, signum: int) -> None:
         for rank in sorted(self.live):
-            _signal_group(self.procs[rank].pid, signum)
+            signal_group(self.pids[rank], signum)
 
     def reap(self) -> None:
         """Kill what is left of every rank's process group (children the ranks started)."""
-        for proc in self.procs.values():
-            _signal_group(proc.pid, signal.SIGKILL)
+        for pid in self.pids.values():
+            signal_group(pid, signal.SIGKILL)
 
-    def failure(self, rank: int, returncode: int, node: int, host: str) -> Failure:
-        return Failure(node=node, host=host, rank=rank, pid=self.procs[rank].pid,
-                       returncode=returncode, tail=tuple(self.output.tail(rank)))
+    def close(self) -> None:
+        """After the job: release what started the ranks (nothing here; mpiexec for MPI)."""

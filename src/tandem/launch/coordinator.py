@@ -1,14 +1,15 @@
-"""The coordinating agent: runs a job in attempts, restarts it when a rank fails.
+"""Node 0's agent, the coordinator: runs a job in attempts, restarts it when a rank fails.
 
 `tandem run --max-restarts K` and node 0 of a multi-node job use this agent (a plain
-single-node job without restarts keeps `agent.LocalAgent`). It hosts the rendezvous store for
+single-node job without restarts is `supervisor.LocalJob`). It hosts the rendezvous store for
 the life of the job (every attempt gets key prefixes of its own through `TANDEM_RESTART`),
 and, for a multi-node job, the control plane the other agents join (see `multinode`).
 
 One attempt: node 0 tells every agent where its ranks sit (`ranks.Placement`), every agent
 starts its ranks, and events come back on one queue: a rank's exit, a message from another
-agent, a lost agent, a signal. The first failure anywhere stops every rank on every node
-(SIGTERM, then SIGKILL after `STOP_GRACE_S`). When everything is down, the attempt is over:
+agent, a lost agent, a signal. `_Attempt` is the rank supervisor's loop
+(`supervisor.Supervisor`) plus the other nodes: the first failure anywhere stops every rank on
+every node (SIGTERM, then SIGKILL after `STOP_GRACE_S`). When everything is down, the attempt is over:
 
 - every rank exited 0: the job succeeded;
 - a rank failed and restarts are left: every agent prints the summary, and the job starts
@@ -24,17 +25,17 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
-import threading
 import time
 from typing import TextIO
 
 from tandem import rendezvous
-from tandem.launch.agent import DRAIN_S, KILL_WAIT_S, STOP_GRACE_S, describe
 from tandem.launch.config import LaunchConfig
 from tandem.launch.control import ControlServer, Peer
-from tandem.launch.output import AGENT_SIGNALS, RankOutput
-from tandem.launch.ranks import Failure, LocalRanks, Placement, summary
-from tandem.runtime import DEFAULT_TIMEOUT_S
+from tandem.launch.output import signals_blocked
+from tandem.launch.processes import KILL_WAIT_S, STOP_GRACE_S, describe
+from tandem.launch.ranks import Placement
+from tandem.launch.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
+from tandem.settings import DEFAULT_TIMEOUT_S
 
 REMOTE_STOP_S = STOP_GRACE_S + KILL_WAIT_S + 5.0  # how long other nodes may take to stop
 FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
@@ -45,19 +46,17 @@ def lost_after(config: LaunchConfig) -> float:
     return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
 
 
-class Coordinator:
+class Coordinator(Agent):
     """Node 0: the store, the control plane, the attempts; its own ranks if it has any."""
 
     def __init__(self, config: LaunchConfig, *, nproc: int, nnodes: int = 1,
                  store: tuple[str, int] = ("127.0.0.1", 0), secret: str | None = None,
                  gloo_interface: str | None = None, host: str = "localhost",
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
-        self.config, self.nproc, self.nnodes = config, nproc, nnodes
+        super().__init__(config, nproc=nproc, stdout=stdout, stderr=stderr)
+        self.nproc, self.nnodes = nproc, nnodes
         self.store_address, self.secret, self.host = store, secret, host
         self.gloo_interface = gloo_interface
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.output = RankOutput(stdout, stderr)
-        self.ranks = LocalRanks(config, nproc, self.events, self.output)
         self.peers: dict[int, Peer] = {}
         self.nprocs: dict[int, int] = {0: nproc}
         self.hosts: dict[int, str] = {0: host}
@@ -66,28 +65,19 @@ class Coordinator:
         self._server: ControlServer | None = None
 
     # -- the whole job --------------------------------------------------------------------
-    def run(self) -> int:
-        previous = self._install_signal_handlers()
-        try:
-            return self._run()
-        finally:
-            self.ranks.reap()
-            for peer in self.peers.values():
-                peer.close()
-            if self._server is not None:
-                self._server.close()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    def close(self) -> None:
+        super().close()
+        for peer in self.peers.values():
+            peer.close()
+        if self._server is not None:
+            self._server.close()
 
     def _run(self) -> int:
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_SIGNALS)
-        try:  # the store's and the listener's threads leave our signals to the main thread
+        with signals_blocked():  # the store's and the listener's threads leave them to us
             self.store = rendezvous.host_store(*self.store_address, timeout=timeout)
             if self.nnodes > 1:
                 self._server = ControlServer(self.store_address[0], self.secret, self.events)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         port = self.store.port
         if self._server is not None:
             self.store.set("tandem/control", f"{self.store_address[0]}:{self._server.port}")
@@ -210,15 +200,7 @@ class Coordinator:
         self.ranks.start(Placement(attempt, offsets[0], world, (host, port),
                                    self.gloo_interface))
         run = _Attempt(self, attempt)
-        while self.ranks.live or run.running:
-            timeout = None if run.deadline is None else max(0.0, run.deadline - time.monotonic())
-            try:
-                event = self.events.get(timeout=timeout)
-            except queue.Empty:
-                if not run.escalate():
-                    break
-                continue
-            run.handle(event)
+        run.run()
         self.output.join(DRAIN_S)
         failure = run.failure
         if failure is not None and failure.rank is not None:
@@ -227,66 +209,41 @@ class Coordinator:
             failure = dataclasses.replace(failure, tail=tuple(tail))
         return failure
 
-    # -- signals -------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {
-            signum: signal.signal(signum, lambda s, f: self.events.put(("signal", s)))
-            for signum in AGENT_SIGNALS
-            if signal.getsignal(signum) is not signal.SIG_IGN
-        }
 
+class _Attempt(Supervisor):
+    """One attempt as node 0 sees it: its own ranks, and the other nodes until they are done."""
 
-class _Attempt:
-    """The state of one attempt while it runs: who still runs, the first failure, the stop."""
+    kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
 
     def __init__(self, job: Coordinator, attempt: int) -> None:
+        super().__init__(job.ranks, job.events, job.output, node=0, host=job.host)
         self.job, self.attempt = job, attempt
         self.running = set(job.peers)  # other nodes whose ranks have not all ended
-        self.failure: Failure | None = None
         self.tails: dict[int, tuple[str, ...]] = {}
-        self.deadline: float | None = None
-        self.killed = False
 
-    def stop(self, failure: Failure, signum: int = signal.SIGTERM) -> None:
+    def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
         """The first failure: stop every rank here and on every other node."""
-        self.failure = failure
-        self.job.ranks.signal(signum)
-        for node in self.running:
-            self.job.peers[node].send(("stop", {"attempt": self.attempt}))
-        self.deadline = time.monotonic() + STOP_GRACE_S
+        if not self.stopping:
+            for node in self.running:
+                self.job.peers[node].send(("stop", {"attempt": self.attempt}))
+        super().stop(failure, signum)
 
-    def escalate(self) -> bool:
-        """The deadline passed: SIGKILL what is left here; False when there is no more to do."""
-        if self.job.ranks.live and not self.killed:
-            self.job.ranks.signal(signal.SIGKILL)
-            self.killed, self.deadline = True, time.monotonic() + REMOTE_STOP_S
-            return True
-        self.job.output.message(
-            f"tandem run: giving up on ranks {sorted(self.job.ranks.live)} and nodes "
-            f"{sorted(self.running)} that did not stop"
-        )
-        return False
+    def others_running(self) -> bool:
+        return bool(self.running)
 
-    def handle(self, event: tuple) -> None:
+    def give_up(self) -> None:
+        self.output.message(f"tandem run: giving up on ranks {sorted(self.ranks.live)} and "
+                            f"nodes {sorted(self.running)} that did not stop")
+
+    def rank_exited(self, rank: int, returncode: int) -> None:
+        if self.failure is None:
+            self.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
+                                "stopping every rank of the job")
+            self.stop(self.rank_failure(rank, returncode))
+
+    def other(self, event: tuple) -> None:
         job, kind = self.job, event[0]
-        if kind == "exit":
-            _, rank, returncode = event
-            job.ranks.exited(rank)
-            if returncode != 0 and self.failure is None:
-                job.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
-                                   "stopping every rank of the job")
-                self.stop(job.ranks.failure(rank, returncode, 0, job.host))
-        elif kind == "signal":
-            if self.failure is None:
-                job.output.message(f"tandem run: received {signal.Signals(event[1]).name}; "
-                                   "stopping all ranks (send it again to kill them at once)")
-                self.stop(Failure(node=0, host=job.host, interrupt=event[1]), event[1])
-            elif not self.killed:
-                job.ranks.signal(signal.SIGKILL)
-                self.killed = True
-        elif kind == "lost":
+        if kind == "lost":
             node = event[1]
             self.running.discard(node)
             lost = Failure(node=node, host=job.hosts.get(node, "?"), lost=event[2])

@@ -1,0 +1,252 @@
+"""The rank supervisor: watch this machine's ranks, stop them all on the first failure, say why.
+
+One loop (`Supervisor.run`) serves every kind of job: a plain single-node job (`LocalJob`,
+whose ranks `ranks.LocalRanks` or, under `--backend mpi`, `mpiexec.MPIExecRanks` start), each
+attempt of a restartable or multi-node job on node 0 (`coordinator.Coordinator`) and on the
+other nodes (`multinode.Member`). Rank exits, signals to the agent and, on multi-node jobs,
+messages from other agents all arrive as events on one queue, which the main thread reads
+with a deadline:
+
+- a rank exits non-zero: the first failure stops every other rank (SIGTERM to each rank's
+  process group, SIGKILL after `STOP_GRACE_S`, giving up `KILL_WAIT_S` later on what still
+  does not exit: the whole job is down within seconds);
+- SIGINT/SIGTERM/SIGHUP to the agent: passed on to the ranks; a second one kills them at once.
+
+When every rank is gone the attempt is over; `Failure` and `summary` put its first failure
+into words, the same way for every kind of job and on every node. `Agent` is what those three
+kinds of job share: the event queue, the prefixed output, the ranks, the signal handlers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TextIO
+
+from tandem import rendezvous
+from tandem.launch.config import LaunchConfig
+from tandem.launch.output import AGENT_SIGNALS, RankOutput, signals_blocked
+from tandem.launch.processes import KILL_WAIT_S, STOP_GRACE_S, describe, exit_code
+from tandem.launch.ranks import MASTER_ADDR, LocalRanks, Placement
+
+DRAIN_S = 2.0  # how long to wait for the last output of ranks that have exited
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first thing that went wrong in an attempt: a rank that failed, a lost node, a signal.
+
+    `node` and `host` are None on a single-node job without restarts, whose summary does not
+    name them.
+    """
+
+    node: int | None = None
+    host: str | None = None
+    rank: int | None = None
+    pid: int | None = None
+    returncode: int | None = None
+    tail: tuple[str, ...] = ()
+    lost: str | None = None  # why the node is unreachable
+    interrupt: int | None = None  # the signal that stopped the job, when a person did
+
+    @property
+    def code(self) -> int:
+        if self.interrupt is not None:
+            return 128 + self.interrupt
+        return exit_code(self.returncode) if self.returncode is not None else 1
+
+    @property
+    def restartable(self) -> bool:
+        """A failed rank is worth a restart; a lost node or Ctrl-C is not."""
+        return self.lost is None and self.interrupt is None
+
+    def headline(self) -> str:
+        if self.interrupt is not None:
+            return (f"interrupted by {signal.Signals(self.interrupt).name} on node {self.node} "
+                    f"({self.host})")
+        if self.lost is not None:
+            return f"node {self.node} ({self.host}) is unreachable: {self.lost}"
+        where = f", node {self.node} on {self.host}" if self.node is not None else ""
+        return (f"rank {self.rank} (pid {self.pid}{where}) {describe(self.returncode)}; "
+                "it was the first rank to fail")
+
+
+def summary(failure: Failure, attempts: str = "") -> str:
+    """What every agent prints when a job (or one attempt of it) fails."""
+    lines = [f"tandem run: job failed{attempts}: {failure.headline()}."]
+    if failure.rank is not None and failure.restartable:
+        if failure.tail:
+            lines.append(f"tandem run: last {len(failure.tail)} line(s) of rank {failure.rank}:")
+            lines.extend(f"  [{failure.rank}] {line}" for line in failure.tail)
+        else:
+            lines.append(f"tandem run: rank {failure.rank} printed nothing.")
+    return "\n".join(lines)
+
+
+@contextmanager
+def signals_to(events: queue.SimpleQueue):
+    """While inside, SIGINT/SIGTERM/SIGHUP to the agent become ("signal", signum) events.
+
+    `nohup tandem run` ignores SIGHUP (a background job, SIGINT): so do the ranks. Handlers can
+    only be set from the main thread; elsewhere (a test calling `launch`) nothing changes.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, lambda s, f: events.put(("signal", s)))
+                    for signum in AGENT_SIGNALS
+                    if signal.getsignal(signum) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+class Supervisor:
+    """One attempt's watch over this machine's ranks; `run()` returns its first failure.
+
+    The hooks (`rank_exited`, `interrupted`, `other`, `others_running`, `give_up`) are where
+    node 0 and the other nodes of a multi-node job add their conversation with each other.
+    """
+
+    kill_wait = KILL_WAIT_S  # after SIGKILL, how long to wait before giving up
+
+    def __init__(self, ranks: LocalRanks, events: queue.SimpleQueue, output: RankOutput,
+                 node: int | None = None, host: str | None = None) -> None:
+        self.ranks, self.events, self.output = ranks, events, output
+        self.node, self.host = node, host
+        self.failure: Failure | None = None
+        self.deadline: float | None = None  # when stopping: the moment to escalate
+        self.killed = False
+
+    @property
+    def stopping(self) -> bool:
+        return self.deadline is not None
+
+    def run(self) -> Failure | None:
+        while self.ranks.live or self.others_running():
+            timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                if self.ranks.live and not self.killed:
+                    self.kill()
+                    continue
+                self.give_up()
+                break
+            if event[0] == "exit":
+                _, rank, returncode = event
+                self.ranks.exited(rank)
+                if returncode != 0:
+                    self.rank_exited(rank, returncode)
+            elif event[0] == "signal":
+                if not self.stopping:
+                    self.interrupted(event[1])
+                elif not self.killed:  # a second signal, or one during a stop: no more grace
+                    self.kill()
+            else:
+                self.other(event)
+        return self.failure
+
+    def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
+        """Record the first failure; stop every rank here (`signum`, SIGKILL after a grace)."""
+        if self.failure is None:
+            self.failure = failure
+        if not self.stopping:
+            self.ranks.signal(signum)
+            self.deadline = time.monotonic() + STOP_GRACE_S
+
+    def kill(self) -> None:
+        self.ranks.signal(signal.SIGKILL)
+        self.killed, self.deadline = True, time.monotonic() + self.kill_wait
+
+    def rank_failure(self, rank: int, returncode: int) -> Failure:
+        return Failure(node=self.node, host=self.host, rank=rank, pid=self.ranks.pids[rank],
+                       returncode=returncode)
+
+    # -- hooks ---------------------------------------------------------------------------
+    def rank_exited(self, rank: int, returncode: int) -> None:
+        """A rank exited non-zero; the first one stops the others."""
+        if self.failure is None:
+            if self.ranks.live:
+                self.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
+                                    f"stopping the other {len(self.ranks.live)} rank(s)")
+            self.stop(self.rank_failure(rank, returncode))
+
+    def interrupted(self, signum: int) -> None:
+        self.output.message(f"tandem run: received {signal.Signals(signum).name}; stopping all "
+                            "ranks (send it again to kill them at once)")
+        self.stop(Failure(node=self.node, host=self.host, interrupt=signum), signum)
+
+    def other(self, event: tuple) -> None:
+        """An event that is not a rank's exit nor a signal (a message from another agent)."""
+
+    def others_running(self) -> bool:
+        """Whether something besides this machine's ranks must end first (other nodes)."""
+        return False
+
+    def give_up(self) -> None:
+        ranks = ", ".join(f"rank {rank} (pid {self.ranks.pids[rank]})"
+                          for rank in sorted(self.ranks.live))
+        self.output.message(f"tandem run: {ranks} did not exit {self.kill_wait:.0f} s after "
+                            "SIGKILL (stuck in the kernel?); giving up on them")
+
+
+class Agent:
+    """This machine's side of a job: its event queue, its output and its ranks.
+
+    `run()` turns signals into events, runs `_run()` (the kind of job: `LocalJob`, node 0's
+    `Coordinator`, another node's `Member`), and kills whatever is left of the ranks after it.
+    """
+
+    def __init__(self, config: LaunchConfig, *, ranks: type[LocalRanks] = LocalRanks,
+                 nproc: int | None = None, stdout: TextIO | None = None,
+                 stderr: TextIO | None = None) -> None:
+        self.config = config
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # put() is signal-handler safe
+        self.output = RankOutput(stdout, stderr)
+        self.ranks = ranks(config, self.events, self.output, nproc)
+
+    def run(self) -> int:
+        with signals_to(self.events):
+            try:
+                return self._run()
+            finally:
+                # Ranks are reaped by now (or unstoppable); this takes their children down too.
+                self.ranks.reap()
+                self.close()
+
+    def _run(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the job held besides its ranks (connections, mpiexec)."""
+        self.ranks.close()
+
+
+class LocalJob(Agent):
+    """A job of `config.np` ranks on this machine, without restarts; `run()` returns its code.
+
+    The exit code is 0, the first failing rank's, or 128 + N after signal N (no summary then:
+    a person stopped the job). `ranks` starts them: `LocalRanks`, or `MPIExecRanks`.
+    """
+
+    def _run(self) -> int:
+        with signals_blocked():  # the store's thread leaves our signals to this one
+            store = rendezvous.host_store(MASTER_ADDR, 0)  # lives until the ranks are gone
+        try:
+            self.ranks.start(Placement.single(self.config.np, store.port))
+            failure = Supervisor(self.ranks, self.events, self.output).run()
+        finally:
+            self.ranks.reap()
+        self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
+        if failure is None or failure.interrupt is not None:
+            return 0 if failure is None else failure.code
+        failure = dataclasses.replace(failure, tail=tuple(self.output.tail(failure.rank)))
+        self.output.message(summary(failure))
+        return failure.code
