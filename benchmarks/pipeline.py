@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem.parallel.schedules import bubble_fraction
+from tandem.parallel.pipeline.schedules import bubble_fraction
 
 STAGES = 2
 

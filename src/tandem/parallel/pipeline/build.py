@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tandem.comm.collectives import allgather_object
-from tandem.parallel import pipeline_balance as balancing
+from tandem.parallel.pipeline import balance as balancing
 
 
 def even(num_layers: int, num_stages: int) -> list[int]:
