@@ -34,7 +34,8 @@ from tandem import runtime
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.diagnostics import steps, timeline
 from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
-from tandem.parallel.compression import CommHook, describe, make_comm_hook
+from tandem.parallel.comm_hooks import CommHook, describe
+from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
 
 _MB = 1 << 20
