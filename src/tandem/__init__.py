@@ -1,7 +1,6 @@
 """tandem: distributed training for PyTorch — data, pipeline and hybrid parallelism."""
 
-from tandem.checkpoint import CheckpointError, load, save
-from tandem.checkpointer import Checkpointer
+from tandem.checkpoint import Checkpointer, CheckpointError, load, save
 from tandem.comm.checks import CollectiveMismatchError
 from tandem.comm.collectives import (
     Handle,
