@@ -4,17 +4,17 @@
     td.broadcast_optimizer_state(optimizer)    # after building (or loading) the optimizer
 
 Tensors travel flattened: every tensor of one dtype and device is packed into one buffer (split
-at `MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
+at `tandem.tensors.MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
 
-Also home to two helpers the rest of `tandem.parallel` shares: `coalesced` (run one collective
-over many tensors as a few flat buffers) and `agree_layout` (check once, cheaply, that every
-rank holds the same tensors before a collective that relies on it).
+The packing is `tandem.tensors.coalesced`. `agree_layout` (check once, cheaply, that every rank
+holds the same tensors before a collective that relies on it) is shared with the rest of
+`tandem.parallel`.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,76 +24,11 @@ from torch import nn
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks, group_size
-
-# Large enough that per-message overhead vanishes, small enough that packing a big model does
-# not double its memory.
-MESSAGE_BYTES = 64 << 20
-# A tensor this big is bandwidth-bound: it travels on its own, in its own memory, rather than
-# paying two copies to be packed with others.
-OWN_MESSAGE_BYTES = 1 << 20
+from tandem.tensors import coalesced, describe_tensors, each_once, module_tensors
 
 
 class LayoutMismatchError(ValueError):
     """Ranks passed different sets of tensors to an operation that needs them to match."""
-
-
-def coalesced(
-    tensors: Iterable[torch.Tensor],
-    communicate: Callable[[torch.Tensor], None],
-    *,
-    copy_back: bool = True,
-    message_bytes: int = MESSAGE_BYTES,
-) -> None:
-    """Pack `tensors` into flat buffers per (dtype, device), call `communicate(buffer)` on each
-    (it works in place), and copy the results back into the tensors unless `copy_back=False`.
-    Contiguous tensors of `OWN_MESSAGE_BYTES` or more are passed on their own, uncopied.
-
-    Every rank must pass tensors of the same dtypes and sizes in the same order: the buffers
-    (and so the messages) are then identical in number and shape on every rank.
-    """
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        if tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= OWN_MESSAGE_BYTES:
-            communicate(tensor.detach().view(-1))
-            continue
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for (dtype, device), members in by_kind.items():
-        limit = max(1, message_bytes // max(1, torch.empty(0, dtype=dtype).element_size()))
-        chunk: list[torch.Tensor] = []
-        count = 0
-        for tensor in [*members, None]:
-            if tensor is not None and (not chunk or count + tensor.numel() <= limit):
-                chunk.append(tensor)
-                count += tensor.numel()
-                continue
-            if chunk:
-                _communicate_chunk(chunk, dtype, device, communicate, copy_back)
-            chunk, count = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
-
-
-def _communicate_chunk(chunk, dtype, device, communicate, copy_back) -> None:
-    if sum(t.numel() for t in chunk) == 0:
-        return
-    if len(chunk) == 1 and chunk[0].is_contiguous():
-        communicate(chunk[0].detach().view(-1))  # works in the tensor's own memory
-        return
-    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-    communicate(flat)
-    if not copy_back:
-        return
-    offset = 0
-    with torch.no_grad():
-        for tensor in chunk:
-            n = tensor.numel()
-            tensor.copy_(flat[offset : offset + n].view(tensor.shape))
-            offset += n
-
-
-def describe_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """One line per tensor: name, shape and dtype (what `agree_layout` compares)."""
-    return [
-        f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for name, t in named
-    ]
 
 
 def agree_layout(what: str, layout: list[str], group: Group | None = None, *, always: bool = False) -> None:
@@ -128,20 +63,9 @@ def agree_layout(what: str, layout: list[str], group: Group | None = None, *, al
     raise LayoutMismatchError("\n".join(lines))
 
 
-def each_once(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs with each tensor once, under its first name (shared weights)."""
-    seen: set[int] = set()
-    unique = []
-    for name, tensor in named:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique.append((name, tensor))
-    return unique
-
-
 def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     if isinstance(model_or_state_dict, nn.Module):
-        return each_once([*model_or_state_dict.named_parameters(), *model_or_state_dict.named_buffers()])
+        return module_tensors(model_or_state_dict)
     if isinstance(model_or_state_dict, Mapping):
         return [(str(k), v) for k, v in model_or_state_dict.items() if isinstance(v, torch.Tensor)]
     raise TypeError(

@@ -37,6 +37,7 @@ from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
 from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
+from tandem.tensors import coalesced
 
 _MB = 1 << 20
 
@@ -365,8 +366,6 @@ class DistributedDataParallel(nn.Module):
                 and not reducer.joining)
 
     def _sync_buffers(self) -> None:
-        from tandem.parallel.broadcast import coalesced
-
         backend, timeout = runtime.get_backend(), runtime.state().timeout
 
         def send(flat: torch.Tensor) -> None:

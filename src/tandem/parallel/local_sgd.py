@@ -26,7 +26,8 @@ import torch
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_size
-from tandem.parallel.broadcast import agree_layout, coalesced, describe_tensors
+from tandem.parallel.broadcast import agree_layout
+from tandem.tensors import coalesced, describe_tensors
 
 
 class LocalSGD:

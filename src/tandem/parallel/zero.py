@@ -48,7 +48,8 @@ import torch
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_rank, group_size
-from tandem.parallel.broadcast import agree_layout, describe_tensors
+from tandem.parallel.broadcast import agree_layout
+from tandem.tensors import describe_tensors
 
 
 def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
