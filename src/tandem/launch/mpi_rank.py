@@ -23,7 +23,7 @@ either way: deciding what a failure means (stop the others, the summary, the job
 is the agent's job, not mpiexec's.
 
 It is run by file path so that starting it does not import tandem (and torch); the one module
-it needs, `tandem.environments` (stdlib only), is loaded from its file.
+it needs, `tandem.environments.adapters` (stdlib only), is loaded from its file.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ CONNECT_TIMEOUT_S = 30.0
 
 
 def _environments():
-    path = Path(__file__).resolve().parent.parent / "environments.py"
+    path = Path(__file__).resolve().parent.parent / "environments" / "adapters.py"
     spec = importlib.util.spec_from_file_location("_tandem_environments", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
