@@ -128,7 +128,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     is not run.
 
     - `op`: "mean" (default) or "sum".
-    - `compression`: None, "fp16", "bf16", "powersgd", or a hook (see `compression.py`).
+    - `compression`: None, "fp16", "bf16", "powersgd", or a hook (`comm_hooks.py`: the
+      contract; `compression.py`: the built-in hooks).
     - `bucket_mb` / `first_bucket_mb`: bucket caps (25 MB, and 1 MB for the first bucket).
     - `accumulate=k`: reduce once every k backward passes (call `step()` after the k-th);
       `no_sync()` does the same for the passes inside it. A `step()` after fewer passes reduces
