@@ -27,13 +27,11 @@ group of its own in the same processes: tandem-on-MPI against DDP-on-Gloo.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +40,7 @@ import torch.nn.functional as F
 import tandem as td
 from tandem import environments
 from tandem.bench.models import mlp, resnet9
+from tandem.bench.results import write_json
 
 BATCH = {"mlp": 64, "resnet9": 32}
 
@@ -260,9 +259,7 @@ def main(argv: list[str] | None = None) -> int:
               "backend": backend, "ddp_backend": "gloo", "config": config,
               "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
               "load_average_before": load_before, "load_average_after": load_after, "models": summary}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(result, args.out)}")
     return 0
 
 

@@ -17,7 +17,8 @@ A trial passes when the job ends within `--bound` seconds (10) of the fault with
 code, the output names the rank as the contract says (the summary for kill/raise, the
 mismatch error or the watchdog report for the skips), and no process it started outlives it.
 The table gives, per kind and world size, passes, and the median and maximum time from the
-fault to the end of the job; every trial goes to JSON (`results/faults.json`).
+fault to the end of the job; every trial goes to JSON (`results/faults.json`). The trials
+themselves (running one, judging it) live in `tandem.bench.faults`, shared with the tests.
 
 `--overhead` runs one 2-rank job that measures, in the same processes and interleaved so that
 a busy machine slows every variant alike: a small `td.allreduce` (8 floats, the user path
@@ -31,83 +32,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tandem.testing import still_running
+from tandem.bench.faults import KINDS, job_environment, run_trial, trial_plan
+from tandem.bench.results import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "tests" / "scripts" / "fault_train.py"
-KINDS = ("kill", "raise", "skip", "skip_recv")
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
-def named(kind: str, rank: int, debug: bool, err: str) -> bool:
-    """Whether the job's output names the faulty rank the way the contract promises."""
-    patterns = {
-        "kill": rf"job failed: rank {rank} \(pid \d+\) killed by SIGKILL",
-        "raise": rf"job failed: rank {rank} \(pid \d+\) exit code 1",
-        "skip": (rf"rank {rank}: #\d+ barrier\(\) at" if debug
-                 else rf"rank {rank}\b[^\n]*barrier"),
-        "skip_recv": (rf"rank {rank}: recv #1 from rank 0" if debug
-                      else rf"rank {rank}\b[^\n]*recv #1 from rank 0"),
-    }
-    return re.search(patterns[kind], err) is not None
-
-
-
-
-def run_trial(kind: str, world: int, rank: int, step: int, debug: bool, timeout_s: float = 5.0,
-              steps: int = 40, backend: str | None = None) -> dict:
-    """One faulty job (on `tandem run`'s default backend unless `backend` names one); returns
-    what happened (see the module docstring for the verdict)."""
-    env = _env({"TANDEM_TIMEOUT": f"{timeout_s:g}", **({"TANDEM_DEBUG": "1"} if debug else {})})
-    command = [sys.executable, "-m", "tandem", "run", "-np", str(world),
-               *(["--backend", backend] if backend else []), str(TRAIN), kind,
-               "--steps", str(steps), "--at", str(step), "--rank", str(rank)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)
-    ended = time.time()
-    failed_at = re.search(rf"^\[{rank}\] failing at ([\d.]+)$", done.stdout, re.MULTILINE)
-    pids = [int(p) for p in re.findall(r"^\[\d+\] pid=(\d+) ", done.stdout, re.MULTILINE)]
-    elapsed = ended - float(failed_at.group(1)) if failed_at else None
-    orphans = still_running(pids, timeout=5.0)
-    result = {
-        "kind": kind, "world": world, "rank": rank, "step": step, "debug": debug,
-        "exit_code": done.returncode, "seconds_after_fault": elapsed,
-        "named": named(kind, rank, debug, done.stderr), "orphans": orphans,
-        "all_ranks_started": len(pids) == world,
-    }
-    result["ok"] = bool(done.returncode != 0 and elapsed is not None and result["named"]
-                        and not orphans and len(pids) == world)
-    if not result["ok"]:
-        result["stderr_tail"] = done.stderr[-3000:]
-    return result
-
-
-def trial_plan(kinds, worlds, trials: int, other_trials: int, seed: int) -> list[dict]:
-    """`trials` SIGKILLs and `other_trials` of every other fault, per world size."""
-    rng = random.Random(seed)
-    plan = []
-    for world in worlds:
-        for kind in kinds:
-            for debug in ((False, True) if kind.startswith("skip") else (False,)):
-                for _ in range(trials if kind == "kill" else other_trials):
-                    plan.append({"kind": kind, "world": world, "debug": debug,
-                                 "rank": rng.randrange(1, world), "step": rng.randrange(1, 8)})
-    return plan
 
 
 def table(results: list[dict], bound: float) -> str:
@@ -238,7 +173,7 @@ def overhead(args) -> dict:
     scratch.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "tandem", "run", "-np", "2", __file__, "--overhead-worker",
                str(scratch), "--reps", str(args.reps), "--iters", str(args.iters)]
-    done = subprocess.run(command, cwd=ROOT, env=_env({}), capture_output=True, text=True,
+    done = subprocess.run(command, cwd=ROOT, env=job_environment({}), capture_output=True, text=True,
                           timeout=1800)
     if done.returncode:
         raise SystemExit(f"the overhead job failed:\n{done.stderr[-3000:]}")
@@ -282,10 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         _overhead_worker(args.overhead_worker, args.reps, args.iters)
         return 0
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.overhead:
-        measured = overhead(args)
-        out.with_name(out.stem + "_overhead.json").write_text(json.dumps(measured, indent=2))
+        write_json(overhead(args), out.with_name(out.stem + "_overhead.json"))
         return 0
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = set(kinds) - set(KINDS)
@@ -295,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.other_trials, args.seed)
     results = []
     for number, trial in enumerate(plan, start=1):
-        result = run_trial(timeout_s=args.timeout, backend=args.backend, **trial)
+        result = run_trial(TRAIN, timeout_s=args.timeout, backend=args.backend, cwd=ROOT, **trial)
         results.append(result)
         verdict = "ok" if result["ok"] and result["seconds_after_fault"] <= args.bound else "FAIL"
         seconds = result["seconds_after_fault"]
@@ -304,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({'-' if seconds is None else f'{seconds:.2f}'} s, exit {result['exit_code']})",
               flush=True)
     print(table(results, args.bound))
-    out.write_text(json.dumps({"timeout_s": args.timeout, "bound_s": args.bound,
-                               "trials": results}, indent=2))
+    write_json({"timeout_s": args.timeout, "bound_s": args.bound, "trials": results}, out)
     print(f"wrote {out}")
     failed = [r for r in results if not (r["ok"] and r["seconds_after_fault"] <= args.bound)]
     return 1 if failed else 0

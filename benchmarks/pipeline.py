@@ -29,19 +29,18 @@ Every process runs one thread, so the 2 ranks do not fight over 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 import tandem as td
-from tandem.parallel.schedules import bubble_fraction
+from tandem.bench.results import write_json
+from tandem.parallel.pipeline.schedules import bubble_fraction
 
 STAGES = 2
 
@@ -282,10 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": reference,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(result, args.out)}")
     return 0
 
 

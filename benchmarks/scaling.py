@@ -16,17 +16,16 @@ For the scaling analysis itself run `tandem scale` (see docs/scaling.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from tandem.bench.results import write_json
 from tandem.diagnostics import steps, timeline
 
 
@@ -133,10 +132,8 @@ def main() -> int:
     print(f"\nper training step, one process, MLP 256-512-512-10, batch 128, median of {args.steps}")
     for name, seconds in step.items():
         print(f"  {name:<36} {seconds * 1e3:7.3f} ms   x{seconds / reference:.3f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"per_call_ns": calls, "per_step_s": step,
-                               "ratios": {k: v / reference for k, v in step.items()}}, indent=2))
+    out = write_json({"per_call_ns": calls, "per_step_s": step,
+                      "ratios": {k: v / reference for k, v in step.items()}}, args.out)
     print(f"\nwrote {out}")
     return 0
 

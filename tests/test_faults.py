@@ -1,7 +1,7 @@
 """Fault injection, a few trials: each fault ends the job, non-zero, naming the rank, no orphans.
 
 The trials are the ones `benchmarks/faults.py` runs twenty times each at world sizes 2 and 4
-(its `run_trial` is loaded from there, so the test and the benchmark judge alike); here one
+(both use `tandem.bench.faults.run_trial`, so the test and the benchmark judge alike); here one
 of each kind at world size 2, the rank and step drawn from a fixed seed, on Gloo and on MPI
 (`tandem run`'s CPU default, whose ranks mpiexec starts). The contract's bound is 10 s from
 the fault to the end of the job, with TANDEM_TIMEOUT=5 (the skips without debug mode are
@@ -20,15 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from tandem.bench import faults
 from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 10.0
 DEBUG_BOUND_S = 5.0  # debug mode names a rank that skipped a collective within 5 s
 
-_spec = importlib.util.spec_from_file_location("faults_benchmark", ROOT / "benchmarks" / "faults.py")
-faults = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(faults)
+TRAIN = ROOT / "tests" / "scripts" / "fault_train.py"
 
 _random = random.Random(7)
 CASES = [(kind, debug, _random.randrange(1, 6))
@@ -49,8 +48,8 @@ TRIALS = [pytest.param(backend, kind, debug, step, marks=_marks(backend),
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend, kind, debug, step", TRIALS)
 def test_a_fault_ends_the_job_fast_naming_the_rank(backend, kind, debug, step):
-    result = faults.run_trial(kind, world=2, rank=1, step=step, debug=debug, timeout_s=5.0,
-                              steps=30, backend=backend)
+    result = faults.run_trial(TRAIN, kind, world=2, rank=1, step=step, debug=debug, timeout_s=5.0,
+                              steps=30, backend=backend, cwd=ROOT)
     assert result["all_ranks_started"], result
     assert result["exit_code"] != 0, result
     assert result["named"], result.get("stderr_tail")
@@ -67,8 +66,8 @@ def test_ranks_do_not_outlive_a_killed_agent(backend):
     watchdog sees the agent gone; on MPI their supervisor sees its connection to it close)."""
     agent = subprocess.Popen(
         [sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", backend,
-         str(faults.TRAIN), "ok", "--steps", "500", "--step-seconds", "0.05"],
-        cwd=ROOT, env=faults._env({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+         str(TRAIN), "ok", "--steps", "500", "--step-seconds", "0.05"],
+        cwd=ROOT, env=faults.job_environment({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True,
     )
     seen = []

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem.parallel.pipeline_balance import check_counts, param_costs, partition
-from tandem.parallel.pipeline_comm import EdgeSpec
+from tandem.parallel.pipeline.balance import check_counts, param_costs, partition
+from tandem.parallel.pipeline.edges import EdgeSpec
 from tandem.testing import run_distributed
 
 TOL = 1e-9

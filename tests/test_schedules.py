@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.parallel.schedules import (
+from tandem.parallel.pipeline.schedules import (
     KINDS,
     Action,
     ActionKind,

@@ -15,8 +15,7 @@ __version__ = "0.1.0"
 
 # module -> the public names it defines
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "tandem.checkpoint": ("CheckpointError", "load", "save"),
-    "tandem.checkpointer": ("Checkpointer",),
+    "tandem.checkpoint": ("CheckpointError", "Checkpointer", "load", "save"),
     "tandem.comm.agreement": ("CollectiveMismatchError",),
     "tandem.comm.collectives": ("Handle", "allgather", "allgather_object", "allreduce",
                                 "alltoall", "barrier", "broadcast", "broadcast_object", "recv",

@@ -98,10 +98,8 @@ def add_scale_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _bench_allreduce(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from tandem.bench import allreduce, plots
+    from tandem.bench.results import write_json
 
     if args.sizes:
         sizes = args.sizes
@@ -115,9 +113,7 @@ def _bench_allreduce(args: argparse.Namespace) -> int:
         print(f"tandem bench allreduce: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1
     print(allreduce.format_report(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = write_json(results, args.out)
     png = plots.plot_bandwidth(results, str(out.with_suffix(".png")), allreduce.LABELS)
     print(f"\nwrote {out} and {png}")
     return 0

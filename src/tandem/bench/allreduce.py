@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where it is used: `tandem bench --help` needs none
     import torch
 
+from tandem.bench.results import write_json
+
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(9))  # 4 KB ... 256 MB
 BATCH_S = 0.01  # one timed batch of back-to-back calls lasts about this long
 MIN_BATCHES, MAX_BATCHES = 3, 25
@@ -362,10 +364,7 @@ def report(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results = run(np=args.np, sizes=sizes, budget_s=args.budget, backends=backends)
     print(format_report(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_json(results, args.out)}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """Many tensors at once: each tensor once (shared weights), packed into a few flat messages.
 
 `coalesced` runs one in-place collective over many tensors as a few flat buffers per dtype and
-device (Horovod's tensor fusion); `each_once` drops the second name of a shared tensor. Used by
-the broadcasts of `tandem.parallel`, by LocalSGD and by the replica check.
+device (Horovod's tensor fusion); `each_once` drops the second name of a shared tensor, and
+`module_tensors` gives a module's parameters and buffers, each once. Used by the broadcasts of
+`tandem.parallel`, by LocalSGD and by the replica check.
 """
 
 from __future__ import annotations
@@ -80,3 +81,8 @@ def each_once(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torc
             seen.add(id(tensor))
             unique.append((name, tensor))
     return unique
+
+
+def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and buffers, each once (shared weights under their first name)."""
+    return each_once([*module.named_parameters(), *module.named_buffers()])

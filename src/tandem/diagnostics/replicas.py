@@ -26,7 +26,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.comm.tensors import coalesced, each_once
+from tandem.comm.tensors import coalesced, module_tensors
 
 _WEIGHT_PERIOD = 65_521  # a prime: weights 1..65521 repeat, never align with power-of-two shapes
 
@@ -38,7 +38,7 @@ class ReplicaMismatchError(RuntimeError):
 def _named(model: nn.Module | Mapping[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
     """The tensors to compare, and the names of those that are buffers (not parameters)."""
     if isinstance(model, nn.Module):
-        named = each_once([*model.named_parameters(), *model.named_buffers()])
+        named = module_tensors(model)
         parameters = {id(p) for p in model.parameters()}
         return named, {name for name, t in named if id(t) not in parameters}
     if isinstance(model, Mapping):

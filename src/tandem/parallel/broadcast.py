@@ -4,7 +4,7 @@
     td.broadcast_optimizer_state(optimizer)    # after building (or loading) the optimizer
 
 Tensors travel flattened: every tensor of one dtype and device is packed into one buffer (split
-at `MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
+at `tandem.comm.tensors.MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
 
 The packing (`coalesced`, `each_once`) is `tandem.comm.tensors`; the one check that every rank
 holds the same tensors (`agree_layout`) is `tandem.comm.agreement`'s.
@@ -24,12 +24,12 @@ from tandem.comm import collectives
 from tandem.comm.agreement import LayoutMismatchError as LayoutMismatchError  # its old home
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.comm.tensors import coalesced, each_once
+from tandem.comm.tensors import coalesced, each_once, module_tensors
 
 
 def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     if isinstance(model_or_state_dict, nn.Module):
-        return each_once([*model_or_state_dict.named_parameters(), *model_or_state_dict.named_buffers()])
+        return module_tensors(model_or_state_dict)
     if isinstance(model_or_state_dict, Mapping):
         return [(str(k), v) for k, v in model_or_state_dict.items() if isinstance(v, torch.Tensor)]
     raise TypeError(

@@ -1,11 +1,11 @@
-"""Communication hooks of the gradient reducer: their contract, the default, and compression.
+"""Gradient compression: communication hooks that send fewer bytes, and `compression=` names.
 
     td.DistributedOptimizer(opt, compression="bf16")                 # or "fp16", "powersgd"
     td.DistributedOptimizer(opt, compression=PowerSGD(rank=4, start_iter=0))
 
-A hook receives a `GradBucket` whose buffer holds this rank's (already scaled) gradients and
-must leave there, once its `Work` is waited for, the sum over the group (see `GradBucket`).
-So compression plugs in without the reducer knowing about it.
+Each is a hook of the contract in `tandem.parallel.comm_hooks` (a `GradBucket` in, a `Work`
+out, the group's sum in the buffer once waited for); `make_comm_hook` turns a `compression=`
+argument into one.
 
 - "fp16" / "bf16": the buffer is cast into a low-precision copy (allocated once per bucket),
   that copy is all-reduced, and the result cast back: half the bytes on the wire. The
@@ -23,56 +23,14 @@ So compression plugs in without the reducer knowing about it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tandem.comm.backend import Backend, Work
-from tandem.comm.groups import Group
+from tandem.comm.backend import Work
+from tandem.parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
 
 NAMES = ("none", "fp16", "bf16", "powersgd")
-
-
-class GradBucket:
-    """What a communication hook receives: one bucket's flat buffer and its parameters.
-
-    `buffer` holds this rank's gradients, already multiplied by 1/size for op="mean", followed
-    by small integer flags (`tail`: one "used" flag per parameter, and on bucket 0 the
-    "contributed" flag of `td.join`). A hook must leave in `buffer`, once its `Work` has been
-    waited for, the SUM over the group of every rank's `buffer`: compression may approximate
-    the gradients, but the flags must be summed exactly (any float format is exact for them).
-    `backend` is the engine to reduce with (the reducer's: a hook never looks it up per
-    bucket); `views[j]` is parameter j's gradient inside the buffer; `state` is the hook's own
-    per-bucket storage; `contributing` is False when a rank out of data (`td.join`) only
-    answers the others with zeros. A hook may issue more collectives from `Work.wait()`: the
-    reducer waits for buckets in index order, after launching them all, so that order is the
-    same on every rank.
-    """
-
-    def __init__(self, index, buffer, numel, views, names, group, size, backend) -> None:
-        self.index: int = index
-        self.buffer: torch.Tensor = buffer
-        self.grads: torch.Tensor = buffer[:numel]
-        self.tail: torch.Tensor = buffer[numel:]
-        self.views: list[torch.Tensor] = views
-        self.names: list[str] = names
-        self.group: Group | None = group
-        self.size: int = size
-        self.backend: Backend = backend
-        self.contributing: bool = True  # False while a joined rank only answers the others
-        self.state: dict = {}
-
-    def __repr__(self) -> str:
-        return f"GradBucket(index={self.index}, params={len(self.views)}, numel={self.grads.numel()})"
-
-
-CommHook = Callable[[GradBucket], Work]
-
-
-def allreduce_hook(bucket: GradBucket) -> Work:
-    """The default hook: sum the whole buffer in place, asynchronously."""
-    return bucket.backend.allreduce(bucket.buffer, "sum", bucket.group)
 
 
 class _CastBackWork(Work):
@@ -241,12 +199,3 @@ def make_comm_hook(compression: str | CommHook | None) -> CommHook:
     if callable(compression):
         return compression
     raise TypeError(f"compression must be None, a name or a hook, not {type(compression).__name__}")
-
-
-def describe(hook: CommHook) -> str:
-    """A name for the hook that ranks compare when they agree on the reducer's options."""
-    name = getattr(hook, "__name__", None)
-    if name:
-        return name
-    # A default repr carries a memory address, which differs between ranks.
-    return type(hook).__qualname__ if type(hook).__repr__ is object.__repr__ else repr(hook)

@@ -32,9 +32,11 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm.groups import Group, group_ranks, group_size
+from tandem.comm.tensors import coalesced
 from tandem.diagnostics import steps, timeline
 from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
-from tandem.parallel.compression import CommHook, describe, make_comm_hook
+from tandem.parallel.comm_hooks import CommHook, describe
+from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
 
 _MB = 1 << 20
@@ -126,7 +128,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     is not run.
 
     - `op`: "mean" (default) or "sum".
-    - `compression`: None, "fp16", "bf16", "powersgd", or a hook (see `compression.py`).
+    - `compression`: None, "fp16", "bf16", "powersgd", or a hook (`comm_hooks.py`: the
+      contract; `compression.py`: the built-in hooks).
     - `bucket_mb` / `first_bucket_mb`: bucket caps (25 MB, and 1 MB for the first bucket).
     - `accumulate=k`: reduce once every k backward passes (call `step()` after the k-th);
       `no_sync()` does the same for the passes inside it. A `step()` after fewer passes reduces
@@ -371,8 +374,6 @@ class DistributedDataParallel(nn.Module):
                 and not reducer.joining)
 
     def _sync_buffers(self) -> None:
-        from tandem.comm.tensors import coalesced
-
         backend, timeout = runtime.get_backend(), runtime.state().timeout
 
         def send(flat: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
 from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
-from tandem.parallel.compression import CommHook, GradBucket, allreduce_hook
+from tandem.parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
 
 
 class GradientLayoutError(CollectiveMismatchError):

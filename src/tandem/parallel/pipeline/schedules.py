@@ -10,7 +10,7 @@ An `Action` is (stage, kind, micro-batch), printed `1F3` (stage 1, forward, micr
 Compute kinds are `F` and `B`; communication kinds say what moves: `SA`/`RA` send/receive an
 activation to/from the next/previous stage, `SG`/`RG` a gradient to/from the previous/next.
 A receive action *posts* the receive (it does not wait); the compute that needs the data
-waits for it. The executor (`tandem.parallel.pipeline`) only runs these lists.
+waits for it. The executor (`pipeline.executor`) only runs these lists.
 
 `validate` checks a schedule once: every micro-batch forwarded then backwarded exactly once on
 each stage, each receive posted before the compute that consumes it, each send matched by one

@@ -15,7 +15,7 @@ from torch import nn
 
 from tandem.comm.agreement import agree
 from tandem.comm.collectives import broadcast_object
-from tandem.parallel import pipeline_balance as balancing
+from tandem.parallel.pipeline import balance as balancing
 
 
 def even(num_layers: int, num_stages: int) -> list[int]:

@@ -1,8 +1,9 @@
 """One pipeline step on one stage: run the stage's action list, keep the counters.
 
-The executor does exactly what `tandem.parallel.schedules` lists, in order. Receives are posted
-when listed and waited for by the compute that needs them; sends go out asynchronously (the
-stage computes while they travel) and are waited for at the end of the step. With
+The executor does exactly what `schedules` lists, in order. Receives are posted when listed and
+waited for by the compute that needs them; sends go out asynchronously (the stage computes while
+they travel) and are waited for at the end of the step. It knows its stage only through the
+`StageSetup` the `Pipeline` hands it, and the per-signature shape caches passed with each step. With
 `TANDEM_TIMELINE` set, every forward (`F3`), backward (`B3`) and wait for a neighbour
 (`wait 3`) is drawn on the rank's compute track.
 """
@@ -11,22 +12,41 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from tandem.diagnostics import timeline
-from tandem.parallel.pipeline_comm import (
+from tandem.parallel.pipeline.edges import (
     SPEC_WORDS,
     EdgeSpec,
+    Link,
     act_tag,
     grad_tag,
     spec_tag,
 )
-from tandem.parallel.schedules import Action, ActionKind
+from tandem.parallel.pipeline.schedules import Action, ActionKind
 
-if TYPE_CHECKING:
-    from tandem.parallel.pipeline import Pipeline
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What the executor needs of its stage, fixed when the `Pipeline` is built."""
+
+    module: nn.Module
+    index: int
+    ranks: tuple[int, ...]
+    device: torch.device
+    link: Link
+    #: The stage starts with an in-place op: it gets copies of the received tensors.
+    copy_inputs: bool
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == len(self.ranks) - 1
 
 
 @dataclass
@@ -64,26 +84,30 @@ class _Micro:
 
 
 class StepRunner:
-    """Runs one step's actions for `pipe`'s stage. Built per step; `result()` at the end."""
+    """Runs one step's actions for `stage`. Built per step; `result()` at the end.
 
-    def __init__(self, pipe: Pipeline, sig: int, fresh: bool, train: bool, micro_x, targets,
-                 loss_fn, weights: list[float]) -> None:
-        self.pipe, self.link, self.train, self.fresh = pipe, pipe._link, train, fresh
-        s, ranks = pipe.stage_index, pipe._ranks
+    `specs_in` / `specs_out`: the cached edge specs of this step's shape signature, one slot per
+    micro-batch (None until learned); a fresh signature's are filled in here.
+    """
+
+    def __init__(self, stage: StageSetup, specs_in: list, specs_out: list, fresh: bool,
+                 train: bool, micro_x, targets, loss_fn, weights: list[float]) -> None:
+        self.stage, self.link, self.train, self.fresh = stage, stage.link, train, fresh
+        s, ranks = stage.index, stage.ranks
         self.prev = ranks[s - 1] if s > 0 else None
         self.next = ranks[s + 1] if s < len(ranks) - 1 else None
-        self.specs_in, self.specs_out = pipe._specs_in[sig], pipe._specs_out[sig]
+        self.specs_in, self.specs_out = specs_in, specs_out
         self.micro_x, self.targets, self.loss_fn, self.weights = micro_x, targets, loss_fn, weights
         self.mb = [_Micro() for _ in weights]
         self.stats = PipelineStats()
         self.live = self.live_bytes = 0
         self.loss_total: torch.Tensor | None = None
         self.outputs: list = []
-        self.param_ptrs = {p.data_ptr() for p in pipe.stage.parameters()}
+        self.param_ptrs = {p.data_ptr() for p in stage.module.parameters()}
         # Data × pipeline: a DistributedOptimizer (or DDP) over this stage reduces once per step,
         # after the last micro-batch's backward; the earlier ones run as inside its no_sync(),
         # adding up in .grad, so users need no `accumulate=chunks` (which still works).
-        self.reducers = _reducers_of(pipe.stage) if train else []
+        self.reducers = _reducers_of(stage.module) if train else []
         self.backwards_left = len(weights)
         self._handlers = {
             ActionKind.RECV_ACT: self.recv_act,
@@ -99,7 +123,7 @@ class StepRunner:
             self._handlers[action.kind](action.microbatch)
 
     def result(self):
-        if not self.pipe.is_last:
+        if not self.stage.is_last:
             return None
         return self.loss_total if self.train else _concat(self.outputs)
 
@@ -123,21 +147,21 @@ class StepRunner:
     def recv_act(self, i: int) -> None:
         mb = self.mb[i]
         if self.fresh:  # shapes not known yet: the sender describes the edge first
-            mb.spec = self.link.recv((SPEC_WORDS,), torch.int64, self.pipe.device, self.prev,
+            mb.spec = self.link.recv((SPEC_WORDS,), torch.int64, self.stage.device, self.prev,
                                      spec_tag(i), f"the shapes of micro-batch {i}")
         else:
             mb.act = self._post_act(i, self.specs_in[i])
 
     def _post_act(self, i: int, spec: EdgeSpec) -> list:
         return [
-            self.link.recv(shape, dtype, self.pipe.device, self.prev, act_tag(i, k),
+            self.link.recv(shape, dtype, self.stage.device, self.prev, act_tag(i, k),
                            f"activation {k} of micro-batch {i}")
             for k, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True))
         ]
 
     def forward(self, i: int) -> None:
-        mb, pipe = self.mb[i], self.pipe
-        if pipe.is_first:
+        mb, stage = self.mb[i], self.stage
+        if stage.is_first:
             value = self.micro_x[i]
         else:
             if self.fresh:
@@ -151,28 +175,28 @@ class StepRunner:
                 for k in spec.floating:
                     tensors[k].requires_grad_(True)
                 mb.inputs = tensors
-                if pipe._copy_inputs:
+                if stage.copy_inputs:
                     feed = [t.clone() if t.requires_grad else t for t in tensors]
             value = spec.build(feed)
         start = time.perf_counter_ns()
         if self.train:
             with torch.autograd.graph.saved_tensors_hooks(self._counter(mb), _identity):
-                output = pipe.stage(value)
-                if pipe.is_last:
+                output = stage.module(value)
+                if stage.is_last:
                     mb.loss = self._loss(output, i)
         else:
-            output = pipe.stage(value)
-        if pipe.is_last:
+            output = stage.module(value)
+        if stage.is_last:
             if not self.train:
                 self.outputs.append(output)
         else:
-            spec, mb.outputs = EdgeSpec.describe(output, pipe.stage_index)
+            spec, mb.outputs = EdgeSpec.describe(output, stage.index)
             known = self.specs_out[i]
             if known is None:
                 self.specs_out[i] = spec
             elif spec != known:
                 raise ValueError(
-                    f"pipeline stage {pipe.stage_index} output for micro-batch {i} is {spec} but "
+                    f"pipeline stage {stage.index} output for micro-batch {i} is {spec} but "
                     f"was {known} for the same input shapes: edges between stages need shapes "
                     f"that depend only on the input's shape"
                 )
@@ -198,7 +222,7 @@ class StepRunner:
     def send_act(self, i: int) -> None:
         mb = self.mb[i]
         if self.fresh:
-            packed = self.specs_out[i].pack().to(self.pipe.device)
+            packed = self.specs_out[i].pack().to(self.stage.device)
             self.link.send(packed, self.next, spec_tag(i), f"the shapes of micro-batch {i}")
         for k, tensor in enumerate(mb.outputs):
             self.link.send(tensor, self.next, act_tag(i, k), f"activation {k} of micro-batch {i}")
@@ -209,14 +233,14 @@ class StepRunner:
     def recv_grad(self, i: int) -> None:
         spec = self.specs_out[i]
         self.mb[i].grads = [
-            self.link.recv(spec.shapes[k], spec.dtypes[k], self.pipe.device, self.next,
+            self.link.recv(spec.shapes[k], spec.dtypes[k], self.stage.device, self.next,
                            grad_tag(i, k), f"gradient {k} of micro-batch {i}")
             for k in spec.floating
         ]
 
     def backward(self, i: int) -> None:
-        mb, pipe = self.mb[i], self.pipe
-        grads = None if pipe.is_last else self._wait(mb.grads, i)
+        mb, stage = self.mb[i], self.stage
+        grads = None if stage.is_last else self._wait(mb.grads, i)
         start = time.perf_counter_ns()
         self.backwards_left -= 1
         held = [r for r in self.reducers if r.sync_enabled] if self.backwards_left else []
@@ -227,7 +251,7 @@ class StepRunner:
         finally:
             for reducer in held:
                 reducer.set_sync(True)
-        if not pipe.is_first:
+        if not stage.is_first:
             # An input the stage did not use has no gradient: send zeros, the receiver waits for it.
             mb.in_grads = [
                 mb.inputs[k].grad if mb.inputs[k].grad is not None else torch.zeros_like(mb.inputs[k])
@@ -239,7 +263,7 @@ class StepRunner:
         self.live_bytes -= mb.nbytes
 
     def _backward(self, mb: _Micro, grads, i: int) -> None:
-        if self.pipe.is_last:
+        if self.stage.is_last:
             if mb.loss.requires_grad:
                 mb.loss.backward()
             return

@@ -10,8 +10,8 @@ which frees them; given a list of stage modules or of factories (zero-argument c
 this rank's is kept or built. `named_parameters()` uses the original names (`3.weight`).
 
 A step splits the batch into `chunks` micro-batches along dim 0 (uneven sizes allowed, as
-`torch.tensor_split`), runs the schedule of `tandem.parallel.schedules` and leaves in `.grad`
-(added, as `loss.backward()` does) the gradient of the full-batch loss. Scaling rule: with
+`torch.tensor_split`), runs the schedule of `tandem.parallel.pipeline.schedules` and leaves in
+`.grad` (added, as `loss.backward()` does) the gradient of the full-batch loss. Scaling rule: with
 `reduction="mean"` (the default), `loss_fn` must return the mean over its micro-batch and
 micro-batch i's loss is weighted by rows_i / rows, so the weighted sum is the full-batch mean
 for any split; with `reduction="sum"`, losses are added unweighted. The returned loss is that
@@ -31,7 +31,7 @@ Data × pipeline: `mesh = td.mesh(dp=2, pp=2)`, `Pipeline(..., group=mesh.pp_gro
 `td.DistributedOptimizer(opt, named_parameters=pipe.named_parameters(), group=mesh.dp_group)`:
 every parameter gets one backward pass per micro-batch; the step runs all but the last with
 the optimizer's reducer paused (as `no_sync()`), so the gradients are averaged across replicas
-once, during the last (see `pipeline_run`).
+once, during the last (see `executor`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from torch import nn
 from tandem import runtime
 from tandem.comm.groups import Group, group_rank, group_ranks
 from tandem.diagnostics import timeline
-from tandem.parallel import pipeline_balance as balancing
-from tandem.parallel import pipeline_build as building
-from tandem.parallel.pipeline_comm import HEADER_TAG, Link
-from tandem.parallel.pipeline_run import PipelineStats, StepRunner
-from tandem.parallel.schedules import Schedule, build_schedule, format_grid
+from tandem.parallel.pipeline import balance as balancing
+from tandem.parallel.pipeline import build as building
+from tandem.parallel.pipeline.edges import HEADER_TAG, Link
+from tandem.parallel.pipeline.executor import PipelineStats, StageSetup, StepRunner
+from tandem.parallel.pipeline.schedules import Schedule, build_schedule, format_grid
 
 __all__ = ["Pipeline", "PipelineStats"]
 
@@ -114,6 +114,8 @@ class Pipeline:
         self.schedule: Schedule = build_schedule(schedule, self.num_stages, chunks)
         self._forward_schedule: Schedule | None = None
         self._link = Link(self._backend, group, self._timeout, self._describe)
+        self._setup = StageSetup(self.stage, self.stage_index, tuple(self._ranks), self.device,
+                                 self._link, self._copy_inputs)
         self._signatures: dict[tuple, int] = {}  # first stage: shape signature -> id
         self._specs_in: dict[int, list] = {}
         self._specs_out: dict[int, list] = {}
@@ -202,7 +204,8 @@ class Pipeline:
         if self._forward_schedule is None and not train:
             self._forward_schedule = build_schedule("forward", self.num_stages, m)
         actions = (self.schedule if train else self._forward_schedule)[self.stage_index]
-        runner = StepRunner(self, sig, fresh, train, micro_x, targets, loss_fn,
+        runner = StepRunner(self._setup, self._specs_in[sig], self._specs_out[sig], fresh, train,
+                            micro_x, targets, loss_fn,
                             [n / rows if reduction == "mean" else 1.0 for n in sizes])
         runner.run(actions)
         self._link.flush()
