@@ -1,5 +1,7 @@
 """The bucket-assignment policy, without processes."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -149,3 +151,75 @@ def test_layout_mismatch_names_each_rank_against_the_first():
     assert "rank 1" not in text  # rank 1 agrees with rank 0
     assert "rank 0: param 0 w (4,)" in text and "rank 2: param 0 w (5,)" in text
 
+
+# -- exact boundaries (found by mutation testing: scripts/mutation.sh) ------------------------
+
+U8 = torch.uint8  # one byte per element: sizes in bytes are exact
+
+
+def test_a_bucket_closes_when_it_reaches_its_cap_not_a_byte_before():
+    # 1023 + 1 bytes reach the 1024-byte cap exactly: closed there, at >=.
+    params = [p("a", 1023, U8), p("b", 1, U8), p("c", 1, U8)]
+    assert members(assign_buckets(params, cap_bytes=1024, first_cap_bytes=1024)) == [[0, 1], [2]]
+    assert members(assign_buckets(params, cap_bytes=1025, first_cap_bytes=1025)) == [[0, 1, 2]]
+
+
+def test_offsets_are_the_next_aligned_position_exactly():
+    params = [p("a", 1, F32), p("b", 16, F32), p("c", 17, F32), p("d", 3, F32)]
+    bucket, = assign_buckets(params, cap_bytes=10 * KB, first_cap_bytes=10 * KB, align_bytes=64)
+    # 64 bytes = 16 floats: each parameter starts at the next multiple of 16, none later.
+    assert bucket.offsets == (0, 16, 32, 64) and bucket.numel == 67
+    assert all(type(offset) is int for offset in bucket.offsets)
+    packed, = assign_buckets(params, cap_bytes=10 * KB, first_cap_bytes=10 * KB, align_bytes=1)
+    assert packed.offsets == (0, 1, 17, 34) and packed.numel == 37  # no padding at all
+    # An alignment that is not a multiple of the item size rounds down to whole items.
+    odd, = assign_buckets(params, cap_bytes=10 * KB, first_cap_bytes=10 * KB, align_bytes=6)
+    assert odd.offsets == (0, 1, 17, 34) and all(type(o) is int for o in odd.offsets)
+
+
+def test_small_last_bucket_reaches_its_cap_exactly():
+    # From the end: 1024 bytes, then 1023 (2047 < 2048: go on), then 10 (2057): the tail
+    # holds the last three; a tail that reached 2048 after two would be one parameter short.
+    params = [p("w", 4096, U8), p("x", 10, U8), p("y", 1023, U8), p("z", 1024, U8)]
+    buckets = assign_buckets(params, cap_bytes=8 * KB, first_cap_bytes=8 * KB, last_cap_bytes=2048)
+    assert members(buckets) == [[0], [1, 2, 3]]
+
+
+def test_small_last_bucket_of_each_kind_when_the_kinds_interleave():
+    # The float32 tail is full after "c"; the scan goes on to find the float16 tail ("a").
+    params = [p("z", 4096, F16), p("a", 512, F16), p("b", 1024, F32), p("c", 1024, F32)]
+    buckets = assign_buckets(params, cap_bytes=64 * KB, first_cap_bytes=64 * KB,
+                             last_cap_bytes=1024)
+    assert members(buckets) == [[0], [1], [2], [3]]
+    assert [b.dtype for b in buckets] == [F16, F16, F32, F32]
+
+
+def test_bucket_keeps_the_device_and_param_info_its_name_and_device():
+    params = [p("w", 4, device="cuda:1")]
+    assert assign_buckets(params)[0].device == "cuda:1"
+    info = ParamInfo.of("w", torch.zeros(3, device="meta"))
+    assert (info.name, info.device) == ("w", "meta")
+
+
+def test_every_limit_must_be_positive_and_one_is_enough():
+    # One byte is a valid limit: a 4-byte parameter alone fills a 1-byte first or last bucket.
+    for keyword, expected in [("cap_bytes", [[0, 1]]), ("first_cap_bytes", [[0], [1]]),
+                              ("last_cap_bytes", [[0], [1]]), ("align_bytes", [[0, 1]])]:
+        with pytest.raises(ValueError, match=f"{keyword} must be positive.*, got 0"):
+            assign_buckets([p("a", 1)], **{keyword: 0})
+        assert members(assign_buckets([p("a", 1), p("b", 1)], **{keyword: 1})) == expected, keyword
+
+
+def test_layout_lines_and_code_are_exact():
+    params = [p("w", 4, F16, device="cuda:1"), p("b", 2)]
+    buckets = assign_buckets(params)
+    lines = describe_layout(params, buckets)
+    assert lines == [
+        "param 0 w (4,) float16 cuda",
+        "param 1 b (2,) float32 cpu",
+        "bucket 0 float16 params=[0] offsets=[0] numel=4",
+        "bucket 1 float32 params=[1] offsets=[0] numel=2",
+    ]
+    assert checksum(lines) == zlib.crc32("\n".join(lines).encode()) & 0x7FFFFFFF
+    codes = {checksum(lines[:k]) for k in range(1, 5)}
+    assert len(codes) == 4 and all(0 <= c < 2**31 for c in codes)

@@ -57,7 +57,8 @@ def check_allreduce():
                 )
                 call = lambda t, **kw: td.allreduce(t, op=op, group=group, **kw)  # noqa: B023
                 for variant, result in _variants(call, data):
-                    errors.append(mismatch(f"{scope} {dtype} {op} {variant}", result, expected, dtype))
+                    errors.append(mismatch(f"{scope} {dtype} {op} {variant}", result, expected,
+                                           dtype, op))
     assert not any(errors), "\n".join(e for e in errors if e)
 
 
@@ -85,11 +86,13 @@ def check_reduce():
                     [rank_data(r, dtype, op=op).double().numpy() for r in members],
                     op, integer=not dtype.is_floating_point,
                 )
+                rounded = op  # only a root's mean is rounded
                 if td.rank() != root:
-                    expected = data.double().numpy()  # non-roots keep their input
+                    expected, rounded = data.double().numpy(), None  # non-roots keep their input
                 call = lambda t, **kw: td.reduce(t, root=root, op=op, group=group, **kw)  # noqa: B023
                 for variant, result in _variants(call, data):
-                    errors.append(mismatch(f"{scope} {dtype} {op} {variant}", result, expected, dtype))
+                    errors.append(mismatch(f"{scope} {dtype} {op} {variant}", result, expected,
+                                           dtype, rounded))
     assert not any(errors), "\n".join(e for e in errors if e)
 
 
@@ -129,7 +132,8 @@ def check_reducescatter():
                     ("plain", td.reducescatter(data, op=op, group=group)),
                     ("async", td.reducescatter(data, op=op, group=group, async_op=True).wait()),
                 ]:
-                    errors.append(mismatch(f"{scope} {dtype} {op} {variant}", result, expected, dtype))
+                    errors.append(mismatch(f"{scope} {dtype} {op} {variant}", result, expected,
+                                           dtype, op))
     assert not any(errors), "\n".join(e for e in errors if e)
 
 

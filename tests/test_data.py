@@ -4,6 +4,8 @@ The sampler is a pure function of (length, rank, size, seed, epoch), so most che
 sampler per rank in this process; one test runs real ranks through `partition_dataset`.
 """
 
+import os
+import time
 from collections import Counter
 
 import pytest
@@ -11,7 +13,9 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import tandem as td
+from tandem.comm.groups import Group
 from tandem.data import ShardSampler, check_batch_size, epoch_order, partition_dataset
+from tandem.diagnostics import steps, timeline
 from tandem.testing import run_distributed
 
 
@@ -137,3 +141,121 @@ def test_partition_dataset_on_real_ranks():
     for r in results:
         assert len(r["errors"]) == 2
         assert "pass batch_size=2" in r["errors"][0] and "pass batch_size=4 or 6" in r["errors"][1]
+
+
+# -- partition_dataset without processes: a sub-group given by hand -------------------------
+# (found by mutation testing: scripts/mutation.sh). A `Group` is plain data (ranks, this
+# process's index), so rank r of k can be played in this process.
+
+
+def _group(rank: int, size: int) -> Group:
+    return Group(tuple(range(size)), None, rank)
+
+
+def _epoch(loader) -> list[list[int]]:
+    return [x.tolist() for (x,) in loader]
+
+
+def test_partition_dataset_gives_each_group_rank_its_shard():
+    dataset = TensorDataset(torch.arange(23))
+    loaders = [partition_dataset(dataset, batch_size=6, group=_group(r, 3)) for r in range(3)]
+    assert [per_rank for _, per_rank in loaders] == [2, 2, 2]
+    # The defaults: shuffled, seed 0, every sample read (padded by wrapping around).
+    for rank, (loader, _) in enumerate(loaders):
+        assert _epoch(loader) == [b.tolist() for b in torch.tensor(
+            ShardSampler(23, rank, 3, shuffle=True, seed=0, drop_last=False).indices(0)).split(2)]
+        assert len(loader) == 4 and loader.epoch == 1
+    single, per_rank = partition_dataset(dataset, batch_size=6, group=_group(0, 1))
+    assert per_rank == 6
+    for loader, _ in loaders:
+        loader.set_epoch(0)
+    steps_together = zip(*(_epoch(loader) for loader, _ in loaders), strict=True)
+    # Step for step, the ranks together read the one-process batch (the last, padded step aside).
+    for step, batches in list(zip(_epoch(single), steps_together, strict=True))[:-1]:
+        assert sorted(i for b in batches for i in b) == sorted(step)
+
+
+def test_partition_dataset_passes_its_options_on():
+    dataset = TensorDataset(torch.arange(23))
+    loader, _ = partition_dataset(dataset, batch_size=6, shuffle=False, drop_last=True,
+                                  seed=3, group=_group(1, 3), collate_fn=lambda rows: rows)
+    assert loader.sampler.indices(0) == [1, 4, 7, 10, 13, 16]  # 18 of 23 kept, in order
+    assert (loader.sampler.seed, loader.sampler.batch_size, loader.sampler.drop_last) == (3, 6, True)
+    assert [len(batch) for batch in loader] == [2, 2, 2]  # collate_fn kept the rows as a list
+    loader.set_epoch(5)
+    assert loader.epoch == 5 and loader.sampler.epoch == 5
+    shuffled, _ = partition_dataset(dataset, batch_size=6, seed=3, group=_group(1, 3))
+    assert shuffled.sampler.indices(2) == ShardSampler(23, 1, 3, seed=3).indices(2)
+
+
+def test_partition_dataset_refuses_a_non_member_and_weak_mode_scales(monkeypatch):
+    dataset = TensorDataset(torch.arange(8))
+    with pytest.raises(ValueError, match=r"not a member of Group\(ranks=\[0, 1\]\); only members"):
+        partition_dataset(dataset, batch_size=2, group=_group(-1, 2))
+    loader, per_rank = partition_dataset(dataset, batch_size=2, group=_group(0, 2))
+    assert (per_rank, len(loader)) == (1, 4)
+    monkeypatch.setenv("TANDEM_SCALE_MODE", "weak")  # the batch is per rank: 2 ranks read 4
+    loader, per_rank = partition_dataset(dataset, batch_size=2, group=_group(0, 2))
+    assert (per_rank, loader.sampler.batch_size) == (2, 4)
+
+
+def test_the_loader_reports_each_batch_and_its_wait():
+    steps.reset()
+    loader, _ = partition_dataset(TensorDataset(torch.arange(12)), batch_size=4,
+                                  group=_group(0, 2))
+    steps.step_done(0.0)  # starts the clock
+    timeline.start(os.devnull, capacity=16)
+    try:
+        before = time.perf_counter_ns()
+        batches = list(loader)
+        after = time.perf_counter_ns()
+        events = [e for e in timeline._events[: timeline._count] if e and e[0] == "data"]
+    finally:
+        timeline.stop()
+    steps.step_done(0.0)
+    (record,) = steps.records()
+    steps.reset()
+    assert len(batches) == 3 and record.samples == 3 * 2
+    assert 0 <= record.data_s <= (after - before) * 1e-9  # the waits lie inside the loop
+    assert len(events) == 3
+    assert all(before <= start <= end <= after for _, start, end, _, _ in events), events
+
+
+def test_sampler_limits_are_exact():
+    assert len(ShardSampler(5, 4, 5)) == 1 and isinstance(len(ShardSampler(7, 0, 2)), int)
+    for kwargs, message in [
+        (dict(length=4, rank=0, size=0), "size must be >= 1, got 0"),
+        (dict(length=4, rank=2, size=2), r"rank must be in \[0, 2\), got 2"),
+        (dict(length=4, rank=-1, size=2), r"rank must be in \[0, 2\), got -1"),
+        (dict(length=0, rank=0, size=1), "^the dataset is empty: there is nothing to partition$"),
+        (dict(length=4, rank=0, size=2, batch_size=3),
+         r"batch_size \(global\) must be a positive multiple of 2, got 3"),
+        (dict(length=4, rank=0, size=2, batch_size=0),
+         r"batch_size \(global\) must be a positive multiple of 2, got 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ShardSampler(**kwargs)
+    exact = ShardSampler(6, 0, 2, drop_last=True, batch_size=6)  # one whole batch: allowed
+    assert exact.indices(0) == epoch_order(6, 0)[0::2].tolist()
+    assert ShardSampler(6, 1, 2, shuffle=False).indices(0) == [1, 3, 5]  # no padding needed
+    with pytest.raises(ValueError, match="epoch must be >= 0, got -1"):
+        exact.set_epoch(-1)
+    assert check_batch_size(4, 4) == 1 and isinstance(check_batch_size(6, 4 // 2), int)
+    with pytest.raises(TypeError, match="must be an int .the global batch., got True"):
+        check_batch_size(True, 1)
+
+
+class _SizedStream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+    def __len__(self):
+        return 3
+
+
+def test_iterable_datasets_and_reserved_arguments_are_named():
+    with pytest.raises(TypeError, match="map-style dataset with __len__ and __getitem__, got _SizedStream;"):
+        partition_dataset(_SizedStream(), batch_size=2, group=_group(0, 1))
+    with pytest.raises(TypeError, match="partition_dataset sets sampler, batch_sampler itself"):
+        partition_dataset(TensorDataset(torch.arange(4)), batch_size=2, batch_sampler=None,
+                          sampler=None)

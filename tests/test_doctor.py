@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,7 +30,20 @@ def test_doctor_prints_every_check_and_exits_zero():
     assert "torch " in by_name["tandem"] and "python " in by_name["tandem"]
     assert by_name["Gloo"].split(None, 1)[1].startswith("available")
     assert f"{len(os.sched_getaffinity(0))} usable" in by_name["cores"]
-    assert "lo" in by_name["network"]
+    # Every interface, as "name (state)", the state read from /sys; a fix only when no
+    # interface but loopback is up.
+    states = {}
+    for _, name in socket.if_nameindex():
+        try:
+            states[name] = Path(f"/sys/class/net/{name}/operstate").read_text().strip()
+        except OSError:
+            states[name] = "?"
+    detail = by_name["network"].split(None, 1)[1]
+    listed, _, fix = detail.partition(" -- fix: ")
+    assert dict(re.findall(r"(\S+) \(([^)]*)\)", listed)) == states, detail
+    assert "lo" in states
+    nic_up = any(state in ("up", "unknown") for name, state in states.items() if name != "lo")
+    assert bool(fix) == (not nic_up), detail
     if importlib.util.find_spec("mpi4py") is not None:
         assert "available: " in by_name["MPI"] and "mpi4py" in by_name["MPI"]
 

@@ -1,5 +1,6 @@
 """The examples run, as a user would start them: `tandem run -np 2 examples/...`."""
 
+import math
 import os
 import re
 import subprocess
@@ -38,6 +39,20 @@ def test_train_digits_reaches_95_percent_on_two_ranks(tmp_path):
     assert isinstance(state["model"]["0.weight"], torch.Tensor)
 
 
+def _loss_on_a_fixed_batch(state: dict) -> float:
+    """Cross-entropy of a ResNet-9 holding `state`, in training mode (batch statistics: the
+    result depends on the parameters only, not on the running statistics)."""
+    from tandem.bench.models import resnet9
+
+    model = resnet9()
+    model.load_state_dict(state)
+    generator = torch.Generator().manual_seed(123)
+    x, y = torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,),
+                                                                          generator=generator)
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model.train()(x), y).item()
+
+
 @pytest.mark.timeout(240)
 def test_train_resnet9_two_steps_on_synthetic_data(tmp_path):
     checkpoint = tmp_path / "resnet9.pt"
@@ -45,4 +60,25 @@ def test_train_resnet9_two_steps_on_synthetic_data(tmp_path):
                   "--checkpoint", str(checkpoint), timeout=220)
     assert "synthetic CIFAR-shaped data" in output, output
     assert re.search(r"\[0\] final test accuracy: [0-9.]+ after 2 steps", output), output
-    assert td.load(checkpoint)["steps"] == 2
+    trained = td.load(checkpoint)
+    assert trained["steps"] == 2
+    # The same script for zero steps, in one process, gives the model the two steps started
+    # from (the same seed, and rank 0's initial parameters are broadcast to the others).
+    start = tmp_path / "start.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    subprocess.run([sys.executable, str(EXAMPLES / "train_resnet9.py"), "--steps", "0",
+                    "--batch-size", "8", "--checkpoint", str(start)],
+                   check=True, capture_output=True, timeout=200, env=env)
+    initial = td.load(start)
+    assert initial["steps"] == 0
+    from tandem.bench.models import resnet9
+
+    names = [name for name, _ in resnet9().named_parameters()]
+    unmoved = [n for n in names if torch.equal(trained["model"][n], initial["model"][n])]
+    assert not unmoved, f"two optimizer steps left {unmoved} unchanged"
+    before, after = _loss_on_a_fixed_batch(initial["model"]), _loss_on_a_fixed_batch(trained["model"])
+    assert math.isfinite(before) and math.isfinite(after)
+    assert abs(after - before) > 1e-4, (before, after)  # the loss moved
+    momentum = trained["optimizer"]["state"]
+    assert len(momentum) == len(names) and all(
+        state["momentum_buffer"].abs().sum() > 0 for state in momentum.values())

@@ -91,7 +91,26 @@ def check_horovod_training_script():
         ref_optimizer.step()
     for (name, mine), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.allclose(mine, theirs, atol=1e-6), name
-    assert hvd.SyncBatchNorm is not None and hvd.join() in range(n)
+
+    # hvd.join(): the last rank runs out of data one step after the others, which answer its
+    # reductions from join() until it joins too; every rank learns who was last.
+    if me == n - 1:
+        for half in range(2):
+            x, y = _batch(100 + half, rows=4)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    assert hvd.join() == n - 1
+
+    # hvd.SyncBatchNorm: the statistics of the whole batch, as one process would compute them.
+    # float32 sums in a different order, and the variance as E[x^2] - E[x]^2: ~1e-6 apart.
+    torch.manual_seed(0)
+    full = torch.randn(4 * n, 3) * 3 + 1
+    sync_bn, plain_bn = hvd.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    out = sync_bn(full[4 * me : 4 * me + 4])
+    expected = plain_bn(full)[4 * me : 4 * me + 4]
+    assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
+    assert torch.allclose(sync_bn.running_mean, plain_bn.running_mean, atol=1e-6)
+    assert torch.allclose(sync_bn.running_var, plain_bn.running_var, atol=1e-5)
 
 
 def test_horovod_training_script_matches_one_process():

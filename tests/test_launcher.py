@@ -24,6 +24,7 @@ import pytest
 from tandem import rendezvous, settings
 from tandem.cli import build_parser, main
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
+from tandem.launch.config import parse_address
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile
 from tandem.launch.launcher import default_backend, with_backend
 from tandem.launch.processes import cores, describe, exit_code
@@ -265,6 +266,106 @@ def test_options_come_from_tandem_variables_unless_given():
         _config("t.py", environ={"TANDEM_NP": "many"})
 
 
+def test_every_option_comes_from_its_flag_or_its_variable():
+    flags = _config("-np", "2", "--backend", "Gloo", "--threads-per-rank", "3", "--timeout", "7.5",
+                    "--max-restarts", "2", "--timeline", "t.json", "-m", "pkg.train", "a", "-b")
+    assert (flags.np, flags.backend, flags.threads_per_rank, flags.timeout, flags.max_restarts,
+            flags.timeline, flags.program, flags.module, flags.args) == (
+        2, "gloo", 3, 7.5, 2, "t.json", "pkg.train", True, ("a", "-b"))
+    assert (flags.nnodes, flags.node_rank, flags.master, flags.secret, flags.hosts) == (
+        1, 0, None, None, ())
+    assert _config("t.py", environ={"TANDEM_NP": "1"}).max_restarts == 0  # no restart unasked
+    environ = {"TANDEM_NP": "4", "TANDEM_THREADS_PER_RANK": "2", "TANDEM_NNODES": "3",
+               "TANDEM_NODE_RANK": "2", "TANDEM_MASTER": "10.0.0.1:29500", "TANDEM_SECRET": "s",
+               "TANDEM_MAX_RESTARTS": "1", "TANDEM_TIMELINE": "x.json", "TANDEM_BACKEND": " "}
+    env = _config("t.py", environ=environ)
+    assert (env.np, env.threads_per_rank, env.nnodes, env.node_rank, env.master, env.secret,
+            env.max_restarts, env.timeline, env.backend, env.module) == (
+        4, 2, 3, 2, ("10.0.0.1", 29500), "s", 1, "x.json", None, False)
+    assert _config("-H", "localhost:2", "t.py", environ={"TANDEM_HOSTS": "a:9"}).hosts == (
+        Host("localhost", 2),)
+
+
+def test_addresses_are_parsed_at_the_last_colon_with_ports_1_to_65535():
+    assert parse_address(" node1:1 ") == ("node1", 1)
+    assert parse_address("[fe80::1]:65535") == ("fe80::1", 65535)
+    assert parse_address("fe80::1:29500") == ("fe80::1", 29500)
+    for text, message in [
+        ("node1:0", "'node1:0': the port must be between 1 and 65535"),
+        ("node1:65536", "'node1:65536': the port must be between 1 and 65535"),
+        ("node1:x", "'node1:x': the port 'x' is not an integer"),
+        (":29500", r"':29500' is not ADDR:PORT \(e.g. 10.0.0.1:29500\)"),
+        ("node1", r"'node1' is not ADDR:PORT \(e.g. 10.0.0.1:29500\)"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            parse_address(text)
+
+
+@pytest.mark.parametrize("argv, environ, message", [
+    (["-np", "x"], {}, "argument -np/-n/--np: 'x' is not an integer"),
+    (["--timeout", "soon"], {}, "argument --timeout: 'soon' is not a number of seconds"),
+    (["--master", "h:0"], {}, "argument --master: 'h:0': the port must be between 1 and 65535"),
+    (["--backend", "tcp"], {}, "argument --backend: unknown backend 'tcp': choose one of "
+                               "gloo, nccl, mpi"),
+    ([], {"TANDEM_TIMEOUT": "soon"}, "TANDEM_TIMEOUT='soon': 'soon' is not a number of seconds"),
+])
+def test_unreadable_values_name_the_flag_or_variable(argv, environ, message, capsys):
+    with pytest.raises((SystemExit, LaunchError)) as raised:
+        _config("-np", "1", *argv, "t.py", environ=environ)
+    text = str(raised.value) if isinstance(raised.value, LaunchError) else capsys.readouterr().err
+    assert message in text, text
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(np=0), "-np 0: a job needs at least one process; give -np 1 or more"),
+    (dict(program=""), "no program to run: give a script (train.py) or -m module"),
+    (dict(backend="tcp"), "unknown backend 'tcp': choose one of gloo, nccl, mpi"),
+    (dict(threads_per_rank=0), "--threads-per-rank 0: each rank needs at least 1 thread"),
+    (dict(timeout=0.0), "--timeout 0.0: give a positive number of seconds"),
+    (dict(max_restarts=-1), "--max-restarts -1: give 0 or more"),
+    (dict(nnodes=0), "--nnodes 0: a job needs at least one node"),
+    (dict(nnodes=2, node_rank=2, master=("h", 1)),
+     "--node-rank 2 is out of range for --nnodes 2: give 0..1 (node 0 hosts the rendezvous)"),
+    (dict(nnodes=2), "--nnodes 2 needs --master ADDR:PORT: the address and port where node 0 "
+                     "hosts the rendezvous, the same on every node"),
+    (dict(nnodes=2, master=("h", 1), hosts=(Host("a", 1),)),
+     "received both --nnodes and -H/--hostfile: choose one (-H starts the agents over ssh; "
+     "--nnodes means you start one `tandem run` per node)"),
+    (dict(np=4, hosts=(Host("a", 1), Host("b", 2))),
+     "-np 4 needs 4 slots but the hosts a:1,b:2 offer 3: lower -np or add slots"),
+])
+def test_each_impossible_job_is_refused_with_the_fix(fields, message):
+    with pytest.raises(LaunchError) as raised:
+        LaunchConfig(**{"np": 1, "program": "t.py", **fields})
+    assert str(raised.value) == message
+
+
+def test_the_smallest_valid_values_are_accepted():
+    config = LaunchConfig(np=1, program="t.py", threads_per_rank=1, timeout=0.5, max_restarts=0,
+                          nnodes=2, node_rank=1, master=("h", 1))
+    assert (config.np, config.node_rank) == (1, 1)
+    assert LaunchConfig(np=3, program="t.py", hosts=(Host("a", 1), Host("b", 2))).np == 3
+    assert LaunchConfig(np=1, program="t.py", hosts=(Host("localhost", 1), Host("b", 1))
+                        ).remote_hosts == (Host("b", 1),)
+    with pytest.raises(LaunchError, match="^how many processes. give -np N .or set TANDEM_NP.$"):
+        _config("t.py")
+    with pytest.raises(LaunchError, match=r"^-H: cannot read 'a:x' as host:slots \(slots must"):
+        _config("-H", "a:x", "t.py")
+
+
+def test_run_help_names_each_variable_and_the_program(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    text = capsys.readouterr().out
+    assert "script.py|module ..." in text and "what each rank runs" in text
+    assert "arguments passed to every rank unchanged" in text
+    assert "run the program as a module, like `python -m module`" in text
+    for flag, metavar, variable in [("-np", "N", "TANDEM_NP"), ("--master", "ADDR:PORT",
+                                    "TANDEM_MASTER"), ("--threads-per-rank", "T",
+                                    "TANDEM_THREADS_PER_RANK")]:
+        assert f"{flag} {metavar}" in text and f"[{variable}]" in text, flag
+
+
 def test_timeline_reaches_every_rank_as_an_absolute_path():
     config = _config("-np", "2", "--timeline", "trace.json", "t.py")
     env = rank_environment(config, 1, Placement.single(config.np, 12345), {})
@@ -277,7 +378,7 @@ def test_hosts_set_the_default_number_of_processes(tmp_path):
     hostfile.write_text("# the machines\nlocalhost slots=2\n127.0.0.1:2  # another\n")
     assert read_hostfile(hostfile) == (Host("localhost", 2), Host("127.0.0.1", 2))
     assert _config("--hostfile", str(hostfile), "t.py").np == 4
-    with pytest.raises(LaunchError, match="both -H and --hostfile"):
+    with pytest.raises(LaunchError, match="^received both -H and --hostfile: choose one$"):
         _config("-H", "localhost:1", "--hostfile", str(hostfile), "t.py")
     with pytest.raises(ValueError, match="slots must be an integer"):
         parse_hosts("node1:four")

@@ -9,6 +9,7 @@ process instead of ssh: there is no sshd here); the ssh command itself is unit-t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -195,19 +196,41 @@ def test_an_unreachable_master_and_a_taken_port_are_clear_errors():
         first.communicate()
 
 
+AGENT_PROBE = """
+import os, torch, tandem as td
+td.init()
+total = td.allreduce(torch.tensor([1.0]), op="sum").item()
+env = os.environ
+print(f"probe rank={td.rank()} size={td.size()} local_rank={env['TANDEM_LOCAL_RANK']} "
+      f"local_size={env['TANDEM_LOCAL_SIZE']} agent={os.getppid()} total={total:g}", flush=True)
+td.shutdown()
+"""
+
+
 @pytest.mark.timeout(150)
 def test_hosts_get_one_agent_each(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(AGENT_PROBE)
     script = (
         "import sys; from tandem.launch import LaunchConfig, multinode; "
         "from tandem.launch.hosts import Host; "
-        f"sys.exit(multinode.launch_hosts(LaunchConfig(np=2, program={TRAIN!r}, "
-        "args=('ok', '--steps', '3'), hosts=(Host('localhost', 1), Host('127.0.0.1', 1)))))"
+        f"sys.exit(multinode.launch_hosts(LaunchConfig(np=2, program={str(probe)!r}, "
+        "hosts=(Host('localhost', 1), Host('127.0.0.1', 1)))))"
     )
-    result = subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=_env(TANDEM_TIMEOUT="20"),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "[0] step 2 loss" in result.stdout and "[1] pid=" in result.stdout
-    assert "[0] final" in result.stdout
+    coordinator = subprocess.Popen([PYTHON, "-c", script], cwd=ROOT, env=_env(TANDEM_TIMEOUT="20"),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (code, out, err), = _finish(coordinator)
+    assert code == 0, err
+    lines = dict(re.findall(r"^\[(\d)\] probe (.*)$", out, re.MULTILINE))
+    assert sorted(lines) == ["0", "1"], out
+    probes = [dict(field.split("=") for field in lines[r].split()) for r in ("0", "1")]
+    # One job of two ranks, each the only rank on its "node" ...
+    assert [(p["rank"], p["size"], p["total"]) for p in probes] == [("0", "2", "2"), ("1", "2", "2")]
+    assert [(p["local_rank"], p["local_size"]) for p in probes] == [("0", "1"), ("0", "1")]
+    # ... started by two agents: rank 0 by the coordinator (this host is the first), rank 1 by
+    # the agent it started for the second host. One agent running both would give one parent.
+    assert probes[0]["agent"] == str(coordinator.pid), (probes, coordinator.pid)
+    assert probes[1]["agent"] != str(coordinator.pid), probes
 
 
 # --- two network namespaces joined by a veth pair ------------------------------------------

@@ -8,12 +8,24 @@ the rounding. One `run_distributed` per world size loops over every configuratio
 all mismatches at once.
 """
 
+import itertools
+import time
+
 import pytest
 import torch
 from torch import nn
 
 import tandem as td
-from tandem.parallel.pipeline.balance import check_counts, param_costs, partition
+from tandem.parallel.pipeline.balance import (
+    TIME_REPEATS,
+    _copied,
+    _detached,
+    check_counts,
+    param_costs,
+    partition,
+    starts_in_place,
+    time_costs,
+)
 from tandem.parallel.pipeline.edges import EdgeSpec
 from tandem.testing import run_distributed
 
@@ -334,16 +346,174 @@ def test_partition_balances_costs():
         check_counts(["a", 1], 2, 2)
 
 
-def test_edge_spec_round_trips_and_refuses_non_tensors():
-    value = (torch.zeros(2, 3), torch.ones(2, dtype=torch.int64), torch.zeros(2, 1, 4).bool())
+def _best_split(costs, stages):
+    """Brute force: every contiguous split, the lowest (bottleneck, sum of squared stage costs,
+    sum of squared counts) first, as `partition` promises."""
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        parts = [costs[a:b] for a, b in itertools.pairwise(bounds)]
+        sums = [sum(part) for part in parts]
+        score = (max(sums), sum(c * c for c in sums), sum(len(part) ** 2 for part in parts))
+        if best is None or score < best[0]:
+            best = (score, [len(part) for part in parts])
+    return best
+
+
+def test_partition_finds_the_cheapest_bottleneck_then_the_most_even_split():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 9, (1,), generator=generator))
+        stages = int(torch.randint(1, n + 1, (1,), generator=generator))
+        # Quarter units: sums are exact, so ties are real ties; zeros are free layers.
+        costs = (torch.randint(0, 6, (n,), generator=generator) / 4).tolist()
+        score, _ = _best_split(costs, stages)
+        counts = partition(costs, stages)
+        assert len(counts) == stages and min(counts) >= 1 and sum(counts) == n, (costs, counts)
+        bounds = list(itertools.accumulate([0, *counts]))
+        sums = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        got = (max(sums), sum(c * c for c in sums), sum(c * c for c in counts))
+        assert got == score, (trial, costs, stages, counts)
+    assert partition([0.1, 0.5, 0.2, 0.3], 2) == [2, 2]  # costs below 1 are not rounded up
+
+
+def test_partition_checks_its_arguments():
+    assert partition([1.0, 2.0, 3.0], 3) == [1, 1, 1]  # as many stages as layers is fine
+    with pytest.raises(ValueError, match="4 stages but the model only 3 layers: use at most 3"):
+        partition([1, 1, 1], 4)
+    assert check_counts((2, 1), 3, 2) == [2, 1]
+    for balance, message in [
+        ([True, 2], "balance must be a list of layer counts"),
+        ([1, 2], r"balance=\[1, 2\] has 2 entries but the pipeline has 3 stages"),
+        ([2, 0, 1], r"balance=\[2, 0, 1\] gives stage\(s\) \[1\] no layers"),
+        ([1, 1, 2], r"balance=\[1, 1, 2\] sums to 4 layers but the model has 3"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            check_counts(balance, 3, 3)
+    with pytest.raises(ValueError, match=r"gives stage\(s\) \[0, 2\] no layers"):
+        check_counts([0, 3, -1], 2, 3)
+
+
+def test_costs_of_layers_count_shared_parameters_once():
+    shared = nn.Linear(4, 4)
+    assert param_costs([shared, nn.ReLU(), shared, nn.Linear(4, 2)]) == [20.0, 0.0, 0.0, 10.0]
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts its calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _CountBackward.calls += 1
+        return grad
+
+
+class _Probe(nn.Module):
+    """Counts forward calls and leaf inputs; has an unused parameter (allow_unused)."""
+
+    def __init__(self, weighted: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1)) if weighted else None
+        self.unused = nn.Parameter(torch.zeros(1))
+        self.calls = self.leaf_inputs = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.leaf_inputs += int(x.is_leaf)
+        return _CountBackward.apply(x * self.weight if self.weight is not None else x)
+
+
+def test_costs_of_layers_by_timing_touch_no_gradient():
+    # Timing (balance="time") runs each layer's forward and backward; the times themselves are
+    # never compared, only bounded by the time the whole call took.
+    layers = [nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)]
+    started = time.perf_counter()
+    costs = time_costs(layers, torch.randn(3, 4), torch.device("cpu"))
+    elapsed = time.perf_counter() - started
+    assert len(costs) == 3 and all(isinstance(c, float) and 0 < c <= elapsed for c in costs)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    assert starts_in_place(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 2)))
+    assert not starts_in_place(nn.Sequential(nn.ReLU(), nn.ReLU(inplace=True)))
+    assert not starts_in_place(nn.Sequential())
+
+
+def test_timing_runs_forward_and_backward_of_every_layer():
+    weighted, free = _Probe(weighted=True), _Probe(weighted=False)
+    ints = nn.Flatten(0)  # then an output without gradient: nothing to run backward on
+    _CountBackward.calls = 0
+    time_costs([weighted, free, _ArgMax(), ints], torch.randn(3, 4), torch.device("cpu"))
+    runs = TIME_REPEATS + 1  # one warm-up, then the timed runs
+    # Each timed run, plus one more to hand the output to the next layer; always on a leaf.
+    assert (weighted.calls, free.calls) == (runs + 1, runs + 1)
+    assert (weighted.leaf_inputs, free.leaf_inputs) == (runs + 1, runs + 1)
+    # Backward through both (the parameter-free one too: the input is differentiated).
+    assert _CountBackward.calls == 2 * runs
+    assert weighted.weight.grad is None and free.unused.grad is None
+
+
+class _ArgMax(nn.Module):
+    def forward(self, x):
+        return x.argmax(dim=1)
+
+
+def test_timing_inputs_are_fresh_leaves_and_copies_only_for_in_place_layers():
+    x, n = torch.randn(2, requires_grad=True), torch.arange(3)
+    value = (x * 2, n, "label")
+    leaves = _detached(value)
+    assert type(leaves) is tuple and leaves[2] == "label" and leaves[1] is not n
+    assert leaves[0].is_leaf and leaves[0].requires_grad and torch.equal(leaves[0], x * 2)
+    assert not leaves[1].requires_grad and torch.equal(leaves[1], n)
+    assert type(_detached([x])) is list and _detached(x).is_leaf
+    copied = _copied([leaves[0], leaves[1], (leaves[0],)])
+    assert type(copied) is list and type(copied[2]) is tuple
+    assert copied[0] is not leaves[0] and torch.equal(copied[0], leaves[0])
+    assert copied[1] is leaves[1] and copied[2][0] is not leaves[0]  # no grad: no copy
+
+
+@pytest.mark.parametrize("container", ["tuple", "list", "tensor"])
+def test_edge_spec_round_trips_and_refuses_non_tensors(container):
+    items = [torch.zeros(2, 3), torch.ones(2, dtype=torch.int64), torch.zeros(2, 1, 4).bool(),
+             torch.zeros((), dtype=torch.bfloat16), torch.zeros(0, 5, dtype=torch.complex64)]
+    value = {"tuple": tuple(items), "list": list(items), "tensor": items[0]}[container]
+    sent = items if container != "tensor" else items[:1]
     spec, tensors = EdgeSpec.describe(value, stage=0)
-    assert EdgeSpec.unpack(spec.pack()) == spec
-    assert spec.floating == [0]
-    assert isinstance(spec.build(tensors), tuple)
+    assert len(tensors) == len(sent) and all(a is b for a, b in zip(tensors, sent, strict=True))
+    assert spec.container == container
+    assert spec.shapes == tuple(tuple(t.shape) for t in sent)
+    assert spec.dtypes == tuple(t.dtype for t in sent)
+    # The receiver only has the packed words: it must rebuild the same structure, shapes and
+    # dtypes (the bool mask stays bool), and send gradients back for the floating ones only.
+    received = EdgeSpec.unpack(spec.pack())
+    assert received == spec
+    assert received.floating == [k for k in (0, 3, 4) if k < len(sent)]
+    buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in
+               zip(received.shapes, received.dtypes, strict=True)]
+    rebuilt = received.build(buffers)
+    if container == "tensor":
+        assert rebuilt is buffers[0]
+    else:
+        assert type(rebuilt) is type(value) and len(rebuilt) == len(sent)
+        for got, want in zip(rebuilt, sent, strict=True):
+            assert (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
+def test_edge_spec_refuses_what_cannot_travel():
     with pytest.raises(TypeError, match=r"non-tensor items \(\[1\] int\)"):
         EdgeSpec.describe((torch.zeros(1), 3), stage=1)
     with pytest.raises(TypeError, match="returned dict"):
         EdgeSpec.describe({"a": torch.zeros(1)}, stage=1)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        EdgeSpec.describe(torch.zeros(1, dtype=torch.uint16), stage=1)
+    with pytest.raises(TypeError, match="of 0 tensors"):
+        EdgeSpec.describe((), stage=1)
+    with pytest.raises(ValueError, match="over the limit"):
+        EdgeSpec.describe(tuple(torch.zeros([1] * 6) for _ in range(40)), stage=1)[0].pack()
 
 
 # -- deadlines -----------------------------------------------------------------------------------

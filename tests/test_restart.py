@@ -53,13 +53,14 @@ def test_checkpointer_saves_every_n_steps_keeps_the_newest_and_restores(tmp_path
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ckpt = td.Checkpointer(tmp_path / "ck", every=2, keep=2)
     assert ckpt.restore(model=model, optimizer=opt) == 0  # nothing yet
-    written, saved = [], {}
+    written, saved, momentum = [], {}, []
     for step in range(7):
-        model(torch.ones(1, 3)).sum().backward()
+        model(torch.full((1, 3), float(step))).sum().backward()  # the momentum changes each step
         opt.step()
         written.append(ckpt.save(step, model=model, optimizer=opt))
         if written[-1]:
             saved = {k: v.clone() for k, v in model.state_dict().items()}
+            momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     assert written == [False, True, False, True, False, True, False]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         "step-00000004.pt", "step-00000006.pt"]
@@ -68,7 +69,9 @@ def test_checkpointer_saves_every_n_steps_keeps_the_newest_and_restores(tmp_path
     assert td.Checkpointer(tmp_path / "ck", every=2).restore(model=fresh, optimizer=fresh_opt) == 6
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
                                                  saved.values(), strict=True))
-    assert fresh_opt.state_dict()["state"][0]["momentum_buffer"] is not None
+    restored = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(restored, momentum, strict=True))
+    assert fresh_opt.param_groups[0]["lr"] == 0.1 and fresh_opt.param_groups[0]["momentum"] == 0.9
     # an unreadable newest checkpoint falls back to the one before it
     (tmp_path / "ck" / "step-00000008.pt").write_bytes(b"not a checkpoint")
     assert ckpt.restore(model=fresh) == 6

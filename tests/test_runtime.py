@@ -176,7 +176,9 @@ def test_mesh_groups_replicas_and_stages():
 
 # -- spawn ------------------------------------------------------------------------------------
 def spawned_sum(scale):
-    return td.allreduce(torch.tensor([float(td.rank())]) * scale, op="sum").item()
+    """Something only this rank can return (its rank, its pid), and the job's sum."""
+    total = td.allreduce(torch.tensor([float(td.rank())]) * scale, op="sum").item()
+    return td.rank(), os.getpid(), total
 
 
 def spawned_raise():
@@ -192,7 +194,10 @@ def spawned_die():
 
 
 def test_spawn_returns_results_in_rank_order():
-    assert td.spawn(spawned_sum, 2, args=(10.0,)) == [10.0, 10.0]
+    # Each rank returns its own rank: a list in any order but rank order is told apart.
+    results = td.spawn(spawned_sum, 2, args=(10.0,))
+    assert [(rank, total) for rank, _, total in results] == [(0, 10.0), (1, 10.0)]
+    assert len({pid for _, pid, _ in results} | {os.getpid()}) == 3  # two children, not us
 
 
 def test_spawn_reraises_child_exception_with_rank_and_traceback():
