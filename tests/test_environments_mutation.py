@@ -240,3 +240,21 @@ def test_rank_arguments_are_checked_exactly():
     job = resolve(rank=0, world_size=1, init_method="tcp://h:5", env={})
     assert (job.source, job.master_addr, job.master_port, job.store_hosted) == (
         "manual", "h", 5, False)
+
+
+def test_slurm_steps_started_with_pmi_can_initialise_mpi():
+    # Under `srun --mpi=pmi2` the MPICH adapter answers first; SLURM's own still says "MPI".
+    from tandem.environments.adapters import detect_slurm
+
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert detect_slurm({**base, "PMI_RANK": "0"}).under_mpi
+    assert not detect_slurm(base).under_mpi
+
+
+def test_a_rendezvous_named_without_a_rank_is_refused():
+    with pytest.raises(ValueError) as raised:
+        resolve(init_method="tcp://h:4000", env={})
+    assert str(raised.value) == (
+        "td.init(init_method='tcp://h:4000') names a rendezvous but not this process's rank: "
+        "pass td.init(rank=r, world_size=n, init_method=...), or start the script with "
+        "`tandem run -np N` / torchrun")

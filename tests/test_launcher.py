@@ -24,7 +24,7 @@ import pytest
 from tandem import rendezvous, settings
 from tandem.cli import build_parser, main
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
-from tandem.launch.config import parse_address
+from tandem.launch.config import check_program, parse_address
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile
 from tandem.launch.launcher import default_backend, with_backend
 from tandem.launch.processes import cores, describe, exit_code
@@ -351,6 +351,27 @@ def test_the_smallest_valid_values_are_accepted():
         _config("t.py")
     with pytest.raises(LaunchError, match=r"^-H: cannot read 'a:x' as host:slots \(slots must"):
         _config("-H", "a:x", "t.py")
+
+
+def test_options_come_from_the_process_environment_by_default(monkeypatch):
+    monkeypatch.setenv("TANDEM_NP", "5")
+    assert config_from_args(build_parser().parse_args(["run", "t.py"])).np == 5
+
+
+def test_a_missing_script_is_named_before_anything_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    check_program(LaunchConfig(np=1, program=str(script)))  # there: nothing to say
+    check_program(LaunchConfig(np=1, program="pkg.train", module=True))  # the ranks import it
+    missing = tmp_path / "nope.py"
+    with pytest.raises(LaunchError) as raised:
+        check_program(LaunchConfig(np=1, program=str(missing)))
+    assert str(raised.value) == f"the script {str(missing)!r} does not exist ({missing})"
+    with pytest.raises(LaunchError) as raised:
+        check_program(LaunchConfig(np=1, program="pkg.train"))
+    assert str(raised.value) == (
+        f"the script 'pkg.train' does not exist ({os.path.abspath('pkg.train')}); if it is a "
+        "module, run it with -m pkg.train")
 
 
 def test_run_help_names_each_variable_and_the_program(capsys):
