@@ -32,7 +32,7 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from tandem import environments
+from tandem import settings
 from tandem.diagnostics import timeline
 
 CAPACITY = 4096  # steps kept; older ones are overwritten (bounded memory for endless jobs)
@@ -79,37 +79,15 @@ class ScalePlan:
 
     @classmethod
     def from_environment(cls) -> ScalePlan | None:
-        steps = environments.setting("SCALE_STEPS")
-        if not steps:
+        told = settings.current()  # parsed and checked there (both set, or neither)
+        if told.scale_steps is None:
             return None
-        out = environments.setting("SCALE_OUT")
-        if not out:
-            raise ValueError("TANDEM_SCALE_STEPS is set but TANDEM_SCALE_OUT is not: "
-                             "set both (tandem scale does), or neither")
-        return cls(
-            steps=_positive_int("SCALE_STEPS", steps, minimum=1),
-            warmup=_positive_int("SCALE_WARMUP", environments.setting("SCALE_WARMUP") or "0"),
-            out=out,
-            mode=scale_mode(),
-        )
-
-
-def _positive_int(name: str, text: str, minimum: int = 0) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"TANDEM_{name}={text!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"TANDEM_{name}={value}: give an integer >= {minimum}")
-    return value
+        return cls(told.scale_steps, told.scale_warmup, told.scale_out, told.scale_mode)
 
 
 def scale_mode() -> str:
     """`"strong"` (the default: the global batch stays fixed) or `"weak"` (TANDEM_SCALE_MODE)."""
-    mode = (environments.setting("SCALE_MODE") or "strong").strip().lower()
-    if mode not in ("weak", "strong"):
-        raise ValueError(f"TANDEM_SCALE_MODE={mode!r}: choose 'weak' or 'strong'")
-    return mode
+    return settings.current().scale_mode
 
 
 def scaled_batch(batch_size: int, size: int) -> int:
