@@ -111,10 +111,12 @@ def add_batch(seconds: float, samples: int) -> None:
     _pending_samples += samples
 
 
-def step_done(comm_s: float = 0.0) -> None:
-    """End of one optimizer step, which waited `comm_s` seconds for communication."""
+def step_done(comm_s: float = 0.0, now: float | None = None) -> None:
+    """End of one optimizer step, which waited `comm_s` seconds for communication; `now` is
+    the caller's `time.perf_counter()` reading at the step's end, when it already took one."""
     global _count, _last_end, _pending_data_s, _pending_samples
-    now = time.perf_counter()
+    if now is None:
+        now = time.perf_counter()
     if _last_end is not None:
         slot = _count % CAPACITY
         _wall[slot] = now - _last_end

@@ -263,7 +263,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             timeline.complete("optimizer step", start, end)
         self._clock.record(end * 1e-9, wait_s, (end - start) * 1e-9,
                            reducer.bytes_per_round if reducer else 0)
-        steps.step_done(wait_s)  # feeds `tandem scale`; may end the run there (SystemExit)
+        # One reading of the clock serves both records; feeds `tandem scale`, which may end the
+        # run there (SystemExit).
+        steps.step_done(wait_s, now=end * 1e-9)
         return result
 
     def _warn_short_window(self, reducer: Reducer) -> None:
