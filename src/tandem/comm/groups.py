@@ -40,11 +40,12 @@ def group_ranks(group: Group | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A world laid out as `dp` replicas of a `pp`-stage pipeline.
+    """A world laid out as `dp` replicas of a `pp`-stage pipeline whose stages are `tp` wide.
 
-    Global rank = dp_rank * pp + pp_rank, so the stages of one pipeline are neighbouring ranks
-    (on one node when they fit). `pp_group` links the stages of this rank's pipeline;
-    `dp_group` links the replicas of this rank's stage.
+    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so the tensor-parallel ranks of one
+    stage are neighbours (they talk most), then the stages of one pipeline. `tp_group` links the
+    ranks sharing this rank's layers; `pp_group` the stages of its pipeline (same tp_rank);
+    `dp_group` the replicas of its shard (same pp_rank and tp_rank): gradients average over it.
     """
 
     dp: int
@@ -53,27 +54,34 @@ class Mesh:
     pp_rank: int
     dp_group: Group
     pp_group: Group
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Group | None = None
 
 
-def mesh(dp: int = 1, pp: int = 1) -> Mesh:
-    """Split the world into `dp` × `pp`. Every rank must call it."""
+def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
+    """Split the world into `dp` × `pp` × `tp`. Every rank must call it."""
     world = context.current().world
-    if dp < 1 or pp < 1:
-        raise ValueError(f"mesh(dp={dp}, pp={pp}): both must be >= 1")
-    if dp * pp != world.size:
+    if dp < 1 or pp < 1 or tp < 1:
+        raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
+    if dp * pp * tp != world.size:
         raise ValueError(
-            f"mesh(dp={dp}, pp={pp}) needs {dp * pp} ranks, but the world has {world.size}; "
-            f"start the job with -np {dp * pp} or change dp/pp"
+            f"mesh(dp={dp}, pp={pp}, tp={tp}) needs {dp * pp * tp} ranks, but the world has "
+            f"{world.size}; start the job with -np {dp * pp * tp} or change dp/pp/tp"
         )
-    dp_rank, pp_rank = divmod(world.rank, pp)
-    my_dp_group = my_pp_group = None
-    # Every rank creates every group (the engines require it), keeping its own.
-    for stage in range(pp):
-        group = new_group([replica * pp + stage for replica in range(dp)])
-        if stage == pp_rank:
-            my_dp_group = group
-    for replica in range(dp):
-        group = new_group([replica * pp + stage for stage in range(pp)])
-        if replica == dp_rank:
-            my_pp_group = group
-    return Mesh(dp, pp, dp_rank, pp_rank, my_dp_group, my_pp_group)
+    rest, tp_rank = divmod(world.rank, tp)
+    dp_rank, pp_rank = divmod(rest, pp)
+
+    coords = [(r // tp // pp, r // tp % pp, r % tp) for r in range(world.size)]
+    mine = {}
+    # Every rank creates every group in the same order (the engines require it), keeping its own.
+    # A group varies one coordinate: its members share the other two.
+    for axis, kind in enumerate(("dp", "pp", "tp")):
+        others = {}
+        for r, c in enumerate(coords):
+            others.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+        for members in others.values():
+            group = new_group(members)
+            if world.rank in members:
+                mine[kind] = group
+    return Mesh(dp, pp, dp_rank, pp_rank, mine["dp"], mine["pp"], tp, tp_rank, mine["tp"])
