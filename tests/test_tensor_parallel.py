@@ -64,8 +64,8 @@ def train_and_compare(group=None, data_rank=0, data_size=1):
         if step == 0 and data_size == 1:
             if not _close(loss, ref_loss):
                 errors.append(f"rank {td.rank()} loss {loss.item()} != {ref_loss.item()}")
-            _compare("gradient", _full_grads(model), dict((n, p.grad) for n, p in reference.named_parameters()),
-                     errors)
+            reference_grads = {n: p.grad for n, p in reference.named_parameters()}
+            _compare("gradient", _full_grads(model), reference_grads, errors)
         ref_opt.step()
         opt.step()
     _compare("after 10 steps", td.full_state_dict(model), reference.state_dict(), errors)
@@ -103,7 +103,8 @@ def check_dp_tp():
     mesh = _MESH["mesh"] = td.mesh(dp=2, tp=2)
     errors = []
     if set(mesh.tp_group.ranks) & set(mesh.dp_group.ranks) != {td.rank()} or mesh.tp_group.size != 2:
-        errors.append(f"rank {td.rank()}: tp {mesh.tp_group.ranks} and dp {mesh.dp_group.ranks} should meet at me")
+        errors.append(f"rank {td.rank()}: tp {mesh.tp_group.ranks} and dp {mesh.dp_group.ranks} "
+                      "should share only this rank")
     errors += train_and_compare(mesh.tp_group, mesh.dp_rank, mesh.dp)
     return errors
 
@@ -140,7 +141,7 @@ def check_branches():
     for step in range(10):
         x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
         losses = []
-        for m, opt in zip((reference, model), opts):
+        for m, opt in zip((reference, model), opts, strict=True):
             opt.zero_grad()
             loss = (m(x) ** 2).mean()
             loss.backward()
@@ -207,7 +208,7 @@ def test_data_times_tensor_parallel_equals_one_process():
 
 def test_bad_input_names_the_value_and_the_fix():
     results = run_distributed(check_bad_input, world_size=3)
-    for rank, (odd, missing, mismatch, mesh) in enumerate(results):
+    for odd, missing, mismatch, mesh in results:
         assert "out_features = 10 is not divisible by tp = 3" in odd and "9 or 12" in odd, odd
         assert "'block.mlp.9'" in missing and "did you mean" in missing, missing
         assert "build the tp groups and the plan the same way" in mismatch, mismatch
