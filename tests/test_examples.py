@@ -82,3 +82,20 @@ def test_train_resnet9_two_steps_on_synthetic_data(tmp_path):
     momentum = trained["optimizer"]["state"]
     assert len(momentum) == len(names) and all(
         state["momentum_buffer"].abs().sum() > 0 for state in momentum.values())
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_example_trains_and_saves_the_one_process_state(tmp_path):
+    checkpoint = tmp_path / "lm.pt"
+    output = _run(str(EXAMPLES / "tensor_parallel.py"), "--steps", "21", "--checkpoint", str(checkpoint),
+                  timeout=220)
+    first = re.search(r"\[0\] step 0: loss ([0-9.]+)", output)
+    last = re.search(r"\[0\] step 20: loss ([0-9.]+)", output)
+    assert first and last and float(last.group(1)) < float(first.group(1)) / 10, output
+    assert "[1] rank 1: dp 0, tp 1: 27248 of 54112 parameters" in output, output
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from tensor_parallel import LM
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    LM().load_state_dict(td.load(checkpoint))  # the consolidated state dict fits the plain model
