@@ -62,11 +62,12 @@ class Mesh:
 def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
     """Split the world into `dp` × `pp` × `tp`. Every rank must call it."""
     world = context.current().world
+    call = f"mesh(dp={dp}, pp={pp}{f', tp={tp}' if tp != 1 else ''})"
     if dp < 1 or pp < 1 or tp < 1:
-        raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
+        raise ValueError(f"{call}: each of dp, pp, tp must be >= 1")
     if dp * pp * tp != world.size:
         raise ValueError(
-            f"mesh(dp={dp}, pp={pp}, tp={tp}) needs {dp * pp * tp} ranks, but the world has "
+            f"{call} needs {dp * pp * tp} ranks, but the world has "
             f"{world.size}; start the job with -np {dp * pp * tp} or change dp/pp/tp"
         )
     rest, tp_rank = divmod(world.rank, tp)
