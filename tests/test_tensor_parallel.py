@@ -109,6 +109,38 @@ def check_dp_tp():
     return errors
 
 
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).double()
+
+
+def check_pp_tp():
+    """pp=2 x tp=2: each pipeline stage is a tensor-parallel MLP; equals one process."""
+    mesh = td.mesh(pp=2, tp=2)
+    plan = {"0": "colwise", "2": "rowwise"}
+    pipe = td.Pipeline([lambda: td.parallelize(_mlp(0), plan, mesh.tp_group),
+                        lambda: td.parallelize(_mlp(1), plan, mesh.tp_group)], chunks=2, group=mesh.pp_group)
+    reference = nn.Sequential(_mlp(0), _mlp(1))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pipe, reference)]
+    errors = []
+    for step in range(10):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 8, generator=generator, dtype=torch.float64)
+        y = torch.randn(8, 8, generator=generator, dtype=torch.float64)
+        for opt in opts:
+            opt.zero_grad()
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        ref_loss = nn.functional.mse_loss(reference(x), y)
+        ref_loss.backward()
+        if loss is not None and not _close(loss, ref_loss):
+            errors.append(f"rank {td.rank()} step {step}: pipeline loss {loss} != {ref_loss}")
+        for opt in opts:
+            opt.step()
+    expected = reference[mesh.pp_rank].state_dict()
+    _compare("pp x tp after 10 steps", td.full_state_dict(pipe.stage), expected, errors)
+    return errors
+
+
 class TwoBranch(nn.Module):
     def __init__(self, branches: int, dim: int = 6, width: int = 4) -> None:
         super().__init__()
@@ -201,9 +233,11 @@ def test_branches_on_different_ranks_equal_one_process(backend, world_size):
     assert results == [[]] * world_size, "\n".join(e for errs in results for e in errs)
 
 
-def test_data_times_tensor_parallel_equals_one_process():
-    results = run_distributed(check_dp_tp, world_size=4)
-    assert results == [[]] * 4, "\n".join(e for errs in results for e in errs)
+def test_data_and_pipeline_times_tensor_parallel_equal_one_process():
+    """One 4-rank world: dp=2 x tp=2, then pp=2 x tp=2 (TP inside each pipeline stage)."""
+    for check in (check_dp_tp, check_pp_tp):
+        results = run_distributed(check, world_size=4)
+        assert results == [[]] * 4, "\n".join(e for errs in results for e in errs)
 
 
 def test_bad_input_names_the_value_and_the_fix():
