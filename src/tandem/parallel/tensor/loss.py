@@ -19,6 +19,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n = group_size(group)
         local = logits.shape[-1]
         start = group_rank(group) * local
+        ctx.dtype = logits.dtype
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         row_max = logits.max(dim=-1, keepdim=True).values
         if n > 1:
@@ -41,7 +42,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         result = softmax.clone()
         hit = (~outside).to(result.dtype)
         result.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        return result * grad.unsqueeze(-1), None, None
+        return (result * grad.unsqueeze(-1)).to(ctx.dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
