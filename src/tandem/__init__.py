@@ -31,6 +31,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tandem.parallel.local_sgd": ("LocalSGD",),
     "tandem.parallel.pipeline": ("Pipeline", "PipelineStats"),
     "tandem.parallel.sync_bn": ("SyncBatchNorm",),
+    "tandem.parallel.tensor": ("Branches", "ColumnParallelLinear", "ParallelSelfAttention",
+                               "RowParallelLinear", "VocabParallelEmbedding", "parallelize",
+                               "vocab_parallel_cross_entropy"),
     "tandem.parallel.zero": ("ZeroOptimizer",),
     "tandem.runtime": ("World", "device", "init", "is_initialized", "local_rank", "local_size",
                        "rank", "shutdown", "size"),
@@ -41,6 +44,13 @@ _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 _SUBMODULES = ("functional",)
 
 __all__ = [
+    "vocab_parallel_cross_entropy",
+    "parallelize",
+    "VocabParallelEmbedding",
+    "RowParallelLinear",
+    "ParallelSelfAttention",
+    "ColumnParallelLinear",
+    "Branches",
     "CheckpointError",
     "Checkpointer",
     "CollectiveMismatchError",
