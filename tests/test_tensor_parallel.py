@@ -217,3 +217,44 @@ def test_bad_plans_and_sizes_are_named():
     assert "'diagonal': choose one of colwise" in messages[2]
     assert "out_features = 10 is not divisible by tp = 3" in messages[3]
     assert "e.g. 9 or 12" in messages[3]
+
+
+def check_mismatched_groups():
+    groups = [td.new_group([0, 1]), td.new_group([1, 2]), td.new_group([0, 2])]
+    try:
+        td.parallelize(TinyLM(), PLAN, group=groups[td.rank()])
+    except td.CollectiveMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_with_different_tp_groups_are_named():
+    messages = run_distributed(check_mismatched_groups, 3, "gloo")
+    assert len(set(messages)) == 1, messages  # the same error on every rank
+    assert "rank 0 uses tp group [0, 1], but rank 1 of it uses [1, 2]" in messages[0]
+
+
+def check_save_consolidated(path):
+    torch.manual_seed(0)
+    model = td.parallelize(TinyLM(), PLAN)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, target = _batch(0)
+    td.vocab_parallel_cross_entropy(model(ids), target).backward()
+    opt.step()
+    td.save(full_state_dict(model), path)  # every rank calls it; rank 0 writes
+    return td.vocab_parallel_cross_entropy(model(ids), target).item()
+
+
+def check_load_resharded(path):
+    model = TinyLM()
+    model.load_state_dict(td.load(path))  # the one-process state: any tp size can load it
+    td.parallelize(model, PLAN)
+    ids, target = _batch(0)
+    return td.vocab_parallel_cross_entropy(model(ids), target).item()
+
+
+def test_checkpoint_saved_at_tp3_loads_at_tp2(tmp_path):
+    path = str(tmp_path / "tp.pt")
+    saved = run_distributed(check_save_consolidated, 3, "gloo", args=(path,))
+    loaded = run_distributed(check_load_resharded, 2, "gloo", args=(path,))
+    assert loaded == pytest.approx([saved[0]] * 2, abs=1e-6)
