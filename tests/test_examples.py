@@ -82,3 +82,11 @@ def test_train_resnet9_two_steps_on_synthetic_data(tmp_path):
     momentum = trained["optimizer"]["state"]
     assert len(momentum) == len(names) and all(
         state["momentum_buffer"].abs().sum() > 0 for state in momentum.values())
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_example_learns_on_two_ranks():
+    output = _run(str(EXAMPLES / "tensor_parallel.py"), "--steps", "21", timeout=150)
+    last = [line for line in output.splitlines() if "loss" in line][-1]
+    assert float(last.split("loss")[1]) < 0.1, output
+    assert "tp=2 dp=1" in output
