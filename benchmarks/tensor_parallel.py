@@ -14,8 +14,9 @@ written for one process. Three runs in the same job, on the same batches:
 
 Per run: median step time (forward, backward, SGD step), parameters per rank (bytes), and the
 all-reduces per step with their bytes (tandem's, counted at its collectives; DTensor's are not
-counted: `CommDebugMode` fails in its module hooks on this block in torch 2.13). The theoretical minimum for a block is 4 all-reduces of batch x seq x embed
-values: one forward and one backward per split pair (attention, MLP).
+counted: `CommDebugMode` fails in its module hooks on this block in torch 2.13). The
+theoretical minimum for a block is 4 all-reduces of batch x seq x embed values: one forward
+and one backward per split pair (attention, MLP).
 """
 
 from __future__ import annotations
