@@ -50,6 +50,7 @@ import io
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,34 +59,20 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.files import CheckpointError
+from tandem.files import fsync_directory as _fsync_directory
+from tandem.sharded_checkpoint import MANIFEST, is_sharded, load_sharded, save_sharded
 
 PathLike = str | os.PathLike
 
 # Test hook: called with the temporary file after it is written and fsynced, just before the
 # rename. The crash test sets it to SIGKILL its own process there.
 _before_replace: Callable[[Path], None] | None = None
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the file."""
+_NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded checkpoint's directory
 
 
 def _distributed() -> bool:
     return runtime.is_initialized() and runtime.size() > 1
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not possible on this platform (Windows); the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network filesystems refuse fsync on a directory; nothing more to do
-    finally:
-        os.close(fd)
 
 
 def _write_atomically(obj: Any, path: Path) -> None:
@@ -227,6 +214,19 @@ def _stateful(name: str, obj: Any) -> Any:
     return obj
 
 
+class _Completed:
+    """The step count inside a sharded checkpoint (it holds objects with state dicts)."""
+
+    def __init__(self, completed: int) -> None:
+        self.completed = completed
+
+    def state_dict(self) -> dict[str, int]:
+        return {"completed": self.completed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.completed = state["completed"]
+
+
 class Checkpointer:
     """Saves `every` steps into `directory`, keeps the `keep` newest, restores the newest."""
 
@@ -249,7 +249,7 @@ class Checkpointer:
         found = []
         for entry in self.directory.iterdir():
             match = _NAME.match(entry.name)
-            if match and entry.is_file():
+            if match and (entry.is_file() if match.group(2) else (entry / MANIFEST).is_file()):
                 found.append(int(match.group(1)))
         return sorted(found, reverse=True)
 
@@ -272,10 +272,15 @@ class Checkpointer:
         completed = step + 1
         if completed % self.every:
             return False
-        states = {name: _stateful(name, obj).state_dict() for name, obj in objects.items()}
-        save({"completed": completed, "state": states}, self.path(completed))
+        if any(is_sharded(obj) for obj in objects.values()):  # each rank writes its shard
+            save_sharded(self.path(completed).with_suffix(""), completed=_Completed(completed),
+                         **objects)
+        else:
+            states = {name: _stateful(name, obj).state_dict() for name, obj in objects.items()}
+            save({"completed": completed, "state": states}, self.path(completed))
         if not _distributed() or runtime.rank() == 0:
             for old in self._on_disk()[self.keep:]:
+                shutil.rmtree(self.path(old).with_suffix(""), ignore_errors=True)
                 try:
                     self.path(old).unlink()
                 except FileNotFoundError:
@@ -291,6 +296,10 @@ class Checkpointer:
         for name, obj in objects.items():
             _stateful(name, obj)
         for completed in self.checkpoints():
+            directory = self.path(completed).with_suffix("")
+            if directory.is_dir():
+                load_sharded(directory, **objects)
+                return completed
             try:
                 saved = load(self.path(completed))
             except (CheckpointError, FileNotFoundError) as error:
