@@ -99,12 +99,12 @@ def _case(kind: str, transformer: bool, clip: bool, accumulate: int) -> float:
     return _difference(model, reference)
 
 
-def check_equivalence():
-    results = {}
-    for kind, transformer, clip, accumulate in [("sgd", False, False, 1), ("adam", False, True, 1),
-                                                ("sgd", True, True, 2), ("adam", True, False, 2)]:
-        results[(kind, transformer, clip, accumulate)] = _case(kind, transformer, clip, accumulate)
-    return results
+# (optimizer, transformer block?, clip?, micro-batches): all on 2 ranks, a half each elsewhere.
+CASES = [("sgd", False, False, 1), ("adam", True, False, 2), ("adam", False, True, 1), ("sgd", True, True, 2)]
+
+
+def check_equivalence(cases):
+    return {case: _case(*case) for case in cases}
 
 
 def check_sharding():
@@ -143,6 +143,19 @@ def check_sharding():
         nn.functional.mse_loss(bf16(_mine(x).bfloat16()).float(), _mine(y)).backward()
         optimizer.step()
     masters = {p.dtype for p in bf16.parameters()}
+    # A root with no parameters of its own (a container of units) orders and prefetches them.
+    plain, container = _mlp(), _mlp()
+    for i in (0, 2, 4):
+        td.fully_shard(container[i])
+    td.fully_shard(container)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, container)]
+    for step in range(3):
+        x, y = _data(step, False)
+        for m, opt, xs, ys in ((plain, optimizers[0], x, y), (container, optimizers[1], _mine(x), _mine(y))):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(xs), ys).backward()
+            opt.step()
+    container_difference = _difference(container, plain)
     # Wrapping a module twice names the module and the fix.
     try:
         td.fully_shard(model)
@@ -151,7 +164,7 @@ def check_sharding():
         twice = str(error)
     return {"shards": shards, "freed": freed, "after_backward": after_backward,
             "skipped": skipped, "scale": scale, "seen": seen, "masters": masters,
-            "twice": twice}
+            "twice": twice, "container_difference": container_difference}
 
 
 def _assert_equivalent(results):
@@ -163,7 +176,9 @@ def _assert_equivalent(results):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fully_shard_matches_one_process(world_size):
-    _assert_equivalent(run_distributed(check_equivalence, world_size=world_size, timeout=240))
+    cases = CASES if world_size == 2 else CASES[2:]
+    _assert_equivalent(run_distributed(check_equivalence, world_size=world_size, args=(cases,),
+                                       timeout=240))
     for rank, r in enumerate(run_distributed(check_sharding, world_size=world_size)):
         for name, (numel, shard) in r["shards"].items():
             assert shard == -(-numel // world_size), (rank, name, numel, shard)
@@ -172,9 +187,11 @@ def test_fully_shard_matches_one_process(world_size):
         assert r["skipped"] and r["scale"] == 2.0, (rank, r)
         assert set(r["seen"]) == {torch.bfloat16} and r["masters"] == {torch.float32}, (rank, r)
         assert "already fully sharded" in r["twice"], (rank, r["twice"])
+        assert r["container_difference"] < 1e-6, (rank, r["container_difference"])
 
 
 @pytest.mark.timeout(300)
 def test_fully_shard_matches_one_process_on_mpi():
     pytest.importorskip("mpi4py")
-    _assert_equivalent(run_distributed(check_equivalence, world_size=2, backend="mpi", timeout=240))
+    _assert_equivalent(run_distributed(check_equivalence, world_size=2, backend="mpi",
+                                       args=(CASES[:2],), timeout=240))

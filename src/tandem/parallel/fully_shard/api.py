@@ -56,19 +56,20 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     if param_dtype is not None and not (isinstance(param_dtype, torch.dtype)
                                         and param_dtype.is_floating_point):
         raise ValueError(f"param_dtype={param_dtype!r}: give a floating torch dtype, e.g. torch.bfloat16")
-    inner = list(units(module))
-    unit = Unit(module, group, param_dtype, reshard_after_forward)
-    for _, sub in inner:
+    inner = [getattr(m, ATTR) for m in module.modules() if getattr(m, ATTR, None) is not None]
+    unit = Unit(module, group, param_dtype, reshard_after_forward, has_inner=bool(inner))
+    for sub in inner:
         sub.is_root = False
     setattr(module, ATTR, unit)
     return module
 
 
 def units(model: nn.Module) -> Iterable[tuple[str, Unit]]:
-    """(qualified module name, unit) for every fully sharded module in `model`."""
+    """(qualified module name, unit) for every fully sharded module of `model` that holds
+    parameters (a root that only holds units has none)."""
     for name, module in model.named_modules():
         unit = getattr(module, ATTR, None)
-        if unit is not None:
+        if unit is not None and unit.shard is not None:
             yield name, unit
 
 

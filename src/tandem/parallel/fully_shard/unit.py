@@ -62,7 +62,7 @@ class _Gather(torch.autograd.Function):
 
 class Unit:
     def __init__(self, module: nn.Module, group: Group | None, param_dtype: torch.dtype | None,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, has_inner: bool) -> None:
         owned = list(_owned(module))
         seen: dict[int, str] = {}
         for name, _, _, param in owned:
@@ -71,10 +71,10 @@ class Unit:
                     f"fully_shard: parameter {name!r} is the same tensor as {seen[id(param)]!r} "
                     f"(tied weights); tie them inside one unit by sharing the module, or untie them")
             seen[id(param)] = name
-        if not owned:
+        if not owned and not has_inner:
             raise ValueError(
-                f"fully_shard: {type(module).__name__} has no parameters of its own left to shard "
-                f"(its inner units own them all); wrap fewer modules or the root only")
+                f"fully_shard: {type(module).__name__} has no parameters to shard; wrap a module "
+                f"that has parameters")
         kinds = {(p.dtype, p.device) for _, _, _, p in owned}
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
@@ -87,8 +87,7 @@ class Unit:
         self._slots = [(owner, attr) for _, owner, attr, _ in owned]
         self.numel = sum(p.numel() for _, _, _, p in owned)
         self.shard_numel = -(-self.numel // self.size)
-        dtype, device = next(iter(kinds))
-        self.param_dtype = param_dtype or dtype
+        self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
         self.is_root = True  # until an outer fully_shard takes this module in
         self.requires_gradient_sync = True
@@ -99,7 +98,16 @@ class Unit:
         self._unsynced: torch.Tensor | None = None
         self._backward_ready = False
         self._root: Unit | None = None
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
+        self.shard: nn.Parameter | None = None
+        if owned:  # else a root that only holds units: it orders them and prefetches the first
+            self._make_shard(module, owned)
 
+    def _make_shard(self, module: nn.Module, owned: list) -> None:
+        dtype, device = owned[0][3].dtype, owned[0][3].device
+        self.param_dtype = self.param_dtype or dtype
+        group = self.group
         with torch.no_grad():
             flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
             torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])
@@ -114,8 +122,6 @@ class Unit:
             del owner._parameters[attr]
         self._placeholders()
         module.register_parameter(SHARD, self.shard)
-        module.register_forward_pre_hook(self._pre_forward)
-        module.register_forward_hook(self._post_forward)
 
     # -- the unit's range in the flat space ------------------------------------------------------
     def my_range(self) -> tuple[int, int]:
@@ -222,8 +228,9 @@ class Unit:
         if root is not None and root._recording and self is not root:
             root.order.append(self)
             self._root = root
-        self._full = _Gather.apply(self.shard, self)
-        self._set_views(self._full)
+        if self.shard is not None:
+            self._full = _Gather.apply(self.shard, self)
+            self._set_views(self._full)
         if root is not None and not root._recording and self in root.order:
             index = root.order.index(self)
             if index + 1 < len(root.order):
@@ -232,10 +239,12 @@ class Unit:
             self.order[0].start_gather()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        training = torch.is_grad_enabled() and self.shard.requires_grad
         if self.is_root:
             self._recording = False
             _Forward.root = None
+        if self.shard is None:
+            return output
+        training = torch.is_grad_enabled() and self.shard.requires_grad
         if not training:
             self._full = None
             self._placeholders()
