@@ -164,3 +164,32 @@ def test_crash_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names[0].startswith(".step-00000002.tmp-") and names[1:] == ["step-00000001"], names
     assert run_distributed(check_restore_after_crash, world_size=1, args=(str(tmp_path),)) == [True]
+
+
+@pytest.mark.timeout(240)
+def test_tandem_run_max_restarts_resumes_a_fully_sharded_job(tmp_path):
+    """Rank 1 is killed at step 7 of 12; the restart resumes from the sharded step-6 checkpoint
+    and ends where one process training on both ranks' data for 12 steps ends."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(root, "src"), env.get("PYTHONPATH")]))
+    out = tmp_path / "params.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", "gloo", "--max-restarts", "1",
+         os.path.join(root, "tests", "scripts", "fault_train.py"), "kill", "--shard", "--steps", "12",
+         "--at", "7", "--rank", "1", "--ckpt", str(tmp_path / "ck"), "--every", "3", "--out", str(out)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr
+    assert "[0] resumed at step 6" in result.stdout, result.stdout
+    assert (tmp_path / "ck" / "step-00000012" / "manifest.pt").is_file()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(12):
+        x = torch.cat([torch.randn(32, 8, generator=torch.Generator().manual_seed(1000 * step + r))
+                       for r in range(2)])
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
+        optimizer.step()
+    expected = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (torch.load(out) - expected).abs().max() < 1e-5
