@@ -162,7 +162,14 @@ def check_sharding():
         twice = None
     except ValueError as error:
         twice = str(error)
-    return {"shards": shards, "freed": freed, "after_backward": after_backward,
+    wrapped = []
+    names = list(model.named_parameters())
+    for wrap in (td.ZeroOptimizer, lambda o: td.DistributedOptimizer(o, named_parameters=names)):
+        try:
+            wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+        except TypeError as error:
+            wrapped.append(str(error))
+    return {"wrapped": wrapped, "shards": shards, "freed": freed, "after_backward": after_backward,
             "skipped": skipped, "scale": scale, "seen": seen, "masters": masters,
             "twice": twice, "container_difference": container_difference}
 
@@ -188,6 +195,7 @@ def test_fully_shard_matches_one_process(world_size):
         assert set(r["seen"]) == {torch.bfloat16} and r["masters"] == {torch.float32}, (rank, r)
         assert "already fully sharded" in r["twice"], (rank, r["twice"])
         assert r["container_difference"] < 1e-6, (rank, r["container_difference"])
+        assert len(r["wrapped"]) == 2 and all("plain torch optimizer" in e for e in r["wrapped"]), r
 
 
 @pytest.mark.timeout(300)
