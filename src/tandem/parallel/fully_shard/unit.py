@@ -14,8 +14,9 @@ The life of a step, per unit:
   views keep their shape) unless this is the root, and hook the outputs so that their
   gradient's arrival gathers again;
 - pre-backward: gather into the same storage, prefetch the unit before it;
-- `_Gather.backward`: the full gradient is reduce-scattered (fp32, mean) into the shard's
-  `.grad`, the gathered storage is freed.
+- `_Gather.backward`: the full gradient's reduce-scatter (fp32, sum) starts and the gathered
+  storage is freed; at the end of backward (an autograd callback, as DDP's) each is waited for
+  and the mean lands in the shard's `.grad`, so `.grad` is complete when backward() returns.
 
 A flag element rides with every reduce-scatter: whether any rank saw inf/NaN. Each rank puts
 inf into its shard's gradient when one did, so GradScaler's `unscale_` finds inf on every rank
@@ -98,6 +99,8 @@ class Unit:
         self._unsynced: torch.Tensor | None = None
         self._backward_ready = False
         self._root: Unit | None = None
+        self._reducing: tuple[Any, torch.Tensor] | None = None
+        self._reducing_input: torch.Tensor | None = None
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
         self.shard: nn.Parameter | None = None
@@ -197,18 +200,34 @@ class Unit:
         packed = torch.empty(n, s + 1, dtype=grad.dtype, device=grad.device)
         packed[:, :s].copy_(grad.view(n, s))
         packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
-        if n == 1:
-            out = packed[0]
-        else:
+        work, out = None, packed[0]
+        if n > 1:
             backend, out, staged = self._backend_and_buffer(torch.empty(s + 1, dtype=grad.dtype,
                                                                         device=grad.device))
-            work = backend.reducescatter_into(out, (packed.cpu() if staged else packed).view(-1), "sum",
-                                              self.group)
+            source = (packed.cpu() if staged else packed).view(-1)
+            work = backend.reducescatter_into(out, source, "sum", self.group)
+            self._reducing_input = source  # alive until the reduce-scatter is done
+        # Waited for at the end of backward, so it overlaps the backward of the units before.
+        self._reducing = (work, out)
+        if not _waiting:
+            torch.autograd.Variable._execution_engine.queue_callback(finish_reductions)
+        _waiting.append(self)
+        return None
+
+    def finish_reduction(self) -> None:
+        """Wait for the reduce-scatter; the averaged gradient goes into (or onto) `shard.grad`."""
+        work, out = self._reducing
+        self._reducing = self._reducing_input = None
+        if work is not None:
             work.wait(runtime.state().timeout)
-            out = out.to(grad.device)
-        shard_grad = out[:s].div_(n)
+        out = out.to(self.shard.device)
+        s = self.shard_numel
+        shard_grad = out[:s].div_(self.size)
         shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
-        return shard_grad
+        if self.shard.grad is None:
+            self.shard.grad = shard_grad
+        else:
+            self.shard.grad.add_(shard_grad)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _set_views(self, full: torch.Tensor) -> None:
@@ -221,6 +240,7 @@ class Unit:
             offset += n
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        finish_reductions()  # left by a backward that raised: keep the collectives in step
         if self.is_root:
             _Forward.root = self
             self._recording = not self.order
@@ -275,3 +295,12 @@ class Unit:
 
 class _Forward:
     root: Unit | None = None  # the root unit whose forward is running
+
+
+_waiting: list[Unit] = []  # units whose reduce-scatter is in flight, in the order issued
+
+
+def finish_reductions() -> None:
+    """End of backward (an autograd callback): every shard's averaged gradient in place."""
+    while _waiting:
+        _waiting.pop(0).finish_reduction()
