@@ -2,6 +2,7 @@
 
 from tandem.parallel.fully_shard.api import (
     clip_grad_norm_,
+    full_optimizer_state_dict,
     full_state_dict,
     fully_shard,
     load_full_state_dict,
@@ -9,5 +10,5 @@ from tandem.parallel.fully_shard.api import (
     units,
 )
 
-__all__ = ["clip_grad_norm_", "full_state_dict", "fully_shard", "load_full_state_dict",
-           "set_requires_gradient_sync", "units"]
+__all__ = ["clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "fully_shard",
+           "load_full_state_dict", "set_requires_gradient_sync", "units"]

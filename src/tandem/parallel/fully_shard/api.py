@@ -183,3 +183,38 @@ def check_names(expected: dict[str, tuple], found: dict[str, tuple], what: str) 
         if shapes:
             parts.append("different shapes: " + "; ".join(shapes))
         raise ValueError(f"{what} does not match the model (built a different model?): " + ". ".join(parts))
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state as the unsharded model's, keyed by parameter name (collective).
+
+    `{"state": {name: {"exp_avg": tensor of the parameter's shape, "step": ...}},
+    "param_groups": [{..., "params": [names]}]}`: per-element state is gathered over the
+    shards and cut along the unit's parameters; scalars (Adam's step) are taken as they are.
+    """
+    owner = {id(unit.shard): (prefix, unit) for prefix, unit in units(model)}
+    state = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out: dict[str, dict] = {}
+    names_of: dict[int, list[str]] = {}
+    for i, p in enumerate(params):
+        if id(p) not in owner:
+            raise ValueError(f"optimizer parameter {i} is not a shard of this model's units; "
+                             f"apply td.fully_shard to the root too")
+        prefix, unit = owner[id(p)]
+        names = [f"{prefix}.{n}" if prefix else n for n in unit.names]
+        names_of[i] = names
+        entry = state["state"].get(i, {})
+        for k, v in entry.items():
+            per_element = isinstance(v, torch.Tensor) and v.shape == p.shape and k != "step"
+            if per_element and unit.size > 1:
+                v = collectives.allgather(v.detach(), group=unit.group)
+            offset = 0
+            for name, shape in zip(names, unit.shapes, strict=True):
+                n = int(torch.Size(shape).numel())
+                value = v[offset : offset + n].view(shape).clone() if per_element else v
+                out.setdefault(name, {})[k] = value
+                offset += n
+    groups = [{**g, "params": [name for i in g["params"] for name in names_of[i]]}
+              for g in state["param_groups"]]
+    return {"state": out, "param_groups": groups}
