@@ -95,6 +95,10 @@ def check_bad_inputs(directory: str) -> dict[str, str]:
         td.load_sharded(saved, model=other, optimizer=other_optimizer)
     except ValueError as error:
         errors["model"] = str(error)
+    try:
+        td.load_sharded(saved, model=_mlp())
+    except CheckpointError as error:
+        errors["unsharded"] = str(error)
     model, optimizer = _build("fully_shard")
     before = td.full_state_dict(model)
     broken = os.path.join(directory, f"broken-{td.size()}")
@@ -124,6 +128,7 @@ def test_resume_on_any_world_size(tmp_path):
         assert "2.weight: model [6, 5], saved [7, 5]" in errors["model"], (rank, errors["model"])
         assert "shard-00001-of-00002.pt is missing" in errors["missing"], (rank, errors["missing"])
         assert errors["untouched"], rank
+        assert "saved fully sharded" in errors["unsharded"], (rank, errors["unsharded"])
 
 
 _CRASHING_SAVE = textwrap.dedent("""

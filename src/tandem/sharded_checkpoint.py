@@ -252,6 +252,11 @@ def load_sharded(path: str | os.PathLike, **objects: Any) -> None:
         raise KeyError(f"sharded checkpoint {str(path)!r} has no state for {absent}; it holds "
                        f"{sorted(saved)}: restore the names you saved")
     for name, obj in objects.items():
+        if name in manifest["layouts"] and not is_sharded(obj):
+            raise CheckpointError(
+                f"{name} was saved fully sharded in {path}: apply td.fully_shard to the model as "
+                f"when it was saved (on any number of ranks), then load; td.full_state_dict(model) "
+                f"then gives the ordinary state dict")
         if is_sharded(obj):
             if name not in manifest["layouts"]:
                 raise CheckpointError(f"{name} is fully sharded but was saved unsharded in {path}")
