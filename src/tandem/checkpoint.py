@@ -15,7 +15,7 @@ returns anywhere the file is complete, and when the write failed every rank rais
 then unpickles the same bytes. This works when the file exists only on rank 0's machine (no
 shared filesystem, which is also where `save` puts it), and guarantees every rank gets the
 same object. The price is one broadcast of the file, which is fine for checkpoints that fit in
-memory twice; for very large sharded states, save one file per rank with `torch.save` instead.
+memory twice; fully sharded models save one file per rank instead (`td.save_sharded`).
 
 Without `td.init()` (a notebook inspecting a checkpoint) both work as a world of one.
 With `ZeroOptimizer`, `opt.state_dict()` gathers the full state (a collective: every rank calls
@@ -35,6 +35,9 @@ state dicts of the objects, and the number of completed steps, go to
 previous checkpoint intact). The `keep` newest files are kept. `restore(...)` finds the newest
 checkpoint (rank 0 looks, every rank loads the same bytes), loads each state dict into its
 object and returns the step to resume at. Every rank calls both, as with `td.save`/`td.load`.
+When an object is a `td.fully_shard` model, a checkpoint is a directory instead
+(`checkpoints/step-00000100/`: a shard file per rank and a manifest, `td.save_sharded`), and it
+restores on any number of ranks.
 
 With `tandem run --max-restarts K` a job that loses a rank is restarted from the top of the
 script: `restore` then picks up where the last checkpoint left off. For the run to continue
