@@ -244,6 +244,9 @@ class Unit:
         if self.is_root:
             _Forward.root = self
             self._recording = not self.order
+            for unit in self.order:  # a prefetch the last forward did not use: stale now
+                if unit._pending is not None:
+                    unit.wait_gathered()
         root = _Forward.root
         if root is not None and root._recording and self is not root:
             root.order.append(self)
