@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem as td
-from tandem.parallel.tensor import full_state_dict
 from tandem.testing import run_distributed
 
 VOCAB, EMBED, HEADS, HIDDEN, SEQ = 12, 12, 6, 24, 5  # divisible by tp = 2 and 3
@@ -62,7 +61,7 @@ def _grads_as_full(model) -> dict:
     for p in params:
         p.data = p.grad
     try:
-        return full_state_dict(model)
+        return td.full_state_dict(model)
     finally:
         for p, data in zip(params, saved, strict=True):
             p.data = data
@@ -100,7 +99,7 @@ def check_transformer_matches_one_process():
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    errors += _differences("after 10 steps", full_state_dict(model), reference.state_dict())
+    errors += _differences("after 10 steps", td.full_state_dict(model), reference.state_dict())
     return errors
 
 
@@ -174,7 +173,7 @@ def check_dp_times_tp():
         F.cross_entropy(reference(ids).reshape(-1, VOCAB), target.reshape(-1)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    return _differences("dp x tp after 5 steps", full_state_dict(model), reference.state_dict())
+    return _differences("dp x tp after 5 steps", td.full_state_dict(model), reference.state_dict())
 
 
 def check_bad_input():
@@ -241,7 +240,7 @@ def check_save_consolidated(path):
     ids, target = _batch(0)
     td.vocab_parallel_cross_entropy(model(ids), target).backward()
     opt.step()
-    td.save(full_state_dict(model), path)  # every rank calls it; rank 0 writes
+    td.save(td.full_state_dict(model), path)  # every rank calls it; rank 0 writes
     return td.vocab_parallel_cross_entropy(model(ids), target).item()
 
 

@@ -37,6 +37,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group
 from tandem.parallel.fully_shard.unit import ATTR, SHARD, Unit
+from tandem.parallel.tensor import plan as tensor_plan
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
@@ -128,7 +129,13 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The ordinary state dict of the unsharded model, on every rank (collective)."""
+    """The ordinary state dict of the unsharded model, on every rank (collective): a model
+    sharded by `fully_shard` or split by `td.parallelize` (tensor parallelism)."""
+    if tensor_plan.is_parallelized(model):
+        if any(True for _ in units(model)):
+            raise NotImplementedError("full_state_dict of a model both fully sharded and tensor "
+                                      "parallel: not supported yet")
+        return tensor_plan.full_state_dict(model)
     out: dict[str, torch.Tensor] = {}
     gathered = {}
     for prefix, unit in units(model):

@@ -91,6 +91,11 @@ def _check_groups(group: Group | None) -> None:
             + "\nBuild the groups the same way on every rank (td.mesh(dp=, tp=) does).")
 
 
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether `parallelize` split any of the model's layers."""
+    return any(isinstance(m, _PARALLEL) for m in model.modules())
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The one-process state dict of a model converted by `parallelize` (every rank calls it)."""
     state = {}
