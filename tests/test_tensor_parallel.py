@@ -257,3 +257,40 @@ def test_checkpoint_saved_at_tp3_loads_at_tp2(tmp_path):
     saved = run_distributed(check_save_consolidated, 3, "gloo", args=(path,))
     loaded = run_distributed(check_load_resharded, 2, "gloo", args=(path,))
     assert loaded == pytest.approx([saved[0]] * 2, abs=1e-6)
+
+
+def _stages():
+    torch.manual_seed(3)
+    return [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
+            nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))]
+
+
+def check_tp_inside_pipeline_stages():
+    """pp=2 stages, each split over tp=2: 2 SGD steps equal the one-process model."""
+    mesh = td.mesh(pp=2, tp=2)
+    plan = {"0": "colwise", "2": "rowwise"}
+
+    def stage(i):
+        return lambda: td.parallelize(_stages()[i], plan, group=mesh.tp_group)
+
+    pipe = td.Pipeline([stage(0), stage(1)], chunks=2, group=mesh.pp_group)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    reference = nn.Sequential(*_stages())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    y = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        pipe.train_step(x, y, F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    mine = td.full_state_dict(pipe.stage)
+    expected = {k: v for k, v in reference[mesh.pp_rank].state_dict().items()}
+    return _differences("tp inside pp", mine, expected)
+
+
+def test_tensor_parallel_inside_pipeline_stages_equals_one_process():
+    results = run_distributed(check_tp_inside_pipeline_stages, 4, "gloo", timeout=240)
+    assert results == [[]] * 4, "\n".join(e for errors in results for e in errors)
