@@ -151,6 +151,20 @@ def check_branches_match_one_process():
                 errors.append(f"{join}: branch {td.rank()} gradient differs")
         if not torch.allclose(model.head.weight.grad, reference.head.weight.grad, atol=1e-6):
             errors.append(f"{join}: head gradient differs")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(10):  # the first step's gradients are already there
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            model(x.detach()).square().sum().backward()
+            reference(x.detach()).square().sum().backward()
+        trained = {**{f"path.{k}": v for k, v in model.branches.mine[0].state_dict().items()},
+                   **{f"head.{k}": v for k, v in model.head.state_dict().items()}}
+        expected = {**{f"path.{k}": v for k, v in mine.state_dict().items()},
+                    **{f"head.{k}": v for k, v in reference.head.state_dict().items()}}
+        errors += _differences(f"{join} after 10 steps", trained, expected)
     return errors
 
 
