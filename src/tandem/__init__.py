@@ -22,6 +22,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                                 "reduce", "reducescatter", "send"),
     "tandem.comm.groups": ("Group", "Mesh", "mesh", "new_group"),
     "tandem.data": ("partition_dataset",),
+    "tandem.metric_logger": ("MetricLogger",),
+    "tandem.metrics": ("Average", "progress"),
     "tandem.diagnostics.replicas": ("ReplicaBufferWarning", "ReplicaMismatchError", "check_replicas"),
     "tandem.diagnostics.steps": ("report",),
     "tandem.comm.watchdog": ("PeerUnreachableError", "WatchdogTimeout"),
@@ -41,6 +43,7 @@ _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 _SUBMODULES = ("functional",)
 
 __all__ = [
+    "Average",
     "CheckpointError",
     "Checkpointer",
     "CollectiveMismatchError",
@@ -49,6 +52,7 @@ __all__ = [
     "Group",
     "Handle",
     "LocalSGD",
+    "MetricLogger",
     "Mesh",
     "Pipeline",
     "PipelineStats",
@@ -82,6 +86,7 @@ __all__ = [
     "mesh",
     "new_group",
     "partition_dataset",
+    "progress",
     "rank",
     "recv",
     "reduce",
