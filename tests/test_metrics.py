@@ -8,6 +8,11 @@ file back with TensorBoard's own reader and the CSV file with `csv`.
 import csv
 import io
 import os
+import pty
+import select
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -107,3 +112,60 @@ def test_metric_logger_without_tensorboard_writes_csv(tmp_path):
     assert os.listdir(tmp_path) == ["metrics.csv"]
     with open(tmp_path / "metrics.csv", newline="") as f:
         assert [r["loss"] for r in csv.DictReader(f)] == ["2.0"]
+
+
+BAR_SCRIPT = """
+import tandem as td
+td.init()
+for _ in td.progress(range(4), desc="bar", mininterval=0, delay=0):
+    td.barrier()
+print("done", td.rank())
+td.shutdown()
+"""
+
+
+def _tandem_run(script, *flags, terminal):
+    """`tandem run -np 2 script` with its stdout and stderr on a pseudo-terminal or a pipe."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    command = [sys.executable, "-m", "tandem", "run", "-np", "2", *flags, str(script)]
+    if not terminal:
+        done = subprocess.run(command, env=env, capture_output=True, timeout=120)
+        return done.returncode, done.stdout + done.stderr
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=follower,
+                               stderr=follower)
+    os.close(follower)
+    output, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if select.select([leader], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: every writer has closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+        else:
+            raise AssertionError(f"tandem run did not finish in 120 s; output so far: {output!r}")
+        return process.wait(timeout=30), output
+    finally:
+        os.close(leader)
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "default"])
+def test_rank0_bar_redraws_in_place_under_tandem_run_on_a_terminal(tmp_path, backend):
+    script = tmp_path / "bar.py"
+    script.write_text(BAR_SCRIPT)
+    flags = ("--backend", "gloo") if backend == "gloo" else ()
+    code, output = _tandem_run(script, *flags, terminal=True)
+    assert code == 0, output
+    assert b"\r\x1b[K[0] bar:" in output, output  # drawn in place, prefixed
+    assert b"[0] bar: 100%" in output and b"[1] bar" not in output, output
+    assert b"[0] done 0" in output and b"[1] done 1" in output, output
+    if backend == "gloo":  # into a pipe the same job writes plain lines
+        code, output = _tandem_run(script, *flags, terminal=False)
+        assert code == 0, output
+        assert b"\r" not in output and b"[0] bar: 100%" in output and b"[1] bar" not in output, output
