@@ -20,6 +20,7 @@ def slurm():
     """A running single-node cluster, or a skip that says why there is none."""
     if os.geteuid() != 0:
         pytest.skip("SLURM: scripts/slurm-local.sh needs root to install and start the daemons")
+    running = subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
     try:
         started = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh")], capture_output=True,
                                  text=True, timeout=600)
@@ -27,6 +28,9 @@ def slurm():
         pytest.skip("SLURM: scripts/slurm-local.sh did not finish in 600 s")
     if started.returncode != 0 or not shutil.which("sbatch"):
         pytest.skip(f"SLURM cannot start here: {started.stderr.strip() or 'no sbatch'}")
+    yield
+    if not running:  # we started it: leave the machine as we found it
+        subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop"], timeout=60)
 
 
 def _sbatch(*args, timeout):
