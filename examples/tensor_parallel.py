@@ -1,13 +1,13 @@
-"""Tensor parallelism: a small transformer language model with its layers split over 2 ranks.
+"""A small language model with its layers split across ranks (tensor parallelism).
 
-    tandem run -np 2 examples/tensor_parallel.py [--dp 1] [--steps 60] [--checkpoint lm.pt]
+    tandem run -np 2 examples/tensor_parallel.py              # tp = 2
+    tandem run -np 4 examples/tensor_parallel.py --dp 2       # dp = 2 replicas of tp = 2
 
-The model is written as for one process. `td.parallelize` then splits, by layer name, the
-embedding's vocabulary, the attention heads, the MLP (column- then row-parallel: one all-reduce
-forward, one backward) and the output head over the tp group; the loss is computed from the
-vocabulary slices without gathering the logits. With `--dp 2` on 4 ranks, `td.mesh(dp=2, tp=2)`
-adds data parallelism: each replica trains on half the batch and gradients average over dp only.
-The task: predict the token after each one in sequences that count up modulo the vocabulary.
+The model is written for one process (embedding, one transformer block with
+`nn.MultiheadAttention`, a vocabulary head). `td.parallelize` splits it by layer name: the
+embedding and the head by vocabulary, attention by heads, the MLP column- then row-wise. The
+loss is computed on the split logits (`td.vocab_parallel_cross_entropy`), never gathered. The
+task: predict the next token of sequences that count up modulo the vocabulary.
 """
 
 import argparse
@@ -18,73 +18,78 @@ from torch import nn
 import tandem as td
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
+class Block(nn.Module):
+    def __init__(self, embed: int, heads: int) -> None:
         super().__init__()
-        self.num_heads, self.causal = num_heads, True
-        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.ln1, self.ln2 = nn.LayerNorm(embed), nn.LayerNorm(embed)
+        self.attn = nn.MultiheadAttention(embed, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(embed, 4 * embed), nn.GELU(), nn.Linear(4 * embed, embed))
 
     def forward(self, x):
-        b, n, _ = x.shape
-
-        def heads(t):
-            return t.view(b, n, self.num_heads, -1).transpose(1, 2)
-
-        y = nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
-                                                       is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, n, -1))
+        h = self.ln1(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        x = x + self.attn(h, h, h, need_weights=False, attn_mask=mask, is_causal=True)[0]
+        return x + self.mlp(self.ln2(x))
 
 
-class LM(nn.Module):
-    def __init__(self, vocab: int = 32, dim: int = 64, num_heads: int = 4) -> None:
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, embed: int, heads: int, seq: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.head = nn.Linear(dim, vocab)
+        self.embed = nn.Embedding(vocab, embed)
+        self.position = nn.Parameter(torch.zeros(seq, embed))
+        self.block = Block(embed, heads)
+        self.head = nn.Linear(embed, vocab)
 
     def forward(self, ids):
-        x = self.embed(ids)
-        x = x + self.attn(self.ln1(x))
-        return self.head(x + self.mlp(self.ln2(x)))
+        return self.head(self.block(self.embed(ids) + self.position[: ids.shape[1]]))
 
 
-PLAN = {"embed": "vocab", "attn": "heads", "mlp.0": "colwise", "mlp.2": "rowwise", "head": "colwise"}
+PLAN = {"embed": "embedding", "block.attn": "attention", "block.mlp.0": "colwise",
+        "block.mlp.2": "rowwise", "head": "colwise"}
+
+
+def batch(step: int, size: int, seq: int, vocab: int, first: int = 0):
+    generator = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, vocab, (size, 1), generator=generator)[first:]
+    tokens = (starts + torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (tp = ranks / dp)")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--vocab", type=int, default=32)
+    parser.add_argument("--embed", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
     args = parser.parse_args()
+
     td.init()
     mesh = td.mesh(dp=args.dp, tp=td.size() // args.dp)
-    torch.manual_seed(0)  # the same full model on every rank; parallelize keeps each rank's slice
-    model = td.parallelize(LM(), PLAN, group=mesh.tp_group)
-    full = sum(p.numel() for p in LM().parameters())
-    mine = sum(p.numel() for p in model.parameters())
-    print(f"rank {td.rank()}: dp {mesh.dp_rank}, tp {mesh.tp_rank}: {mine} of {full} parameters")
+    torch.manual_seed(0)  # every rank builds the same one-process model, then keeps its shards
+    model = td.parallelize(TinyLM(args.vocab, args.embed, args.heads, args.seq), PLAN,
+                           group=mesh.tp_group)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    if mesh.dp > 1:
+    if args.dp > 1:  # gradients averaged over the replicas only, not over the tp group
         optimizer = td.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             group=mesh.dp_group)
-    generator = torch.Generator().manual_seed(1)
+    per_replica = args.batch // args.dp
     for step in range(args.steps):
-        start = torch.randint(32, (16, 1), generator=generator)
-        tokens = (start + torch.arange(17)) % 32
-        rows = slice(mesh.dp_rank * 16 // mesh.dp, (mesh.dp_rank + 1) * 16 // mesh.dp)
+        ids, target = batch(step, args.batch, args.seq, args.vocab)
+        ids = ids[mesh.dp_rank * per_replica:(mesh.dp_rank + 1) * per_replica]
+        target = target[mesh.dp_rank * per_replica:(mesh.dp_rank + 1) * per_replica]
+        loss = td.vocab_parallel_cross_entropy(model(ids), target, group=mesh.tp_group)
         optimizer.zero_grad()
-        logits = model(tokens[rows, :-1])
-        loss = td.vocab_parallel_cross_entropy(logits, tokens[rows, 1:], group=mesh.tp_group)
         loss.backward()
         optimizer.step()
         if td.rank() == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step}: loss {loss.item():.4f}")
-    state = td.full_state_dict(model)  # the one-process state dict: loads at any tp
-    if args.checkpoint:
-        td.save(state, args.checkpoint)
+            print(f"step {step:3d}  loss {loss.item():.4f}")
+    if td.rank() == 0:
+        local = sum(p.numel() for p in model.parameters())
+        print(f"tp={mesh.tp} dp={mesh.dp}: this rank holds {local} parameters")
+    td.shutdown()
 
 
 if __name__ == "__main__":

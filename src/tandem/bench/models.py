@@ -64,33 +64,3 @@ def mlp(*sizes: int) -> nn.Sequential:
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
-
-    def forward(self, x):
-        b, n, _ = x.shape
-
-        def heads(t):
-            return t.view(b, n, self.num_heads, -1).transpose(1, 2)
-
-        y = nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
-        return self.out(y.transpose(1, 2).reshape(b, n, -1))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: attention and an MLP, each with a residual."""
-
-    def __init__(self, dim: int, num_heads: int, hidden: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))

@@ -40,12 +40,14 @@ def group_ranks(group: Group | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A world laid out as `dp` replicas of a `pp`-stage pipeline whose stages are `tp` wide.
+    """A world laid out as `dp` replicas of a `pp`-stage pipeline whose stages are each split
+    over `tp` ranks (tensor parallelism).
 
-    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so the tensor-parallel ranks of one
-    stage are neighbours (they talk most), then the stages of one pipeline. `tp_group` links the
-    ranks sharing this rank's layers; `pp_group` the stages of its pipeline (same tp_rank);
-    `dp_group` the replicas of its shard (same pp_rank and tp_rank): gradients average over it.
+    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: the tensor-parallel ranks of one
+    stage are neighbours (one node, where the most traffic is), then the stages of one
+    pipeline. `tp_group` links the ranks that split this rank's layers; `pp_group` the stages of
+    this rank's pipeline (same dp and tp position); `dp_group` the replicas of this rank's shard
+    (same stage and tp position), over which gradients are averaged.
     """
 
     dp: int
@@ -60,29 +62,32 @@ class Mesh:
 
 
 def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
-    """Split the world into `dp` × `pp` × `tp`. Every rank must call it."""
+    """Split the world into `dp` × `pp` × `tp`. Every rank must call it, with the same sizes."""
     world = context.current().world
-    call = f"mesh(dp={dp}, pp={pp}{f', tp={tp}' if tp != 1 else ''})"
     if dp < 1 or pp < 1 or tp < 1:
-        raise ValueError(f"{call}: each of dp, pp, tp must be >= 1")
+        raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
     if dp * pp * tp != world.size:
         raise ValueError(
-            f"{call} needs {dp * pp * tp} ranks, but the world has "
-            f"{world.size}; start the job with -np {dp * pp * tp} or change dp/pp/tp"
+            f"mesh(dp={dp}, pp={pp}, tp={tp}) needs {dp * pp * tp} ranks, but the world has "
+            f"{world.size}; start the job with -np {dp * pp * tp} or change the sizes"
         )
-    rest, tp_rank = divmod(world.rank, tp)
-    dp_rank, pp_rank = divmod(rest, pp)
+    position, tp_rank = divmod(world.rank, tp)
+    dp_rank, pp_rank = divmod(position, pp)
 
-    coords = [(r // tp // pp, r // tp % pp, r % tp) for r in range(world.size)]
-    mine = {}
-    # Every rank creates every group in the same order (the engines require it), keeping its own.
-    # A group varies one coordinate: its members share the other two.
-    for axis, kind in enumerate(("dp", "pp", "tp")):
-        others = {}
-        for r, c in enumerate(coords):
-            others.setdefault(c[:axis] + c[axis + 1:], []).append(r)
-        for members in others.values():
-            group = new_group(members)
-            if world.rank in members:
-                mine[kind] = group
-    return Mesh(dp, pp, dp_rank, pp_rank, mine["dp"], mine["pp"], tp, tp_rank, mine["tp"])
+    def rank_of(d: int, p: int, t: int) -> int:
+        return (d * pp + p) * tp + t
+
+    def mine(members: list[int]) -> Group | None:
+        # Every rank creates every group (the engines require it), keeping its own.
+        group = new_group(members)
+        return group if world.rank in members else None
+
+    dp_groups = [mine([rank_of(d, p, t) for d in range(dp)]) for p in range(pp) for t in range(tp)]
+    pp_groups = [mine([rank_of(d, p, t) for p in range(pp)]) for d in range(dp) for t in range(tp)]
+    tp_groups = [mine([rank_of(d, p, t) for t in range(tp)]) for d in range(dp) for p in range(pp)]
+
+    def own(groups: list[Group | None]) -> Group:
+        return next(g for g in groups if g is not None)
+
+    return Mesh(dp, pp, dp_rank, pp_rank, own(dp_groups), own(pp_groups), tp, tp_rank,
+                own(tp_groups))

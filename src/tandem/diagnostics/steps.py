@@ -163,6 +163,11 @@ def records() -> list[StepRecord]:
     ]
 
 
+def recorded() -> int:
+    """How many steps were recorded so far (older ones than the last `CAPACITY` are gone)."""
+    return _count
+
+
 def reset() -> None:
     """Forget every record and setting (for tests, and between phases of a script)."""
     global _count, _last_end, _pending_data_s, _pending_samples, _reported, _plan, _plan_read

@@ -158,6 +158,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+        if any(hasattr(p, "_tandem_group") for g in optimizer.param_groups for p in g["params"]):
+            raise TypeError("these parameters are td.fully_shard shards, whose gradients are reduced "
+                            "in backward already: give them to the plain torch optimizer, unwrapped")
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(
                 f"accumulate must be an integer >= 1 (backward passes per step), got {accumulate!r}")

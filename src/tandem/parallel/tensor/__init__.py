@@ -1,31 +1,34 @@
-"""Tensor parallelism: layers split over the ranks of a group, and branches placed on ranks.
+"""Tensor parallelism: layers split inside across the ranks of a group, and branches of a model
+run on different ranks at the same time.
 
-- `regions`: Megatron's conjugate autograd functions (copy/reduce, gather/scatter).
-- `layers`: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelAttention.
-- `loss`: vocab_parallel_cross_entropy.
-- `plan`: parallelize(model, plan, group), by layer name.
-- `branches`: Branches, a model's branches run on different ranks at the same time.
-- `state`: full_state_dict / load_full_state_dict (consolidate on save, reshard on load).
+- `regions`: the conjugate communication pairs (copy_to / reduce_from, gather_from / scatter_to)
+- `layers`: column- and row-parallel `Linear`, vocabulary-parallel embedding and cross-entropy
+- `attention`: self-attention with its heads split
+- `plan`: `parallelize(model, plan, group)` converts an existing model's layers by name;
+  `full_state_dict(model)` gathers the one-process state back (also `td.full_state_dict`)
+- `branches`: `Branches`, a model's parallel paths placed on the ranks of a group
+
+Compose with data parallelism through `td.mesh(dp=, tp=)`: the tp group splits the layers,
+the dp group averages the gradients (`td.DistributedOptimizer(..., group=mesh.dp_group)`).
 """
 
+from tandem.parallel.tensor.attention import ParallelSelfAttention
 from tandem.parallel.tensor.branches import Branches
 from tandem.parallel.tensor.layers import (
-                                           ColumnParallelLinear,
-                                           ParallelAttention,
-                                           RowParallelLinear,
-                                           VocabParallelEmbedding,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
 )
-from tandem.parallel.tensor.loss import vocab_parallel_cross_entropy
-from tandem.parallel.tensor.plan import parallelize
-from tandem.parallel.tensor.regions import (
-                                           copy_to_group,
-                                           gather_from_group,
-                                           reduce_from_group,
-                                           scatter_to_group,
-)
-from tandem.parallel.tensor.state import full_state_dict, load_full_state_dict
+from tandem.parallel.tensor.plan import full_state_dict, parallelize
 
-__all__ = ["Branches", "ColumnParallelLinear", "ParallelAttention", "RowParallelLinear",
-           "VocabParallelEmbedding", "copy_to_group", "full_state_dict", "gather_from_group",
-           "load_full_state_dict", "parallelize", "reduce_from_group", "scatter_to_group",
-           "vocab_parallel_cross_entropy"]
+__all__ = [
+    "Branches",
+    "ColumnParallelLinear",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "full_state_dict",
+    "parallelize",
+    "vocab_parallel_cross_entropy",
+]

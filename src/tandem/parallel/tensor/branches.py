@@ -1,12 +1,14 @@
-"""Branches of one model on different ranks, run at the same time on the same batch.
+"""Branches of a model on different ranks, run at the same time on the same batch.
 
-`Branches([a, b, c], join="cat", group=g)`: rank i of `g` holds and runs the branches
-`i, i + n, i + 2n, ...` (n = group size) on the replicated input; the outputs are joined
-differentiably — summed (`join="sum"`) or concatenated along the last dim (`join="cat"`, in
-branch order). Every rank then holds the joined output, as the one-process model would, and the
-loss computed after it is replicated, so the joins are the tensor-parallel regions (forward
-all-reduce / backward identity; forward all-gather / backward slice) rather than
-`tandem.functional`'s sum-over-ranks convention.
+    self.branches = td.Branches([conv_path, pool_path], group=tp_group, join="cat", dim=1)
+
+A model with parallel paths (Inception-style towers, a two-tower encoder, the heads of a
+multi-task model) is split by path: group rank r runs its share of the branches (contiguous,
+in order, as evenly as possible) on the full input, and the outputs are joined on every rank,
+concatenated along `dim` in branch order (`join="cat"`, sizes along `dim` may differ) or summed
+(`join="sum"`). Everything before and after runs replicated, so gradients follow the
+tensor-parallel convention: the input's gradient is summed over the ranks that used it, and each
+branch's parameters get their gradient on the rank that holds them.
 """
 
 from __future__ import annotations
@@ -16,40 +18,57 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tandem.comm.groups import Group, group_rank, group_size
-from tandem.parallel.tensor import regions
-
-JOINS = ("sum", "cat")
+from tandem.comm import collectives
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.tensor.regions import copy_to, reduce_from
 
 
 class Branches(nn.Module):
-    """Place `branches` on the ranks of `group` (round robin) and join their outputs."""
+    """Run `branches` spread over `group`'s ranks and join their outputs on every rank."""
 
-    def __init__(self, branches: Sequence[nn.Module], join: str = "cat", group: Group | None = None) -> None:
+    def __init__(self, branches: Sequence[nn.Module], *, group: Group | None = None,
+                 join: str = "cat", dim: int = -1) -> None:
         super().__init__()
-        if join not in JOINS:
-            raise ValueError(f"Branches: join={join!r}; use one of {JOINS}")
         n = group_size(group)
-        if group is not None and group.rank < 0:
-            raise ValueError(f"Branches: this rank is not a member of {group!r}; build it on members only")
-        if len(branches) % n:
-            raise ValueError(
-                f"Branches: {len(branches)} branches cannot be shared equally by a group of {n} ranks; "
-                f"use a group whose size divides {len(branches)}, or add/merge branches")
-        me = group_rank(group)
-        self.join, self.group, self.count = join, group, len(branches)
-        self.local = nn.ModuleList(branches[me::n])
-        self.indices = list(range(me, len(branches), n))
+        if join not in ("cat", "sum"):
+            raise ValueError(f"join={join!r}: choose 'cat' or 'sum'")
+        if len(branches) < n:
+            raise ValueError(f"{len(branches)} branches cannot keep {n} ranks busy: use a group "
+                             f"of at most {len(branches)} ranks")
+        rank = group_rank(group)
+        first, last = rank * len(branches) // n, (rank + 1) * len(branches) // n
+        self.mine = nn.ModuleList(branches[first:last])  # only this rank's branches are kept
+        self.first_branch, self.count = first, len(branches)
+        self.group, self.join, self.dim = group, join, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = regions.copy_to_group(x, self.group)
-        outputs = [branch(x) for branch in self.local]
+        x = copy_to(x, self.group)
+        outputs = [branch(x) for branch in self.mine]
         if self.join == "sum":
-            return regions.reduce_from_group(torch.stack(outputs).sum(0), self.group)
-        # Ranks hold branches i, i+n, ...: gather per round, then order by branch index.
-        n = group_size(self.group)
-        rounds = [regions.gather_from_group(out, self.group) for out in outputs]
-        width = outputs[0].shape[-1]
-        pieces = [r.split(width, dim=-1) for r in rounds]  # pieces[round][rank]
-        ordered = [pieces[i // n][i % n] for i in range(self.count)]
-        return torch.cat(ordered, dim=-1)
+            return reduce_from(torch.stack(outputs).sum(0), self.group)
+        local = torch.cat(outputs, dim=self.dim)
+        if group_size(self.group) == 1:
+            return local
+        return _GatherUneven.apply(local, self.dim % local.dim(), self.group)
+
+    def extra_repr(self) -> str:
+        return (f"branches {self.first_branch}..{self.first_branch + len(self.mine) - 1} of "
+                f"{self.count} on this rank, join={self.join!r}, dim={self.dim}")
+
+
+class _GatherUneven(torch.autograd.Function):
+    """Concatenate every rank's tensor along `dim` (sizes may differ); backward keeps this
+    rank's slice (the loss after the join is replicated)."""
+
+    @staticmethod
+    def forward(ctx, tensor, dim, group):
+        moved = tensor.movedim(dim, 0).contiguous()
+        lengths = collectives.allgather(torch.tensor([moved.shape[0]]), group=group).tolist()
+        rank = group_rank(group)
+        ctx.dim, ctx.start, ctx.length = dim, sum(lengths[:rank]), lengths[rank]
+        return collectives.allgather(moved, group=group).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None

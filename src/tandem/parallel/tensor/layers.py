@@ -1,8 +1,17 @@
-"""Tensor-parallel layers: each rank of a group holds a slice of a layer's weight.
+"""Layers split across the ranks of a tensor-parallel group (Megatron-LM's layout).
 
-Built from an existing full layer (`from_full`) so that a model made the same way on every rank
-(same seed) becomes its tensor-parallel version without rewriting it; `parallelize` in plan.py
-does this by layer name. Slices are contiguous and equal: sizes must be divisible by tp.
+- `ColumnParallelLinear`: each rank holds a slice of the *output* features. Its output stays
+  split (feed it to a `RowParallelLinear`), or is gathered with `gather_output=True`.
+- `RowParallelLinear`: each rank holds a slice of the *input* features and computes a partial
+  product; one all-reduce sums them. Column then row: one all-reduce forward, one backward.
+- `VocabParallelEmbedding`: each rank holds a slice of the vocabulary's rows.
+- `vocab_parallel_cross_entropy`: the loss over logits split along the vocabulary, without
+  ever gathering them (a max, a sum of exponentials and the target's logit: three all-reduces
+  of one number per token).
+
+Every layer is built from the full layer (`from_linear`, `from_embedding`) so that its shards
+are slices of the one-process weights, or from sizes, with the one-process initialisation
+sliced on every rank (same seed, same full tensor). `group=None` is the whole world.
 """
 
 from __future__ import annotations
@@ -11,180 +20,189 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.comm.groups import Group, group_rank, group_size
-from tandem.parallel.tensor import regions
+from tandem.comm import collectives
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def shard_range(size: int, group: Group | None, what: str) -> tuple[int, int]:
+    """[start, end) of this rank's equal slice of `size`; an error naming valid choices if uneven."""
+    tp = group_size(group)
+    if size % tp:
+        divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 2 * tp + 8]
+        below, above = size - size % tp, size - size % tp + tp
+        raise ValueError(
+            f"{what} = {size} is not divisible by tp = {tp}: choose tp in {divisors} or make "
+            f"{what} a multiple of {tp} (e.g. {below or above} or {above})"
+        )
+    part = size // tp
+    return group_rank(group) * part, (group_rank(group) + 1) * part
 
 
-def check_divisible(size: int, tp: int, what: str) -> int:
-    """`size // tp`, or a ValueError naming the size, tp and the nearest valid choices."""
-    if size % tp == 0:
-        return size // tp
-    below, above = size - size % tp, size + tp - size % tp
-    valid_tp = [d for d in _divisors(size) if d > 1]
-    near = sorted(valid_tp, key=lambda d: abs(d - tp))[:3]
-    raise ValueError(
-        f"{what} = {size} is not divisible by tp = {tp}: make it {below or above} or {above}, "
-        f"or use tp in {sorted(near) or [1]} (the divisors of {size} nearest {tp})"
-    )
-
-
-def _shard(tensor: torch.Tensor, dim: int, group: Group | None) -> nn.Parameter:
-    piece = tensor.detach().chunk(group_size(group), dim=dim)[group_rank(group)]
-    return nn.Parameter(piece.clone(), requires_grad=tensor.requires_grad)
+def _slice(tensor: torch.Tensor | None, dim: int, bounds: tuple[int, int]) -> nn.Parameter | None:
+    if tensor is None:
+        return None
+    start, end = bounds
+    return nn.Parameter(tensor.detach().narrow(dim, start, end - start).clone())
 
 
 class ColumnParallelLinear(nn.Module):
-    """`y = x Aᵀ + b` with A split by output features (rows of A): each rank makes a slice of y.
+    """`y = x Wᵀ + b` with W's rows (output features) split over the group."""
 
-    The input is replicated; its gradient is summed over the group (`copy_to_group`). With
-    `gather_output=False` (the default) the output stays split, ready for a `RowParallelLinear`.
-    """
-
-    tp_dim = {"weight": 0, "bias": 0}
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 group: Group | None = None, gather_output: bool = False, **factory) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 gather_output: bool = False, group: Group | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
-        tp = group_size(group)
-        local = check_divisible(out_features, tp, "out_features")
-        self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.gather_output = gather_output
-        self.weight = nn.Parameter(torch.empty(local, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(local, **factory)) if bias else None
-        self._full_init()
-
-    def _full_init(self) -> None:
-        full = nn.Linear(self.in_features, self.out_features, self.bias is not None)
-        self._take(full)
-
-    def _take(self, full: nn.Linear) -> None:
-        dim = self.tp_dim
-        self.weight = _shard(full.weight, dim["weight"], self.group)
-        if self.bias is not None:
-            self.bias = _shard(full.bias, dim["bias"], self.group)
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._take(full, gather_output, group)
 
     @classmethod
-    def from_full(cls, full: nn.Linear, group: Group | None = None, **options):
+    def from_linear(cls, linear: nn.Linear, *, gather_output: bool = False,
+                    group: Group | None = None) -> ColumnParallelLinear:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        tp = group_size(group)
-        check_divisible(full.out_features if cls.tp_dim["weight"] == 0 else full.in_features,
-                        tp, "out_features" if cls.tp_dim["weight"] == 0 else "in_features")
-        layer.in_features, layer.out_features, layer.group = full.in_features, full.out_features, group
-        layer.bias = None if full.bias is None else full.bias
-        layer._options(**options)
-        layer._take(full)
+        layer._take(linear, gather_output, group)
         return layer
 
-    def _options(self, gather_output: bool = False) -> None:
-        self.gather_output = gather_output
-
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the output from an input already in the region (no communication)."""
-        return F.linear(x, self.weight, self.bias)
+    def _take(self, full: nn.Linear, gather_output: bool, group: Group | None) -> None:
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.gather_output, self.group = gather_output, group
+        bounds = shard_range(full.out_features, group, "out_features")
+        self.weight = _slice(full.weight, 0, bounds)
+        self.bias = _slice(full.bias, 0, bounds)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local(regions.copy_to_group(x, self.group))
-        return regions.gather_from_group(y, self.group) if self.gather_output else y
+        y = F.linear(copy_to(x, self.group), self.weight, self.bias)
+        return gather_from(y, self.group) if self.gather_output else y
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The one-process `weight` and `bias`, gathered (for a consolidated checkpoint)."""
+        return {name: _gather_rows(p, self.group) for name, p in self.named_parameters()}
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} split over {group_size(self.group)}"
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank: {self.weight.shape[0]}), gather_output={self.gather_output}")
 
 
-class RowParallelLinear(ColumnParallelLinear):
-    """`y = x Aᵀ + b` with A split by input features: each rank multiplies its slice of x.
+class RowParallelLinear(nn.Module):
+    """`y = x Wᵀ + b` with W's columns (input features) split over the group; `b` is whole."""
 
-    The partial products are summed over the group (`reduce_from_group`) and the replicated bias
-    added once. With `input_is_parallel=False` a replicated input is sliced first.
-    """
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 input_is_parallel: bool = True, group: Group | None = None,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._take(full, input_is_parallel, group)
 
-    tp_dim = {"weight": 1}
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, input_is_parallel: bool = True,
+                    group: Group | None = None) -> RowParallelLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._take(linear, input_is_parallel, group)
+        return layer
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 group: Group | None = None, input_is_parallel: bool = True, **factory) -> None:
-        nn.Module.__init__(self)
-        local = check_divisible(in_features, group_size(group), "in_features")
-        self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.input_is_parallel = input_is_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, local, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self._full_init()
-
-    def _take(self, full: nn.Linear) -> None:
-        self.weight = _shard(full.weight, 1, self.group)
-        if self.bias is not None:
-            self.bias = nn.Parameter(full.bias.detach().clone())
-
-    def _options(self, input_is_parallel: bool = True) -> None:
-        self.input_is_parallel = input_is_parallel
+    def _take(self, full: nn.Linear, input_is_parallel: bool, group: Group | None) -> None:
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.input_is_parallel, self.group = input_is_parallel, group
+        self.weight = _slice(full.weight, 1, shard_range(full.in_features, group, "in_features"))
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = regions.scatter_to_group(x, self.group)
-        y = regions.reduce_from_group(F.linear(x, self.weight), self.group)
+            x = scatter_to(x, self.group)
+        y = reduce_from(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        full = {"weight": _gather_rows(self.weight.t(), self.group).t().contiguous()}
+        if self.bias is not None:
+            full["bias"] = self.bias.detach().clone()
+        return full
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An embedding whose rows (the vocabulary) are split over the group.
+    """An embedding whose rows (the vocabulary) are split over the group."""
 
-    Each rank looks up the ids in its range, zeros the rest, and the rows are summed over the
-    group: one all-reduce forward, none backward.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
-        self._setup(nn.Embedding(num_embeddings, embedding_dim), group)
+        self._take(nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype), group)
 
     @classmethod
-    def from_full(cls, full: nn.Embedding, group: Group | None = None):
+    def from_embedding(cls, embedding: nn.Embedding, *,
+                       group: Group | None = None) -> VocabParallelEmbedding:
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding supports plain embeddings: no padding_idx, "
+                             "max_norm or sparse gradients")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(full, group)
+        layer._take(embedding, group)
         return layer
 
-    def _setup(self, full: nn.Embedding, group: Group | None) -> None:
-        local = check_divisible(full.num_embeddings, group_size(group), "num_embeddings (vocabulary)")
-        self.num_embeddings, self.embedding_dim, self.group = full.num_embeddings, full.embedding_dim, group
-        self.start = group_rank(group) * local
-        self.end = self.start + local
-        self.weight = _shard(full.weight, 0, group)
+    def _take(self, full: nn.Embedding, group: Group | None) -> None:
+        self.num_embeddings, self.embedding_dim, self.group = (
+            full.num_embeddings, full.embedding_dim, group)
+        self.start, self.end = shard_range(full.num_embeddings, group, "num_embeddings")
+        self.weight = _slice(full.weight, 0, (self.start, self.end))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
-        local_ids = (ids - self.start).masked_fill(outside, 0)
-        rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return regions.reduce_from_group(rows, self.group)
+        local = (ids - self.start).masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(rows, self.group)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return {"weight": _gather_rows(self.weight, self.group)}
 
 
-class ParallelAttention(nn.Module):
-    """Multi-head self-attention with the heads split over the group.
+def _gather_rows(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
+    data = tensor.detach().contiguous()
+    return collectives.allgather(data, group=group) if group_size(group) > 1 else data.clone()
 
-    q, k, v are column-parallel (each rank computes `heads / tp` whole heads), the output
-    projection is row-parallel: one all-reduce forward and one backward, as in an MLP.
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group: Group | None = None) -> torch.Tensor:
+    """Mean cross-entropy of `logits` split along the last (vocabulary) dimension.
+
+    `logits` is (..., vocab / tp) on each rank, as a `ColumnParallelLinear` head gives it;
+    `target` holds global class indices. Equals `F.cross_entropy` of the gathered logits.
     """
+    per_token = _VocabParallelCrossEntropy.apply(logits, target, group)
+    return per_token.mean()
 
-    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, out: nn.Linear, num_heads: int,
-                 group: Group | None = None, causal: bool = False) -> None:
-        super().__init__()
-        tp = group_size(group)
-        self.local_heads = check_divisible(num_heads, tp, "num_heads")
-        self.num_heads, self.group, self.causal = num_heads, group, causal
-        self.q, self.k, self.v = (ColumnParallelLinear.from_full(m, group) for m in (q, k, v))
-        self.out = RowParallelLinear.from_full(out, group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        x = regions.copy_to_group(x, self.group)  # one gradient all-reduce for q, k and v together
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        part = logits.shape[-1]
+        start = group_rank(group) * part
+        # Stable softmax: subtract the global maximum (no gradient flows through it).
+        top = logits.detach().amax(dim=-1)
+        if group_size(group) > 1:
+            top = collectives.allreduce(top, "max", group=group)
+        shifted = logits - top.unsqueeze(-1)
+        mine = (target >= start) & (target < start + part)
+        local = (target - start).masked_fill(~mine, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(dim=-1), picked])
+        if group_size(group) > 1:
+            sums = collectives.allreduce(sums, "sum", group=group)
+        total, target_logit = sums[0], sums[1]
+        softmax = exp / total.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, mine)
+        return total.log() - target_logit
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, length, self.local_heads, -1).transpose(1, 2)
-
-        y = F.scaled_dot_product_attention(heads(self.q.local(x)), heads(self.k.local(x)),
-                                           heads(self.v.local(x)),
-                                           is_causal=self.causal)
-        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        result = softmax.clone()
+        onehot = torch.zeros_like(result).scatter_(-1, local.unsqueeze(-1), 1.0)
+        result -= onehot * mine.unsqueeze(-1)
+        return result * grad.unsqueeze(-1), None, None

@@ -1,19 +1,21 @@
-"""`parallelize(model, plan, group)`: turn named layers of an existing model tensor-parallel.
+"""Convert an existing model's layers by name: `parallelize(model, plan, group)`.
 
-In the spirit of DTensor's `parallelize_module`: the model is built as for one process (the same
-way on every rank), and the plan maps layer names to how each is split:
+    plan = {"attn": "attention", "mlp.0": "colwise", "mlp.2": "rowwise"}
+    model = parallelize(model, plan, group=mesh.tp_group)
 
-    "colwise"          nn.Linear   -> ColumnParallelLinear (output stays split)
-    "colwise_gather"   nn.Linear   -> ColumnParallelLinear that all-gathers its output
-    "rowwise"          nn.Linear   -> RowParallelLinear (input already split)
-    "rowwise_split"    nn.Linear   -> RowParallelLinear that slices a replicated input
-    "vocab"            nn.Embedding -> VocabParallelEmbedding
-    "heads"            an attention module with `num_heads` and Linear children q/k/v/out
-                       (also named query/key/value, q_proj/k_proj/v_proj/out_proj, o_proj, proj)
-                       -> ParallelAttention
+In the spirit of DTensor's `parallelize_module`: the model is written for one process, the
+plan says how each named layer is split, and the layers are swapped in place for their
+tensor-parallel versions, with shards sliced from the layer's own weights (so every rank
+starts from the one-process model). Styles:
 
-Every rank of the group must call it with the same plan; the group is checked to be the same
-on every member before anything is converted.
+    "colwise"         nn.Linear -> ColumnParallelLinear (output stays split)
+    "colwise_gather"  nn.Linear -> ColumnParallelLinear(gather_output=True)
+    "rowwise"         nn.Linear -> RowParallelLinear (input split, output summed)
+    "embedding"       nn.Embedding -> VocabParallelEmbedding
+    "attention"       nn.MultiheadAttention -> ParallelSelfAttention (heads split)
+
+`full_state_dict(model)` gathers the one-process state dict back (for a checkpoint that loads
+at any tp size: load it into the one-process model, then `parallelize` again).
 """
 
 from __future__ import annotations
@@ -21,91 +23,87 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
-from tandem import runtime
-from tandem.comm import collectives
-from tandem.comm.groups import Group, group_ranks
+from tandem.comm import agreement, context
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_ranks
+from tandem.parallel.tensor.attention import ParallelSelfAttention
 from tandem.parallel.tensor.layers import (
     ColumnParallelLinear,
-    ParallelAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 
-_LINEAR = {"colwise": (ColumnParallelLinear, {"gather_output": False}),
-           "colwise_gather": (ColumnParallelLinear, {"gather_output": True}),
-           "rowwise": (RowParallelLinear, {"input_is_parallel": True}),
-           "rowwise_split": (RowParallelLinear, {"input_is_parallel": False})}
-STYLES = (*_LINEAR, "vocab", "heads")
-_HEAD_NAMES = {"q": ("q", "query", "q_proj"), "k": ("k", "key", "k_proj"),
-               "v": ("v", "value", "v_proj"), "out": ("out", "out_proj", "o_proj", "proj")}
-
-
-def _find(model: nn.Module, name: str) -> nn.Module:
-    modules = dict(model.named_modules())
-    if name not in modules:
-        close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"parallelize: the plan names layer {name!r}, which {type(model).__name__} "
-                         f"does not have{hint} (see model.named_modules())")
-    return modules[name]
-
-
-def _attention(module: nn.Module, name: str, group: Group | None) -> ParallelAttention:
-    heads = getattr(module, "num_heads", None)
-    children = dict(module.named_children())
-    found = {}
-    for role, names in _HEAD_NAMES.items():
-        hits = [children[n] for n in names if isinstance(children.get(n), nn.Linear)]
-        found[role] = hits[0] if hits else None
-    missing = [role for role, m in found.items() if m is None]
-    if not isinstance(heads, int) or missing:
-        raise ValueError(
-            f"parallelize: style 'heads' for {name!r} needs an int attribute num_heads and nn.Linear "
-            f"children for q, k, v and out ({_HEAD_NAMES}); {type(module).__name__} has "
-            f"num_heads={heads!r}, missing {missing}")
-    return ParallelAttention(found["q"], found["k"], found["v"], found["out"], heads, group,
-                             causal=bool(getattr(module, "causal", False)))
-
-
-def _convert(module: nn.Module, name: str, style: str, group: Group | None) -> nn.Module:
-    if style == "heads":
-        return _attention(module, name, group)
-    expected = nn.Embedding if style == "vocab" else nn.Linear
-    if not isinstance(module, expected):
-        raise ValueError(f"parallelize: style {style!r} for {name!r} needs an {expected.__name__}, "
-                         f"got {type(module).__name__}")
-    if style == "vocab":
-        return VocabParallelEmbedding.from_full(module, group)
-    cls, options = _LINEAR[style]
-    return cls.from_full(module, group, **options)
-
-
-def check_group(group: Group | None, plan: Mapping[str, str]) -> None:
-    """Every rank must see the same members in its tp group and the same plan, or none converts."""
-    mine = (runtime.rank(), group_ranks(group), sorted(plan.items()))
-    views = collectives.allgather_object(mine, group=group)
-    odd = [(r, ranks, p) for r, ranks, p in views if (ranks, p) != mine[1:]]
-    if odd:
-        lines = "; ".join(f"rank {r} has tp group {list(ranks)} and plan {dict(p)}" for r, ranks, p in odd)
-        raise ValueError(f"parallelize: rank {mine[0]} has tp group {list(mine[1])} and plan "
-                         f"{dict(mine[2])}, but {lines}; build the tp groups and the plan the same "
-                         f"way on every rank (e.g. td.mesh(dp=, tp=).tp_group)")
+_STYLES = {
+    "colwise": (nn.Linear, lambda m, g: ColumnParallelLinear.from_linear(m, group=g)),
+    "colwise_gather": (nn.Linear, lambda m, g: ColumnParallelLinear.from_linear(
+        m, gather_output=True, group=g)),
+    "rowwise": (nn.Linear, lambda m, g: RowParallelLinear.from_linear(m, group=g)),
+    "embedding": (nn.Embedding, lambda m, g: VocabParallelEmbedding.from_embedding(m, group=g)),
+    "attention": (nn.MultiheadAttention,
+                  lambda m, g: ParallelSelfAttention.from_multihead(m, group=g)),
+}
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelSelfAttention)
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None = None) -> nn.Module:
-    """Replace the named layers of `model` in place by their tensor-parallel versions; returns it."""
+    """Swap the layers named in `plan` for tensor-parallel ones over `group`; returns `model`.
+
+    Every rank of the world calls it (each with its own tp group); the ranks of one group must
+    pass the same plan and the same model layout.
+    """
+    _check_groups(group)
+    modules = dict(model.named_modules())
     for name, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"parallelize: unknown style {style!r} for {name!r}; use one of {STYLES}")
-        _find(model, name)
-    if group is not None and group.rank < 0:
-        raise ValueError(f"parallelize: this rank is not a member of {group!r}; call it on members only")
-    check_group(group, plan)
+        if style not in _STYLES:
+            raise ValueError(f"plan[{name!r}] = {style!r}: choose one of {', '.join(_STYLES)}")
+        if name not in modules or name == "":
+            close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"the plan names {name!r}, which is not a layer of "
+                             f"{type(model).__name__}{hint}")
+        kind, _ = _STYLES[style]
+        if not isinstance(modules[name], kind):
+            raise TypeError(f"plan[{name!r}] = {style!r} needs an nn.{kind.__name__}, but "
+                            f"{name!r} is {type(modules[name]).__name__}")
+    layout = [f"{name}:{style}:{tuple(modules[name].state_dict()['weight'].shape)}"
+              if "weight" in modules[name].state_dict() else f"{name}:{style}"
+              for name, style in sorted(plan.items())]
+    agreement.agree_layout("tensor-parallel plan", layout, group, always=True)
     for name, style in plan.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        converted = _convert(getattr(parent, child), name, style, group)
-        setattr(parent, child, converted)
+        setattr(parent, child, _STYLES[style][1](modules[name], group))
     return model
+
+
+def _check_groups(group: Group | None) -> None:
+    """Every rank's tp group must be the one its members name: else say who thinks what."""
+    mine = list(group_ranks(group))
+    everyone = agreement.everyone(mine, None, context.current())
+    wrong = [f"rank {r} uses tp group {g}, but rank {m} of it uses {everyone[m]}"
+             for r, g in enumerate(everyone) for m in g if everyone[m] != g or r not in g]
+    if wrong:
+        raise agreement.CollectiveMismatchError(
+            "ranks disagree on their tensor-parallel groups:\n  " + "\n  ".join(wrong[:8])
+            + "\nBuild the groups the same way on every rank (td.mesh(dp=, tp=) does).")
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether `parallelize` split any of the model's layers."""
+    return any(isinstance(m, _PARALLEL) for m in model.modules())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The one-process state dict of a model converted by `parallelize` (every rank calls it)."""
+    state = {}
+    parallel = {name: m for name, m in model.named_modules() if isinstance(m, _PARALLEL)}
+    for key, value in model.state_dict().items():
+        if not any(key.startswith(f"{name}.") for name in parallel):
+            state[key] = value.detach().clone()
+    for name, module in parallel.items():
+        for key, value in module.full_weights().items():
+            state[f"{name}.{key}"] = value
+    return state

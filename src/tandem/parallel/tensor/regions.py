@@ -1,17 +1,17 @@
-"""Megatron's conjugate regions: the four autograd functions tensor parallelism is built from.
+"""The four conjugate communication pairs of tensor parallelism (Megatron-LM's "regions").
 
-They differ from `tandem.functional` in what is differentiated. `tandem.functional` follows
-`torch.distributed.nn`: the loss is the *sum over ranks* of every rank's loss. Inside a
-tensor-parallel group every rank computes the *same* loss (the activations outside the parallel
-layers are replicated), and the gradient wanted is the one of that single loss. Hence the pairs
+Inside a tensor-parallel group every rank holds the same activations outside the split layers
+and computes the same loss: the loss is *replicated*, not summed over ranks. Under that
+convention the pairs are
 
-    copy_to_group       forward: identity            backward: all-reduce (sum)
-    reduce_from_group   forward: all-reduce (sum)    backward: identity
-    gather_from_group   forward: all-gather last dim backward: keep this rank's slice
-    scatter_to_group    forward: keep this rank's slice  backward: all-gather last dim
+    copy_to      forward: identity             backward: all-reduce (sum) of the gradient
+    reduce_from  forward: all-reduce (sum)     backward: identity
+    gather_from  forward: all-gather (concat)  backward: keep this rank's slice
+    scatter_to   forward: keep this rank's slice  backward: all-gather
 
-A column-parallel Linear opens a region with `copy_to_group`, the row-parallel Linear after it
-closes it with `reduce_from_group`: an MLP communicates once forward and once backward.
+so a column-parallel layer followed by a row-parallel one communicates once forward
+(`reduce_from`) and once backward (`copy_to`). They differ from `td.functional`, whose
+convention is a loss summed over ranks (data parallelism, branches that feed one rank each).
 """
 
 from __future__ import annotations
@@ -19,31 +19,21 @@ from __future__ import annotations
 import torch
 
 from tandem.comm import collectives
-from tandem.comm.groups import Group, group_rank, group_size
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_rank, group_size
 
 
-def _allreduce(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
-    if group_size(group) == 1:
-        return tensor
-    return collectives.allreduce(tensor.contiguous(), "sum", group=group)
+def _split(tensor: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
+    size = tensor.shape[dim] // group_size(group)
+    return tensor.narrow(dim, group_rank(group) * size, size).contiguous()
 
 
-def _gather_last(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
-    n = group_size(group)
-    if n == 1:
-        return tensor
-    gathered = collectives.allgather(tensor.movedim(-1, 0).contiguous(), group=group)
-    return gathered.movedim(0, -1).contiguous()
+def _gather(tensor: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
+    moved = tensor.movedim(dim, 0).contiguous()
+    return collectives.allgather(moved, group=group).movedim(0, dim)
 
 
-def _slice_last(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
-    n = group_size(group)
-    if n == 1:
-        return tensor
-    return tensor.chunk(n, dim=-1)[group_rank(group)].contiguous()
-
-
-class _Copy(torch.autograd.Function):
+class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
@@ -51,56 +41,56 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _allreduce(grad, ctx.group), None
+        return collectives.allreduce(grad.contiguous(), "sum", group=ctx.group), None
 
 
-class _Reduce(torch.autograd.Function):
+class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
-        return _allreduce(tensor, group)
+        return collectives.allreduce(tensor.contiguous(), "sum", group=group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-class _Gather(torch.autograd.Function):
+class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _gather_last(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice_last(grad, ctx.group), None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _slice_last(tensor, group)
+    def forward(ctx, tensor, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(tensor, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return _split(grad, ctx.dim, ctx.group), None, None
 
 
-def copy_to_group(tensor: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """Identity forward; the gradient is summed over the group in backward."""
-    return _Copy.apply(tensor, group)
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(tensor, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
 
 
-def reduce_from_group(tensor: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """Sum over the group forward; the gradient passes through unchanged."""
-    return _Reduce.apply(tensor, group)
+def copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Enter a split region: identity forward, gradients summed over the group backward."""
+    return _CopyTo.apply(tensor, group) if group_size(group) > 1 else tensor
 
 
-def gather_from_group(tensor: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """Concatenate the ranks' equal slices along the last dim; backward keeps this rank's slice."""
-    return _Gather.apply(tensor, group)
+def reduce_from(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Leave a split region by summing the partial results: all-reduce forward, identity back."""
+    return _ReduceFrom.apply(tensor, group) if group_size(group) > 1 else tensor
 
 
-def scatter_to_group(tensor: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """Keep this rank's slice of the last dim; backward all-gathers the gradient."""
-    return _Scatter.apply(tensor, group)
+def gather_from(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
+    """Leave a split region by concatenating the shards along `dim`."""
+    return _GatherFrom.apply(tensor, dim % tensor.dim(), group) if group_size(group) > 1 else tensor
+
+
+def scatter_to(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
+    """Enter a split region by keeping this rank's equal slice along `dim`."""
+    return _ScatterTo.apply(tensor, dim % tensor.dim(), group) if group_size(group) > 1 else tensor
