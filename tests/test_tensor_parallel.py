@@ -232,6 +232,26 @@ def test_bad_plans_and_sizes_are_named():
     assert "e.g. 9 or 12" in messages[3]
 
 
+def check_half_precision_loss():
+    """bf16 logit slices: the loss is float32's, the gradient comes back in bf16."""
+    generator = torch.Generator().manual_seed(7)
+    full = torch.randn(6, 4 * td.size(), generator=generator)
+    target = torch.randint(full.shape[1], (6,), generator=generator)
+    mine = full.chunk(td.size(), dim=1)[td.rank()].bfloat16().requires_grad_()
+    loss = td.vocab_parallel_cross_entropy(mine, target)
+    loss.backward()
+    reference = full.bfloat16().float().requires_grad_()
+    F.cross_entropy(reference, target).backward()
+    expected = reference.grad.chunk(td.size(), dim=1)[td.rank()]
+    return (loss.dtype == torch.float32 and mine.grad.dtype == torch.bfloat16
+            and abs(loss.item() - F.cross_entropy(reference, target).item()) < 1e-6
+            and torch.allclose(mine.grad.float(), expected, atol=1e-2))
+
+
+def test_half_precision_logits_are_reduced_in_float32():
+    assert run_distributed(check_half_precision_loss, 2, "gloo") == [True, True]
+
+
 def check_mismatched_groups():
     groups = [td.new_group([0, 1]), td.new_group([1, 2]), td.new_group([0, 2])]
     try:

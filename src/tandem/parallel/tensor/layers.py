@@ -182,6 +182,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group):
         part = logits.shape[-1]
         start = group_rank(group) * part
+        # Half-precision logits: the softmax is computed in float32 (exp and the sums over a
+        # vocabulary lose too much in 16 bits); the gradient is returned in the logits' dtype.
+        ctx.dtype = logits.dtype
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
         # Stable softmax: subtract the global maximum (no gradient flows through it).
         top = logits.detach().amax(dim=-1)
         if group_size(group) > 1:
@@ -205,4 +210,4 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         result = softmax.clone()
         onehot = torch.zeros_like(result).scatter_(-1, local.unsqueeze(-1), 1.0)
         result -= onehot * mine.unsqueeze(-1)
-        return result * grad.unsqueeze(-1), None, None
+        return (result * grad.unsqueeze(-1)).to(ctx.dtype), None, None
