@@ -130,7 +130,7 @@ def check_argument_errors():
         td.send(torch.ones(1), dst=td.rank())
     with pytest.raises(ValueError, match="new_group got a rank twice"):
         td.new_group([0, 0])
-    with pytest.raises(ValueError, match=r"mesh\(dp=3, pp=1\) needs 3 ranks, but the world has 2"):
+    with pytest.raises(ValueError, match=r"mesh\(dp=3, pp=1, tp=1\) needs 3 ranks, but the world has 2"):
         td.mesh(dp=3, pp=1)
 
 
