@@ -37,6 +37,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tandem.spawning": ("SpawnError", "spawn"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+# public submodules reached as attributes: `td.functional.all_reduce(...)`
+_SUBMODULES = ("functional",)
 
 __all__ = [
     "CheckpointError",
@@ -70,6 +72,7 @@ __all__ = [
     "broadcast_parameters",
     "check_replicas",
     "device",
+    "functional",
     "init",
     "is_initialized",
     "join",
@@ -93,6 +96,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tandem.{name}")  # the import binds it in globals()
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'tandem' has no attribute {name!r}")
