@@ -25,6 +25,7 @@ from tandem.environments.adapters import (
     launched,
     setting,
     single_process,
+    horovod_variables,
     tandem_variables,
 )
 from tandem.environments.manual import check_rank_arguments, rendezvous_address, resolve
@@ -47,5 +48,6 @@ __all__ = [
     "resolve",
     "setting",
     "single_process",
+    "horovod_variables",
     "tandem_variables",
 ]

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tandem.environments import tandem_variables
+from tandem.environments import horovod_variables, tandem_variables
 from tandem.launch.config import LaunchConfig
 from tandem.launch.output import RankOutput, block_agent_signals
 from tandem.launch.processes import cores, signal_group, start_ranks
@@ -79,6 +79,8 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
         local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
         backend=config.backend,
     ))
+    env.update(horovod_variables(rank=placement.offset + local, size=placement.world,
+                                 local_rank=local, local_size=nproc or config.np))
     env["TANDEM_RESTART"] = str(placement.attempt)
     if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
         env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface
