@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -45,7 +46,10 @@ class Placement:
 
 
 def rank_command(config: LaunchConfig) -> list[str]:
-    """The command line of every rank: this Python, running the script or module."""
+    """The command line of every rank: this Python running the script or module, or the
+    command as given (`tandem run -np 2 python train.py`)."""
+    if config.executable:
+        return [shutil.which(config.program) or config.program, *config.args]
     if config.module:
         return [sys.executable, "-u", "-m", config.program, *config.args]
     return [sys.executable, "-u", config.program, *config.args]
