@@ -1,8 +1,11 @@
 """`tandem.horovod` keeps Horovod's names and semantics, across real processes."""
 
+import pytest
 import torch
 
+import tandem as td
 import tandem.horovod as hvd
+from tandem import runtime
 from tandem.testing import run_distributed
 
 
@@ -40,11 +43,28 @@ def check_horovod_collectives():
     assert into.tolist() == [float(root), 10.0]
 
     rows = torch.arange(2 * n, dtype=torch.float32) + 100 * me
-    output, received = hvd.alltoall(rows)
-    assert received.tolist() == [2] * n
+    output = hvd.alltoall(rows)  # without splits: the tensor alone, as in Horovod
     assert output.tolist() == [100.0 * r + 2 * me + k for r in range(n) for k in range(2)]
+    splits = torch.tensor([1 + (j == me) for j in range(n)], dtype=torch.int32)
+    output, received = hvd.alltoall(torch.arange(n + 1.0) + 100 * me, splits)
+    assert received.tolist() == [1 + (j == me) for j in range(n)]  # what each rank sent here
+    assert output.shape[0] == n + 1
     reduced = hvd.reducescatter(torch.ones(2 * n) * (me + 1))
     assert reduced.tolist() == [(n + 1) / 2] * 2
+    # A first dimension not divisible by the size: the first rows % n ranks get one row more.
+    uneven = hvd.reducescatter(torch.arange(2 * n + 1.0).unsqueeze(1), op=hvd.Sum)
+    start = 3 * me if me == 0 else 2 * me + 1
+    assert uneven.squeeze(1).tolist() == [float(n * k) for k in range(start, start + 2 + (me == 0))]
+    # Integers: int16 widened for Gloo; pre/postscale in float64, then truncated, as Horovod.
+    shorts = hvd.allreduce(torch.tensor([300, -7], dtype=torch.int16), op=hvd.Sum)
+    assert shorts.dtype == torch.int16 and shorts.tolist() == [300 * n, -7 * n]
+    scaled = hvd.allreduce(torch.tensor([10, -10]), op=hvd.Sum, prescale_factor=0.55)
+    assert scaled.tolist() == [5 * n, -5 * n]
+    assert hvd.allreduce(torch.tensor([n - 1 + me]), op=hvd.Average).tolist() == [(3 * n - 3) // 2]
+    grouped = hvd.grouped_reducescatter([torch.ones(n, 2), torch.ones(2 * n)], op=hvd.Sum)
+    assert [g.tolist() for g in grouped] == [[[float(n)] * 2], [float(n)] * 2]
+    gathered = hvd.grouped_allgather([torch.tensor([me]), torch.tensor([[me, me]])])
+    assert gathered[0].tolist() == list(range(n)) and gathered[1].shape == (n, 2)
 
     assert hvd.broadcast_object({"me": me}, root_rank=root) == {"me": root}
     assert hvd.allgather_object(me) == list(range(n))
@@ -115,3 +135,99 @@ def check_horovod_training_script():
 
 def test_horovod_training_script_matches_one_process():
     run_distributed(check_horovod_training_script, world_size=2)
+
+
+def check_horovod_contracts():
+    """Horovod's contracts beyond the arithmetic: errors, names, posting order, join, sets."""
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    assert hvd.gloo_built() and not hvd.ccl_built() and not hvd.nccl_built()
+    assert hvd.mpi_enabled() == (runtime.get_backend().name == "mpi") != hvd.gloo_enabled()
+
+    # A mismatch is a RuntimeError (Horovod's contract) and a td.CollectiveMismatchError.
+    for bad in (lambda: hvd.allreduce(torch.zeros(3 + me)),
+                lambda: hvd.allgather(torch.zeros(2, 1 + me)),
+                lambda: hvd.broadcast(torch.zeros(2), root_rank=me)):
+        with pytest.raises(RuntimeError, match="different arguments") as raised:
+            bad()
+        assert isinstance(raised.value, td.CollectiveMismatchError)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]  # the job goes on
+
+    # name=: a second operation with the name of one in flight is refused on this rank. Posted
+    # operations start only when needed, so rank 0 may post one and then meet the others in a
+    # barrier before they post theirs.
+    if me == 0:
+        first = hvd.allreduce_async(torch.ones(2), name="grads")
+        with pytest.raises(ValueError, match="'grads' is already in flight"):
+            hvd.allreduce_async(torch.ones(2), name="grads")
+    hvd.barrier()
+    if me != 0:
+        first = hvd.allreduce_async(torch.ones(2), name="grads")
+    assert hvd.synchronize(first).tolist() == [1.0, 1.0]
+    hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="grads"))  # free again
+
+    # join: the ranks that joined answer allreduces with zeros; other collectives fail on the
+    # ranks still running, with the reason; every rank learns the last rank to join.
+    for first_out in range(n):
+        if me == first_out:
+            last = hvd.join()
+        else:
+            assert hvd.allreduce(torch.full((3,), 6.0 * n), op=hvd.Sum).tolist() == [6.0 * n * (n - 1)] * 3
+            with pytest.raises(RuntimeError, match="called hvd.join"):
+                hvd.allgather(torch.ones(1))
+            last = hvd.join()
+        assert last != first_out and hvd.allgather_object(last) == [last] * n
+
+    # Process sets: a td.new_group each; every rank adds and removes them.
+    evens = hvd.add_process_set(range(0, n, 2))
+    odds = hvd.add_process_set(range(1, n, 2))
+    mine = evens if me % 2 == 0 else odds
+    assert mine.included() and mine.size() == len(mine.ranks) and mine.ranks.index(me) == mine.rank()
+    assert hvd.allreduce(torch.tensor([me]), op=hvd.Sum, process_set=mine).tolist() == [sum(mine.ranks)]
+    assert hvd.allgather_object(me, process_set=mine) == mine.ranks
+    with pytest.raises(ValueError, match="not in"):
+        hvd.allreduce(torch.ones(1), process_set=odds if mine is evens else evens)
+    assert hvd.remove_process_set(odds) and hvd.remove_process_set(evens)
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(1), process_set=evens)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+
+
+def check_horovod_gradients():
+    """Backward through the collectives follows Horovod's conventions, not the local derivative."""
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+
+    def grad_of(collective, rows=2 * n):
+        x = torch.full((rows, 2), float(me + 1), requires_grad=True)
+        out = collective(x)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * (me + 1)).sum().backward()  # a different upstream gradient on every rank
+        return x.grad[:, 0].tolist()
+
+    weights = sum(range(1, n + 1))
+    assert grad_of(lambda x: hvd.allreduce(x, op=hvd.Sum)) == [float(weights)] * (2 * n)
+    assert grad_of(lambda x: hvd.allreduce(x)) == [weights / n] * (2 * n)
+    # allgather and broadcast average the gradient over the ranks (Horovod's choice).
+    assert grad_of(lambda x: hvd.allgather(x)) == [weights / n] * (2 * n)
+    root = n - 1
+    expected = [weights / n if me == root else 0.0] * (2 * n)
+    assert grad_of(lambda x: hvd.broadcast(x, root_rank=root)) == expected
+    # alltoall sends each gradient row back where its row came from.
+    assert grad_of(lambda x: hvd.alltoall(x)) == [float(j // 2 + 1) for j in range(2 * n)]
+    # reducescatter: allgather of the gradient, times the size (Horovod's convention).
+    assert grad_of(lambda x: hvd.reducescatter(x, op=hvd.Sum)) == [
+        float(n * (j // 2 + 1)) for j in range(2 * n)]
+
+
+def test_horovod_contracts_and_gradients():
+    for world_size in (2, 3):
+        run_distributed(check_horovod_contracts, world_size=world_size)
+    run_distributed(check_horovod_gradients, world_size=3)
+
+
+def test_horovod_on_mpi():
+    pytest.importorskip("mpi4py")
+    run_distributed(check_horovod_collectives, world_size=2, backend="mpi")
+    run_distributed(check_horovod_contracts, world_size=2, backend="mpi")
