@@ -231,3 +231,31 @@ def test_horovod_on_mpi():
     pytest.importorskip("mpi4py")
     run_distributed(check_horovod_collectives, world_size=2, backend="mpi")
     run_distributed(check_horovod_contracts, world_size=2, backend="mpi")
+
+
+def test_tandem_run_takes_horovodrun_command_forms(tmp_path):
+    """`tandem run -np 2 /abs/python script.py` (a command run as given) and HOROVOD_* variables."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tandem.launch.config import is_command
+
+    root = Path(__file__).resolve().parents[1]
+    plain = tmp_path / "train"
+    plain.write_text("print('hi')\n")
+    assert is_command(sys.executable) and is_command("python3") and is_command("env")
+    assert not is_command("train.py") and not is_command(str(plain))
+    assert not is_command("no_such_program_here")
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", "gloo", sys.executable,
+         str(root / "tests" / "scripts" / "horovod_script.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for r in range(2):
+        assert f"[{r}] horovod rank {r} of 2: sum 3" in done.stdout, done.stdout
