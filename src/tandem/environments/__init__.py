@@ -22,10 +22,10 @@ from tandem.environments.adapters import (
     detect_tandem,
     detect_torchrun,
     first_slurm_host,
+    horovod_variables,
     launched,
     setting,
     single_process,
-    horovod_variables,
     tandem_variables,
 )
 from tandem.environments.manual import check_rank_arguments, rendezvous_address, resolve

@@ -68,8 +68,6 @@ from tandem.horovod.ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
-    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
@@ -82,17 +80,21 @@ from tandem.horovod.ops import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
     join,
-    reducescatter,
-    reducescatter_async,
     sparse_allreduce_async,
 )
 from tandem.horovod.optimizer import (
     DistributedOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,
+)
+from tandem.horovod.scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
 )
 
 

@@ -22,7 +22,6 @@ import tandem as td
 from tandem import functional
 from tandem.horovod import engine
 from tandem.horovod.basics import (
-    Adasum,
     Average,
     Compression,
     ProcessSet,
@@ -34,10 +33,10 @@ from tandem.horovod.basics import (
 )
 from tandem.horovod.engine import Description
 
-_LINEAR = (Average, Sum)
+LINEAR = (Average, Sum)
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
     """The identity forward; the gradient multiplied by `factor` backward."""
 
     @staticmethod
@@ -50,7 +49,7 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _differentiable(tensor: torch.Tensor) -> bool:
+def differentiable(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad and torch.is_grad_enabled()
 
 
@@ -66,17 +65,17 @@ def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor * factor
 
 
-def _average(tensor: torch.Tensor, n: int) -> torch.Tensor:
+def truncating_average(tensor: torch.Tensor, n: int) -> torch.Tensor:
     if tensor.is_floating_point() or tensor.is_complex():
         return tensor.div_(n)
     return tensor.copy_(torch.div(tensor, n, rounding_mode="trunc"))
 
 
-def _size(group) -> int:
+def set_size(group) -> int:
     return td.size() if group is None else group.size
 
 
-def _negotiated(group, description: Description) -> None:
+def negotiated(group, description: Description) -> None:
     if group is None:  # join and the argument check are global, as in Horovod
         engine.negotiate(description)
 
@@ -84,18 +83,18 @@ def _negotiated(group, description: Description) -> None:
 # -- allreduce --------------------------------------------------------------------------------
 def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
     """What starts one allreduce: returns a waitable whose result is the reduced tensor."""
-    through_autograd = _differentiable(tensor) and not inplace
+    through_autograd = differentiable(tensor) and not inplace
 
     def start():
         if through_autograd:
-            if op not in _LINEAR:
+            if op not in LINEAR:
                 raise ValueError(f"allreduce of a tensor that requires grad needs op=Average or "
                                  f"Sum, got {op!r}")
-            _negotiated(group, Description("allreduce", tensor, op))
+            negotiated(group, Description("allreduce", tensor, op))
             reduced = functional.all_reduce(scale(tensor, prescale), op, group)
             return engine.ready(scale(reduced, postscale))
         native = "sum" if op == Average else op
-        _negotiated(group, Description("allreduce", tensor, native))
+        negotiated(group, Description("allreduce", tensor, native))
         work = scale(tensor if inplace else tensor.detach().clone(), prescale)
         if work is tensor and not inplace:
             work = work.clone()
@@ -105,7 +104,7 @@ def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
         if through_autograd:  # scaled and averaged already
             return result
         if op == Average:
-            _average(result, _size(group))
+            truncating_average(result, set_size(group))
         result = scale(result, postscale)
         if inplace and result is not tensor:
             tensor.copy_(result)
@@ -167,7 +166,7 @@ class _Many:
                 for work, finish in zip(self.works, self.finishes, strict=True)]
 
 
-def _grouped(name, starts_and_finishes):
+def grouped(name, starts_and_finishes):
     def start():
         return _Many([s() for s, _ in starts_and_finishes], [f for _, f in starts_and_finishes])
 
@@ -177,14 +176,14 @@ def _grouped(name, starts_and_finishes):
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set):
     group, op = group_of(process_set), reduce_op(average, op)
-    return _grouped(name, [_allreduce_start(t.detach(), op, prescale_factor, postscale_factor,
+    return grouped(name, [_allreduce_start(t.detach(), op, prescale_factor, postscale_factor,
                                             group, inplace=False) for t in tensors])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     group, op = group_of(process_set), reduce_op(average, op)
-    return _grouped(name, [_allreduce_start(t, op, prescale_factor, postscale_factor, group,
+    return grouped(name, [_allreduce_start(t, op, prescale_factor, postscale_factor, group,
                                             inplace=True) for t in tensors])
 
 
@@ -200,7 +199,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     codec = compressor(compression)
     wires = [codec.compress(t) for t in tensors]
     group, op = group_of(process_set), reduce_op(average, op)
-    handle = _grouped(name, [_allreduce_start(w, op, prescale_factor, postscale_factor, group,
+    handle = grouped(name, [_allreduce_start(w, op, prescale_factor, postscale_factor, group,
                                               inplace=False) for w, _ in wires])
     reduced = engine.synchronize(handle)
     return [codec.decompress(r, ctx) for r, (_, ctx) in zip(reduced, wires, strict=True)]
@@ -209,18 +208,18 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
     """A sparse tensor's allreduce: indices and values gathered from every rank, then summed."""
     group, op = group_of(process_set), reduce_op(None, op)
-    if op not in _LINEAR:
+    if op not in LINEAR:
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not {op!r}")
     sparse = tensor.coalesce()
     indices, values = sparse.indices().t().contiguous(), sparse.values()
 
     def start():
-        _negotiated(group, Description("allgather", values))
+        negotiated(group, Description("allgather", values))
         gathered = td.allgather(values, group=group)
-        _negotiated(group, Description("allgather", indices))
+        negotiated(group, Description("allgather", indices))
         where = td.allgather(indices, group=group).t()
         if op == Average:
-            gathered = gathered / _size(group)
+            gathered = gathered / set_size(group)
         return engine.ready(torch.sparse_coo_tensor(where, gathered, sparse.shape).coalesce())
 
     return engine.post(name, start)
@@ -229,9 +228,9 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 # -- allgather and broadcast --------------------------------------------------------------------
 def _allgather_start(tensor, group):
     def start():
-        _negotiated(group, Description("allgather", tensor))
-        if _differentiable(tensor):
-            averaged = _ScaleGrad.apply(tensor, 1.0 / _size(group))
+        negotiated(group, Description("allgather", tensor))
+        if differentiable(tensor):
+            averaged = ScaleGrad.apply(tensor, 1.0 / set_size(group))
             return engine.ready(functional.all_gather(averaged, 0, group))
         return td.allgather(tensor, async_op=True, group=group)
 
@@ -249,12 +248,12 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     group = group_of(process_set)
-    return _grouped(name, [_allgather_start(t.detach(), group) for t in tensors])
+    return grouped(name, [_allgather_start(t.detach(), group) for t in tensors])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     group = group_of(process_set)
-    return engine.synchronize(_grouped(name, [_allgather_start(t, group) for t in tensors]))
+    return engine.synchronize(grouped(name, [_allgather_start(t, group) for t in tensors]))
 
 
 def _broadcast_start(tensor, root_rank, group, inplace):
@@ -262,9 +261,9 @@ def _broadcast_start(tensor, root_rank, group, inplace):
         raise ValueError(f"root_rank={root_rank!r}: give the global rank of the root")
 
     def start():
-        _negotiated(group, Description("broadcast", tensor, root=root_rank))
-        if _differentiable(tensor) and not inplace:
-            averaged = _ScaleGrad.apply(tensor, 1.0 / _size(group))
+        negotiated(group, Description("broadcast", tensor, root=root_rank))
+        if differentiable(tensor) and not inplace:
+            averaged = ScaleGrad.apply(tensor, 1.0 / set_size(group))
             return engine.ready(functional.broadcast(averaged, root_rank, group))
         return td.broadcast(tensor, root=root_rank, inplace=inplace, async_op=True, group=group)
 
@@ -287,133 +286,6 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """`root_rank`'s tensor on every rank of the set; differentiable."""
     return engine.run(name, *_broadcast_start(tensor, root_rank, group_of(process_set), False))
-
-
-# -- alltoall ---------------------------------------------------------------------------------
-def _splits(tensor: torch.Tensor, splits: Any, n: int) -> list[int] | None:
-    if splits is None:
-        return None
-    if isinstance(splits, torch.Tensor):
-        if splits.is_floating_point() or splits.is_complex():
-            raise ValueError(f"alltoall splits must be integers, got a {splits.dtype} tensor")
-        splits = splits.tolist()
-    values = [int(s) for s in splits]
-    rows = tensor.shape[0] if tensor.dim() else 0
-    if len(values) != n or min(values) < 0 or sum(values) > rows:
-        raise ValueError(
-            f"alltoall splits {values} must be {n} non-negative counts summing to at most "
-            f"dim 0 of the tensor ({rows})"
-        )
-    return values
-
-
-def _alltoall_start(tensor, splits, group):
-    n = _size(group)
-    sent = _splits(tensor, splits, n)
-    if sent is None and (tensor.dim() == 0 or tensor.shape[0] % n):
-        raise ValueError(f"alltoall without splits needs dim 0 divisible by {n}; got shape "
-                         f"{tuple(tensor.shape)}: pass splits=")
-    used = tensor if sent is None or sum(sent) == tensor.shape[0] else tensor[: sum(sent)]
-
-    def start():
-        _negotiated(group, Description("alltoall", used))
-        counts = torch.tensor(sent or [used.shape[0] // n] * n, dtype=torch.int64)
-        received = td.alltoall(counts, splits=[1] * n, group=group).to(torch.int32)
-        if _differentiable(used):
-            return engine.ready((functional.all_to_all(used, sent, group), received))
-        output = td.alltoall(used, splits=sent, group=group)
-        return engine.ready((output, received))
-
-    def finish(result):
-        return result[0] if splits is None else result
-
-    return start, finish
-
-
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    start, _ = _alltoall_start(tensor.detach(), splits, group_of(process_set))
-    return engine.post(name, start)  # synchronize gives (output, received_splits), as Horovod
-
-
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """Send `splits[j]` rows to rank j of the set (equal parts without splits); differentiable.
-
-    Returns the received tensor, and with `splits` also the received splits (int32)."""
-    return engine.run(name, *_alltoall_start(tensor, splits, group_of(process_set)))
-
-
-# -- reducescatter ----------------------------------------------------------------------------
-def _reducescatter_start(tensor, op, group, prescale, postscale):
-    if op == Adasum:
-        raise NotImplementedError("reducescatter with op=hvd.Adasum is not implemented")
-    op = reduce_op(None, op)
-    if op not in _LINEAR:
-        raise ValueError(f"reducescatter supports op=Average or Sum, got {op!r}")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
-    n = _size(group)
-    rows = tensor.shape[0]
-    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
-    me = td.rank() if group is None else group.rank
-
-    def start():
-        _negotiated(group, Description("reducescatter", tensor, "sum"))
-        grad = _differentiable(tensor)
-        data = scale(tensor if grad else tensor.detach(), prescale)
-        if rows % n:  # pad every rank's share to the longest, then cut the padding off
-            longest = counts[0]
-            parts = []
-            for part in torch.split(data, counts):
-                pad = longest - part.shape[0]
-                parts.append(part if not pad else torch.cat(
-                    [part, part.new_zeros((pad, *part.shape[1:]))]))
-            data = torch.cat(parts)
-        if grad:
-            out = functional.reduce_scatter(_ScaleGrad.apply(data, float(n)), "sum", 0, group)
-            if op == Average:
-                out = out / n
-        else:
-            out = td.reducescatter(data.contiguous(), op="sum", group=group)
-            if op == Average:
-                out = _average(out, n)
-        return engine.ready(scale(out[: counts[me]], postscale))
-
-    return start, None
-
-
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0):
-    return engine.post(name, *_reducescatter_start(tensor.detach(), op, group_of(process_set),
-                                                   prescale_factor, postscale_factor))
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce over the set, then rank i keeps the i-th block of rows; differentiable."""
-    codec = compressor(compression)
-    wire, ctx = codec.compress(tensor)
-    start, finish = _reducescatter_start(wire, op, group_of(process_set), prescale_factor,
-                                         postscale_factor)
-    return codec.decompress(engine.run(name, start, finish), ctx)
-
-
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0):
-    group = group_of(process_set)
-    return _grouped(name, [_reducescatter_start(t.detach(), op, group, prescale_factor,
-                                                postscale_factor) for t in tensors])
-
-
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0):
-    codec = compressor(compression)
-    wires = [codec.compress(t) for t in tensors]
-    group = group_of(process_set)
-    handle = _grouped(name, [_reducescatter_start(w, op, group, prescale_factor, postscale_factor)
-                             for w, _ in wires])
-    out = engine.synchronize(handle)
-    return [codec.decompress(r, ctx) for r, (_, ctx) in zip(out, wires, strict=True)]
 
 
 # -- the rest ---------------------------------------------------------------------------------
