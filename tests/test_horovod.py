@@ -259,3 +259,56 @@ def test_tandem_run_takes_horovodrun_command_forms(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     for r in range(2):
         assert f"[{r}] horovod rank {r} of 2: sum 3" in done.stdout, done.stdout
+
+
+def check_horovod_optimizer_details():
+    """What Horovod scripts touch on the optimizer besides step(): names, warnings, sparse grads."""
+    import warnings
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    net1, net2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    both = torch.optim.SGD([*net1.parameters(), *net2.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="duplicates: bias, weight"):
+        hvd.DistributedOptimizer(both, named_parameters=[*net1.named_parameters(),
+                                                         *net2.named_parameters()])
+    with pytest.raises(ValueError, match="misses 2 of the optimizer's parameters"):
+        hvd.DistributedOptimizer(both, named_parameters=net1.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net1.parameters(), lr=0.1))
+    assert sorted(opt._parameter_names.values()) == ["allreduce.noname.0", "allreduce.noname.1"]
+
+    # synchronize() then step() outside skip_synchronize() warns, as in Horovod.
+    net1(torch.ones(1, 2)).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        net1(torch.ones(1, 2)).sum().backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+
+    # Compression objects: compress/decompress as Horovod's, integers untouched.
+    wire, ctx = hvd.Compression.fp16.compress(torch.ones(3, dtype=torch.float64))
+    assert wire.dtype == torch.float16
+    assert hvd.Compression.fp16.decompress(wire, ctx).dtype == torch.float64
+    assert hvd.Compression.fp16.compress(torch.ones(3, dtype=torch.int32))[0].dtype == torch.int32
+
+    # Sparse gradients (nn.Embedding(sparse=True) with SparseAdam): averaged, handed back sparse.
+    embedding = torch.nn.Embedding(4, 1, sparse=True)
+    sparse_opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(embedding.parameters())),
+                                          named_parameters=embedding.named_parameters())
+    embedding(torch.tensor([me % 4, 3])).sum().backward()
+    sparse_opt.step()
+    grad = embedding.weight.grad
+    assert grad.is_sparse
+    expected = [sum((r % 4 == row) + (row == 3) for r in range(n)) / n for row in range(4)]
+    assert grad.to_dense()[:, 0].tolist() == expected
+
+
+def test_horovod_optimizer_details():
+    run_distributed(check_horovod_optimizer_details, world_size=2)

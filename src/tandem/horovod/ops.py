@@ -206,7 +206,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
-    """A sparse tensor's allreduce: indices and values gathered from every rank, then summed."""
+    """A sparse tensor's allreduce: indices and values gathered from every rank, then summed.
+
+    Returns a function, as Horovod does: `handle()` waits and gives the (coalesced) result."""
     group, op = group_of(process_set), reduce_op(None, op)
     if op not in LINEAR:
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not {op!r}")
@@ -222,7 +224,8 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
             gathered = gathered / set_size(group)
         return engine.ready(torch.sparse_coo_tensor(where, gathered, sparse.shape).coalesce())
 
-    return engine.post(name, start)
+    handle = engine.post(name, start)
+    return lambda: engine.synchronize(handle)  # Horovod's: call it to wait for the result
 
 
 # -- allgather and broadcast --------------------------------------------------------------------

@@ -30,9 +30,22 @@ class _HorovodOptimizer(_TandemOptimizer):
     """
 
     def __init__(self, optimizer, named_parameters, **options: Any) -> None:
+        # Sparse gradients (nn.Embedding(sparse=True)) are averaged densely, in the buckets
+        # with the others, and handed back to the optimizer sparse (SparseAdam needs them so):
+        # Horovod's sparse_as_dense, which gives the same average as its allgather. These hooks
+        # are registered first, so they run before the reducer's.
+        self._sparse: set[torch.Tensor] = set()
+        for _, param in named_parameters:
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._densify)
         super().__init__(optimizer, named_parameters=named_parameters, **options)
         self._parameter_names = {param: name for name, param in named_parameters}
         self._synchronized = False
+
+    def _densify(self, param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.is_sparse:
+            self._sparse.add(param)
+            param.grad = param.grad.to_dense()
 
     def synchronize(self) -> None:
         super().synchronize()
@@ -53,6 +66,12 @@ class _HorovodOptimizer(_TandemOptimizer):
                 "optimizer.synchronize() in your code.", stacklevel=2,
             )
         self._synchronized = False
+        if self._sparse:
+            if not self._skip_sync:
+                self._finish_open_round()
+            for param in self._sparse:
+                if param.grad is not None and not param.grad.is_sparse:
+                    param.grad = param.grad.to_sparse()
         return super().step(closure)
 
 
