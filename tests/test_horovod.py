@@ -194,6 +194,23 @@ def check_horovod_contracts():
         hvd.allreduce(torch.ones(1), op=hvd.Adasum)
 
 
+def check_horovod_timeline(path):
+    """hvd.start_timeline: Horovod's trace format, one file per rank here."""
+    import json
+
+    hvd.init()
+    mine = f"{path}.{hvd.rank()}"
+    hvd.start_timeline(mine, mark_cycles=True)
+    hvd.allreduce(torch.ones(3), name="loss")
+    hvd.stop_timeline()
+    with open(mine) as trace:
+        text = trace.read()
+    events = json.loads(text)
+    assert {"allreduce.loss"} <= {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"} <= {e["name"] for e in events}
+    assert "start_time_since_epoch_in_micros" in text
+
+
 def check_horovod_gradients():
     """Backward through the collectives follows Horovod's conventions, not the local derivative."""
     hvd.init()
@@ -221,10 +238,11 @@ def check_horovod_gradients():
         float(n * (j // 2 + 1)) for j in range(2 * n)]
 
 
-def test_horovod_contracts_and_gradients():
+def test_horovod_contracts_and_gradients(tmp_path):
     for world_size in (2, 3):
         run_distributed(check_horovod_contracts, world_size=world_size)
     run_distributed(check_horovod_gradients, world_size=3)
+    run_distributed(check_horovod_timeline, world_size=2, args=(str(tmp_path / "trace.json"),))
 
 
 def test_horovod_on_mpi():

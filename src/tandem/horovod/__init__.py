@@ -9,7 +9,8 @@ here and nowhere else:
   reduction ops and compression;
 - `engine`: handles, posting order, `name=`, and `join` (how a joined rank answers);
 - `ops`: the collectives, differentiable through `tandem.functional`;
-- `optimizer`: `DistributedOptimizer` and the state broadcasts.
+- `optimizer`: `DistributedOptimizer` and the state broadcasts;
+- `timeline`: `start_timeline` / `stop_timeline`, Horovod's trace of its operations.
 
 What differs from Horovod is listed in the README's Horovod section.
 """
@@ -96,6 +97,7 @@ from tandem.horovod.scatter import (
     reducescatter,
     reducescatter_async,
 )
+from tandem.horovod.timeline import start_timeline, stop_timeline
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -105,20 +107,9 @@ def init(comm=None, process_sets=None) -> None:
 
 def shutdown() -> None:
     """Leave the job; operations posted and never synchronized are dropped."""
+    stop_timeline()
     engine.forget()
     _shutdown()
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's run-time timeline is not provided: use `tandem run --timeline FILE`."""
-    raise NotImplementedError(
-        "hvd.start_timeline is not provided by tandem.horovod: record a timeline for the whole "
-        f"run with `tandem run --timeline {file_path} ...` (or TANDEM_TIMELINE={file_path})"
-    )
-
-
-def stop_timeline() -> None:
-    start_timeline("FILE")
 
 
 # Horovod's module, tandem's implementation: the same layer under Horovod's name.

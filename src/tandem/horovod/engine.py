@@ -27,6 +27,7 @@ returns on every rank the highest of the ranks that joined last.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 from tandem import runtime
 from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.collectives import allgather_object
+from tandem.horovod import timeline
 from tandem.horovod.basics import HorovodMismatchError
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
@@ -77,6 +79,7 @@ def _decode(fields: list[int]) -> tuple[str, torch.dtype, str, list[int]]:
 
 class _State:
     joined_before: list[int] = []  # the flags seen at the previous negotiation
+    starting: HorovodHandle | None = None  # the handle whose operation is being started
 
 
 def _negotiate(mine: Description | None) -> tuple[list[int], list[int] | None, bool]:
@@ -115,7 +118,13 @@ def _mismatch(mine: Description | None) -> HorovodMismatchError:
 
 def negotiate(mine: Description) -> None:
     """Before an operation on the global set: agree on it, and refuse what joined ranks can't do."""
+    begin = time.time_ns() // 1000
     joined, _fields, agreed = _negotiate(mine)
+    handle = _State.starting
+    if handle is not None:
+        handle.kind = mine.kind
+        timeline.span(mine.kind, handle.name, f"NEGOTIATE_{mine.kind.upper()}", begin,
+                      time.time_ns() // 1000)
     _State.joined_before = joined
     if not agreed:
         raise _mismatch(mine)
@@ -165,12 +174,16 @@ class HorovodHandle:
     def __init__(self, name: str | None, start: Callable[[], Any],
                  finish: Callable[[Any], Any] | None = None) -> None:
         self.name = name
+        self.kind: str | None = None  # known once negotiated (global set only)
+        self._begun = 0
         self._start, self._finish = start, finish
         self._work: Any = None
         self._error: BaseException | None = None
 
     def _begin(self) -> None:
         if self._work is None and self._error is None:
+            self._begun = time.time_ns() // 1000
+            _State.starting = self
             try:
                 self._work = self._start()
             except CollectiveMismatchError as error:
@@ -178,6 +191,8 @@ class HorovodHandle:
                                else HorovodMismatchError(str(error)))
             except Exception as error:  # raised where the script synchronizes, as in Horovod
                 self._error = error
+            finally:
+                _State.starting = None
 
     def done(self) -> bool:
         return self._error is not None or (self._work is not None and self._work.done())
@@ -186,6 +201,9 @@ class HorovodHandle:
         if self._error is not None:
             raise self._error
         value = self._work.wait()
+        if self.kind is not None and timeline.recording():
+            timeline.span(self.kind, self.name, self.kind.upper(), self._begun,
+                          time.time_ns() // 1000)
         return value if self._finish is None else self._finish(value)
 
 

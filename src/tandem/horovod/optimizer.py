@@ -124,6 +124,15 @@ def broadcast_parameters(params, root_rank: int, process_set=global_process_set)
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None,
                               process_set=global_process_set) -> None:
-    """The optimizer's state and hyper-parameters from `root_rank`; gradients stay as they are."""
+    """The optimizer's state and hyper-parameters from `root_rank`.
+
+    As Horovod (which initializes an empty state with a step on zero gradients), parameters
+    that require grad and have none get a zero gradient.
+    """
     inner = optimizer.optimizer if isinstance(optimizer, _TandemOptimizer) else optimizer
+    if not inner.state:
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
     td.broadcast_optimizer_state(inner, root=root_rank, group=group_of(process_set))
