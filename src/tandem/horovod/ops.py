@@ -318,7 +318,8 @@ def join(device: int = -1) -> int:
     from tandem.parallel.reducer import live_reducers
 
     engine.start_pending()
-    gc.collect()  # optimizers the script dropped must not count
+    if live_reducers():
+        gc.collect()  # optimizers the script dropped must not count
     if live_reducers():
         return td.join()
     return engine.join_rounds(answer_allreduce)
