@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 import tandem as td
+from tandem.comm.groups import Group
 from tandem.horovod.basics import (
     Average,
     Compression,
+    ProcessSet,
     Sum,
     compressor,
     global_process_set,
@@ -109,9 +111,15 @@ def DistributedOptimizer(optimizer, named_parameters=None,  # noqa: N802 (Horovo
         raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, not {op!r}"
                          + (" (Adasum is not implemented)" if op == "adasum" else ""))
     named = _named(optimizer, named_parameters)
+    if isinstance(process_set, ProcessSet) and process_set.included() is False:
+        # A rank outside the set steps on its own gradients, as in Horovod: a group of one
+        # (nothing to reduce, so no reducer and no communication).
+        group = Group((td.rank(),), None, 0)
+    else:
+        group = group_of(process_set)
     return _HorovodOptimizer(
         optimizer, named, op=op, compression=compressor(compression).wire,
-        accumulate=backward_passes_per_step, group=group_of(process_set),
+        accumulate=backward_passes_per_step, group=group,
     )
 
 
