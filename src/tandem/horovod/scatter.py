@@ -103,10 +103,11 @@ def _reducescatter_start(tensor, op, group, prescale, postscale):
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
     me = td.rank() if group is None else group.rank
 
+    through_autograd = differentiable(tensor)
+
     def start():
         negotiated(group, Description("reducescatter", tensor, "sum"))
-        grad = differentiable(tensor)
-        data = scale(tensor if grad else tensor.detach(), prescale)
+        data = scale(tensor if through_autograd else tensor.detach(), prescale)
         if rows % n:  # pad every rank's share to the longest, then cut the padding off
             longest = counts[0]
             parts = []
@@ -115,17 +116,19 @@ def _reducescatter_start(tensor, op, group, prescale, postscale):
                 parts.append(part if not pad else torch.cat(
                     [part, part.new_zeros((pad, *part.shape[1:]))]))
             data = torch.cat(parts)
-        if grad:
+        if through_autograd:
             out = functional.reduce_scatter(ScaleGrad.apply(data, float(n)), "sum", 0, group)
-            if op == Average:
-                out = out / n
-        else:
-            out = td.reducescatter(data.contiguous(), op="sum", group=group)
-            if op == Average:
-                out = truncating_average(out, n)
-        return engine.ready(scale(out[: counts[me]], postscale))
+            return engine.ready(scale(out / n if op == Average else out, postscale)[: counts[me]])
+        return td.reducescatter(data.contiguous(), op="sum", async_op=True, group=group)
 
-    return start, None
+    def finish(out):
+        if through_autograd:  # scaled and averaged already
+            return out
+        if op == Average:
+            out = truncating_average(out, n)
+        return scale(out[: counts[me]], postscale)
+
+    return start, finish
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
