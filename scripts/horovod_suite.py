@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -59,6 +60,8 @@ def write_shim(root: Path, suite: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     (root / "mock.py").write_text(SHIM_MOCK)
+    if importlib.util.find_spec("cloudpickle") is None:  # common.py imports it; pickle will do
+        (root / "cloudpickle.py").write_text("from pickle import dumps, loads  # noqa: F401\n")
     common = suite.parent / "common.py"
     if not common.exists():
         raise SystemExit(f"{common} is missing: the suite imports it from beside test_torch.py")
