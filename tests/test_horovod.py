@@ -144,6 +144,14 @@ def check_horovod_contracts():
     assert hvd.gloo_built() and not hvd.ccl_built() and not hvd.nccl_built()
     assert hvd.mpi_enabled() == (runtime.get_backend().name == "mpi") != hvd.gloo_enabled()
 
+    # int16, which Gloo lacks, works in tandem's own collectives (carried as int32 on Gloo).
+    shorts = torch.tensor([me, -300], dtype=torch.int16)
+    assert td.allgather(shorts).tolist() == [v for r in range(n) for v in (r, -300)]
+    assert td.broadcast(shorts, root=n - 1).tolist() == [n - 1, -300]
+    assert td.allreduce(shorts, op="max").dtype == torch.int16
+    assert td.reducescatter(torch.full((n,), 2, dtype=torch.int16)).tolist() == [2 * n]
+    assert td.alltoall(torch.arange(n, dtype=torch.int16)).tolist() == [me] * n
+
     # A mismatch is a RuntimeError (Horovod's contract) and a td.CollectiveMismatchError.
     for bad in (lambda: hvd.allreduce(torch.zeros(3 + me)),
                 lambda: hvd.allgather(torch.zeros(2, 1 + me)),

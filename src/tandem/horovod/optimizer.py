@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,18 +37,16 @@ class _HorovodOptimizer(_TandemOptimizer):
         # with the others, and handed back to the optimizer sparse (SparseAdam needs them so):
         # Horovod's sparse_as_dense, which gives the same average as its allgather. These hooks
         # are registered first, so they run before the reducer's.
+        # The hooks hold the optimizer weakly, as the reducer's do: the parameters' hooks live
+        # on the C++ side, which the garbage collector cannot see through.
         self._sparse: set[torch.Tensor] = set()
+        densify = _densifier(weakref.ref(self))
         for _, param in named_parameters:
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._densify)
+                param.register_post_accumulate_grad_hook(densify)
         super().__init__(optimizer, named_parameters=named_parameters, **options)
         self._parameter_names = {param: name for name, param in named_parameters}
         self._synchronized = False
-
-    def _densify(self, param: torch.Tensor) -> None:
-        if param.grad is not None and param.grad.is_sparse:
-            self._sparse.add(param)
-            param.grad = param.grad.to_dense()
 
     def synchronize(self) -> None:
         super().synchronize()
@@ -75,6 +74,16 @@ class _HorovodOptimizer(_TandemOptimizer):
                 if param.grad is not None and not param.grad.is_sparse:
                     param.grad = param.grad.to_sparse()
         return super().step(closure)
+
+
+def _densifier(owner_ref: weakref.ref):
+    def densify(param: torch.Tensor) -> None:
+        owner = owner_ref()
+        if owner is not None and param.grad is not None and param.grad.is_sparse:
+            owner._sparse.add(param)
+            param.grad = param.grad.to_dense()
+
+    return densify
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters) -> list[tuple[str, Any]]:
