@@ -95,9 +95,9 @@ def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
             return engine.ready(scale(reduced, postscale))
         native = "sum" if op == Average else op
         negotiated(group, Description("allreduce", tensor, native))
-        work = scale(tensor if inplace else tensor.detach().clone(), prescale)
-        if work is tensor and not inplace:
-            work = work.clone()
+        work = tensor if inplace else tensor.detach()
+        scaled = scale(work, prescale)
+        work = scaled if scaled is not work or inplace else work.clone()
         return td.allreduce(work, op=native, inplace=True, async_op=True, group=group)
 
     def finish(result):
