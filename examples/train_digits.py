@@ -2,6 +2,7 @@
 
     python examples/train_digits.py                    # one process
     tandem run -np 2 examples/train_digits.py          # two ranks, same result in about the same steps
+    tandem run -np 2 examples/train_digits.py --log-dir runs/digits   # + TensorBoard/CSV metrics
 
 The five lines that make a single-process script distributed are marked `# tandem (n/5)`.
 Everything else is ordinary PyTorch. `--batch-size` is the global batch: two ranks read half
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem as td
-from tandem.metrics import Average, progress
+from tandem import Average, progress
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=10)
@@ -25,6 +26,8 @@ parser.add_argument("--batch-size", type=int, default=32, help="global batch, sp
 parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--checkpoint", default=None, help="save the final model and optimizer here")
+parser.add_argument("--log-dir", default=None,
+                    help="write metrics here (metrics.csv, TensorBoard events): tensorboard --logdir DIR")
 args = parser.parse_args()
 
 td.init()                                                                       # tandem (1/5)
@@ -58,6 +61,7 @@ if td.rank() == 0:
           f"{len(train)} training images, {len(loader)} steps per epoch")
 
 # -- training ----------------------------------------------------------------------------------
+logger = td.MetricLogger(args.log_dir) if args.log_dir else None  # rank 0 writes, averaged over ranks
 for epoch in range(1, args.epochs + 1):
     model.train()
     metrics = Average()                               # sample-weighted means over all ranks
@@ -70,8 +74,14 @@ for epoch in range(1, args.epochs + 1):
         optimizer.step()
         metrics.update(len(y), loss=loss.item(), accuracy=(logits.argmax(1) == y).float().mean().item())
     summary = metrics.compute()                       # collective: every rank calls it
+    if logger:  # one more reduction: the epoch's samples/s and compute/communication split
+        summary = logger.log(epoch, **summary, timing=True)
     if td.rank() == 0:
-        print(f"epoch {epoch:2d}: train loss {summary['loss']:.4f}  accuracy {summary['accuracy']:.4f}")
+        line = f"epoch {epoch:2d}: train loss {summary['loss']:.4f}  accuracy {summary['accuracy']:.4f}"
+        if logger:
+            line += (f"  {summary['samples_per_s']:.0f} samples/s, step {summary['time/compute_s'] * 1e3:.1f}"
+                     f" ms compute + {summary['time/comm_s'] * 1e3:.1f} ms comm")
+        print(line)
 
 # -- evaluation: each rank scores its own slice of the test set; the counts are combined ------
 model.eval()
@@ -85,6 +95,10 @@ result = evaluation.compute()
 if td.rank() == 0:
     print(f"final test loss {result['loss']:.4f}")
     print(f"final test accuracy: {result['accuracy']:.4f}")
+
+if logger:
+    logger.log(args.epochs, **{f"test/{name}": value for name, value in result.items()})
+    logger.close()
 
 if args.checkpoint:
     # Every rank calls save; rank 0 writes atomically. Reload with td.load(path).

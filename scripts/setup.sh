@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[mpi,test,examples]"
+.venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[mpi,test,examples,tensorboard,notebook]"

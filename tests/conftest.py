@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tandem import runtime
+from tandem import runtime, settings
 from tandem.testing import close_worlds
 
 
@@ -23,5 +23,6 @@ def _leaves_nothing_behind():
     leaked_runtime = runtime.is_initialized()
     if leaked_runtime:
         runtime.shutdown()
+    settings.reload()  # a test that changed TANDEM_* read them again; the next reads what is
     assert after == before, f"test leaked environment variables: {set(after) ^ set(before)}"
     assert not leaked_runtime, "test left tandem initialised in the test process"

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import tandem as td
+from tandem import settings
 from tandem.comm.groups import Group
 from tandem.data import ShardSampler, check_batch_size, epoch_order, partition_dataset
 from tandem.diagnostics import steps, timeline
@@ -195,6 +196,7 @@ def test_partition_dataset_refuses_a_non_member_and_weak_mode_scales(monkeypatch
     loader, per_rank = partition_dataset(dataset, batch_size=2, group=_group(0, 2))
     assert (per_rank, len(loader)) == (1, 4)
     monkeypatch.setenv("TANDEM_SCALE_MODE", "weak")  # the batch is per rank: 2 ranks read 4
+    settings.reload()
     loader, per_rank = partition_dataset(dataset, batch_size=2, group=_group(0, 2))
     assert (per_rank, loader.sampler.batch_size) == (2, 4)
 

@@ -1,5 +1,6 @@
 """The examples run, as a user would start them: `tandem run -np 2 examples/...`."""
 
+import csv
 import math
 import os
 import re
@@ -29,7 +30,8 @@ def _run(*arguments: str, timeout: float) -> str:
 @pytest.mark.timeout(240)
 def test_train_digits_reaches_95_percent_on_two_ranks(tmp_path):
     checkpoint = tmp_path / "digits.pt"
-    output = _run(str(EXAMPLES / "train_digits.py"), "--checkpoint", str(checkpoint), timeout=220)
+    output = _run(str(EXAMPLES / "train_digits.py"), "--checkpoint", str(checkpoint),
+                  "--log-dir", str(tmp_path / "logs"), timeout=220)
     accuracy = re.search(r"\[0\] final test accuracy: ([0-9.]+)", output)
     assert accuracy, output
     assert float(accuracy.group(1)) > 0.95, output
@@ -37,6 +39,11 @@ def test_train_digits_reaches_95_percent_on_two_ranks(tmp_path):
     state = td.load(checkpoint)
     assert state["epoch"] == 10 and abs(state["test_accuracy"] - float(accuracy.group(1))) < 1e-4
     assert isinstance(state["model"]["0.weight"], torch.Tensor)
+    assert re.search(r"\[0\] epoch 10: .* samples/s, step [0-9.]+ ms compute \+ [0-9.]+ ms comm", output)
+    with open(tmp_path / "logs" / "metrics.csv", newline="") as f:  # MetricLogger, on rank 0
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == [str(e) for e in range(1, 11)] + ["10"]
+    assert float(rows[-2]["samples_per_s"]) > 0 and float(rows[-1]["test/accuracy"]) > 0.95
 
 
 def _loss_on_a_fixed_batch(state: dict) -> float:
@@ -82,3 +89,11 @@ def test_train_resnet9_two_steps_on_synthetic_data(tmp_path):
     momentum = trained["optimizer"]["state"]
     assert len(momentum) == len(names) and all(
         state["momentum_buffer"].abs().sum() > 0 for state in momentum.values())
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_example_learns_on_two_ranks():
+    output = _run(str(EXAMPLES / "tensor_parallel.py"), "--steps", "21", timeout=150)
+    last = [line for line in output.splitlines() if "loss" in line][-1]
+    assert float(last.split("loss")[1]) < 0.1, output
+    assert "tp=2 dp=1" in output

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem import settings
 from tandem.bench import plots, scaling
 from tandem.cli import main
 from tandem.diagnostics import steps
@@ -68,16 +69,18 @@ def test_report_rejects_bad_counts(fresh_steps):
 def test_weak_mode_scales_the_global_batch(monkeypatch):
     assert steps.scaled_batch(64, 4) == 64
     monkeypatch.setenv("TANDEM_SCALE_MODE", "weak")
+    settings.reload()  # a process reads its settings once; this one changed them
     assert steps.scaled_batch(64, 4) == 256
     monkeypatch.setenv("TANDEM_SCALE_MODE", "fast")
     with pytest.raises(ValueError, match="TANDEM_SCALE_MODE='fast'"):
-        steps.scaled_batch(64, 4)
+        settings.reload()
 
 
 def test_scale_plan_writes_records_and_stops(fresh_steps, monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_SCALE_STEPS", "2")
     monkeypatch.setenv("TANDEM_SCALE_WARMUP", "1")
     monkeypatch.setenv("TANDEM_SCALE_OUT", str(tmp_path))
+    settings.reload()
     steps.report(8)
     with pytest.raises(SystemExit) as stopped:
         for _ in range(10):

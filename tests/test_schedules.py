@@ -180,6 +180,8 @@ def test_each_malformation_is_named_with_the_action_and_stage():
     cases = [
         ({0: [Action(0, F, 0)], 2: [Action(2, F, 0)]}, 1, False,
          ["stages must be numbered 0..1, got [0, 2]"]),
+        ({0: two[0], 2: two[1]}, 2, True,  # with communication: no grid is simulated for it
+         ["stages must be numbered 0..1, got [0, 2]"]),
         ({0: two[0][:-1] + [Action(1, B, 1)], 1: two[1]}, 2, True,  # 0B1 misnamed 1B1
          ["1B1 is listed under stage 0"]),
         ({0: two[0] + [Action(0, ActionKind.F, 2)], 1: two[1]}, 2, True,

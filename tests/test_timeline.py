@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem import settings
 from tandem.diagnostics import timeline
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "tests" / "scripts" / "scale_train.py")
@@ -73,6 +74,7 @@ def test_bad_capacity_names_the_value(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_TIMELINE", str(tmp_path / "t.json"))
     monkeypatch.setenv("TANDEM_TIMELINE_EVENTS", "lots")
     with pytest.raises(ValueError, match="TANDEM_TIMELINE_EVENTS='lots'"):
+        settings.reload()  # a process reads its settings once; this one changed them
         timeline.configure()
     assert not timeline.ENABLED
 

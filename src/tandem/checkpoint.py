@@ -15,7 +15,7 @@ returns anywhere the file is complete, and when the write failed every rank rais
 then unpickles the same bytes. This works when the file exists only on rank 0's machine (no
 shared filesystem, which is also where `save` puts it), and guarantees every rank gets the
 same object. The price is one broadcast of the file, which is fine for checkpoints that fit in
-memory twice; for very large sharded states, save one file per rank with `torch.save` instead.
+memory twice; fully sharded models save one file per rank instead (`td.save_sharded`).
 
 Without `td.init()` (a notebook inspecting a checkpoint) both work as a world of one.
 With `ZeroOptimizer`, `opt.state_dict()` gathers the full state (a collective: every rank calls
@@ -35,6 +35,9 @@ state dicts of the objects, and the number of completed steps, go to
 previous checkpoint intact). The `keep` newest files are kept. `restore(...)` finds the newest
 checkpoint (rank 0 looks, every rank loads the same bytes), loads each state dict into its
 object and returns the step to resume at. Every rank calls both, as with `td.save`/`td.load`.
+When an object is a `td.fully_shard` model, a checkpoint is a directory instead
+(`checkpoints/step-00000100/`: a shard file per rank and a manifest, `td.save_sharded`), and it
+restores on any number of ranks.
 
 With `tandem run --max-restarts K` a job that loses a rank is restarted from the top of the
 script: `restore` then picks up where the last checkpoint left off. For the run to continue
@@ -50,6 +53,7 @@ import io
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,34 +62,20 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.files import CheckpointError
+from tandem.files import fsync_directory as _fsync_directory
+from tandem.sharded_checkpoint import MANIFEST, is_sharded, load_sharded, save_sharded
 
 PathLike = str | os.PathLike
 
 # Test hook: called with the temporary file after it is written and fsynced, just before the
 # rename. The crash test sets it to SIGKILL its own process there.
 _before_replace: Callable[[Path], None] | None = None
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the file."""
+_NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded checkpoint's directory
 
 
 def _distributed() -> bool:
     return runtime.is_initialized() and runtime.size() > 1
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not possible on this platform (Windows); the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network filesystems refuse fsync on a directory; nothing more to do
-    finally:
-        os.close(fd)
 
 
 def _write_atomically(obj: Any, path: Path) -> None:
@@ -227,6 +217,19 @@ def _stateful(name: str, obj: Any) -> Any:
     return obj
 
 
+class _Completed:
+    """The step count inside a sharded checkpoint (it holds objects with state dicts)."""
+
+    def __init__(self, completed: int) -> None:
+        self.completed = completed
+
+    def state_dict(self) -> dict[str, int]:
+        return {"completed": self.completed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.completed = state["completed"]
+
+
 class Checkpointer:
     """Saves `every` steps into `directory`, keeps the `keep` newest, restores the newest."""
 
@@ -249,7 +252,7 @@ class Checkpointer:
         found = []
         for entry in self.directory.iterdir():
             match = _NAME.match(entry.name)
-            if match and entry.is_file():
+            if match and (entry.is_file() if match.group(2) else (entry / MANIFEST).is_file()):
                 found.append(int(match.group(1)))
         return sorted(found, reverse=True)
 
@@ -272,10 +275,15 @@ class Checkpointer:
         completed = step + 1
         if completed % self.every:
             return False
-        states = {name: _stateful(name, obj).state_dict() for name, obj in objects.items()}
-        save({"completed": completed, "state": states}, self.path(completed))
+        if any(is_sharded(obj) for obj in objects.values()):  # each rank writes its shard
+            save_sharded(self.path(completed).with_suffix(""), completed=_Completed(completed),
+                         **objects)
+        else:
+            states = {name: _stateful(name, obj).state_dict() for name, obj in objects.items()}
+            save({"completed": completed, "state": states}, self.path(completed))
         if not _distributed() or runtime.rank() == 0:
             for old in self._on_disk()[self.keep:]:
+                shutil.rmtree(self.path(old).with_suffix(""), ignore_errors=True)
                 try:
                     self.path(old).unlink()
                 except FileNotFoundError:
@@ -291,6 +299,10 @@ class Checkpointer:
         for name, obj in objects.items():
             _stateful(name, obj)
         for completed in self.checkpoints():
+            directory = self.path(completed).with_suffix("")
+            if directory.is_dir():
+                load_sharded(directory, **objects)
+                return completed
             try:
                 saved = load(self.path(completed))
             except (CheckpointError, FileNotFoundError) as error:

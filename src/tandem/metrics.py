@@ -1,6 +1,6 @@
-"""Rank-0 progress bars and metrics averaged over every rank's samples.
+"""Rank-0 progress bars and metrics averaged over every rank's samples (`td.progress`, `td.Average`).
 
-    from tandem.metrics import Average, progress
+    from tandem import Average, progress
 
     metrics = Average()
     for x, y in progress(loader, desc=f"epoch {epoch}"):     # a bar on rank 0 only
@@ -23,15 +23,15 @@ from typing import Any, TextIO, TypeVar
 import torch
 from tqdm import tqdm
 
-from tandem import runtime
+from tandem import runtime, settings
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_rank
 
 T = TypeVar("T")
 
-# Without a terminal (`tandem run` pipes each rank's output into a log), a bar is written as
+# Without a terminal (a log file, a pipe, `tandem run` into a file), a bar is written as
 # separate lines (tqdm's carriage returns become newlines), at most every 10 s, and not at all
-# for loops that finish sooner.
+# for loops that finish sooner. `tandem run` on a terminal passes rank 0's redraws through.
 _PIPE_INTERVAL_S = 10.0
 
 
@@ -55,7 +55,9 @@ def progress(iterable: Iterable[T], group: Group | None = None, **tqdm_kwargs: A
     """`iterable` with a tqdm bar on the first rank (of `group`) and none on the others."""
     first = not runtime.is_initialized() or group_rank(group) == 0
     stream = tqdm_kwargs.pop("file", None) or sys.stderr
-    if not getattr(stream, "isatty", lambda: False)():
+    # Under `tandem run` our stderr is the launcher's pipe; it says when that ends on a terminal.
+    relayed = stream in (sys.stderr, sys.stdout) and settings.current().terminal
+    if not (relayed or getattr(stream, "isatty", lambda: False)()):
         stream = _Lines(stream)
         tqdm_kwargs.setdefault("mininterval", _PIPE_INTERVAL_S)
         tqdm_kwargs.setdefault("delay", _PIPE_INTERVAL_S)

@@ -82,6 +82,7 @@ class Settings:
     scale_warmup: int = 0  # TANDEM_SCALE_WARMUP
     scale_out: str | None = None  # TANDEM_SCALE_OUT
     scale_mode: str = "strong"  # TANDEM_SCALE_MODE: strong | weak
+    terminal: bool = False  # TANDEM_TERMINAL=1: `tandem run` shows this rank's stderr on a terminal
 
     @property
     def timeout_s(self) -> float:
@@ -149,6 +150,7 @@ def read(env: Mapping[str, str] | None = None) -> Settings:
         scale_warmup=_number(env, "SCALE_WARMUP", int, 0, 0),
         scale_out=_text(env, "SCALE_OUT"),
         scale_mode=_choice(env, "SCALE_MODE", SCALE_MODES, "strong"),
+        terminal=_flag(env, "TERMINAL", False),
     )
 
 

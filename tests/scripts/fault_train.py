@@ -1,7 +1,10 @@
 """A small data-parallel training job that fails on purpose, as `sys.argv[1]` says.
 
     tandem run -np 2 [--max-restarts 1] fault_train.py MODE --steps 20 --at 7 --rank 1 \
-        [--ckpt DIR] [--every 3] [--out params.pt]
+        [--ckpt DIR] [--every 3] [--out params.pt] [--shard]
+
+`--shard`: the model is fully sharded (td.fully_shard per layer and the root, plain SGD), so
+the checkpoints are sharded directories.
 
 Every step draws its data from (seed, step, rank), so a job restarted from a checkpoint ends
 with the same parameters as one that never stopped. Modes (the fault happens at step --at on
@@ -40,6 +43,7 @@ parser.add_argument("--ckpt")
 parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--out")
 parser.add_argument("--step-seconds", type=float, default=0.0)
+parser.add_argument("--shard", action="store_true")
 args = parser.parse_args()
 
 td.init()
@@ -49,8 +53,13 @@ print(f"pid={os.getpid()} attempt={os.environ.get('TANDEM_RESTART', '0')}", flus
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                              named_parameters=model.named_parameters())
+if args.shard:
+    for module in (model[0], model[2], model):
+        td.fully_shard(module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+else:
+    opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                  named_parameters=model.named_parameters())
 ckpt = td.Checkpointer(args.ckpt, every=args.every) if args.ckpt else None
 start = ckpt.restore(model=model, optimizer=opt) if ckpt else 0
 if start and me == 0:
@@ -102,7 +111,8 @@ for step in range(start, args.steps):
     if args.step_seconds:
         time.sleep(args.step_seconds)
 
-flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+parameters = td.full_state_dict(model).values() if args.shard else model.parameters()
+flat = torch.cat([p.detach().flatten() for p in parameters])
 if me == 0:
     print(f"final {flat.double().sum().item():.12f}", flush=True)
     if args.out:

@@ -40,11 +40,14 @@ def group_ranks(group: Group | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A world laid out as `dp` replicas of a `pp`-stage pipeline.
+    """A world laid out as `dp` replicas of a `pp`-stage pipeline whose stages are each split
+    over `tp` ranks (tensor parallelism).
 
-    Global rank = dp_rank * pp + pp_rank, so the stages of one pipeline are neighbouring ranks
-    (on one node when they fit). `pp_group` links the stages of this rank's pipeline;
-    `dp_group` links the replicas of this rank's stage.
+    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: the tensor-parallel ranks of one
+    stage are neighbours (one node, where the most traffic is), then the stages of one
+    pipeline. `tp_group` links the ranks that split this rank's layers; `pp_group` the stages of
+    this rank's pipeline (same dp and tp position); `dp_group` the replicas of this rank's shard
+    (same stage and tp position), over which gradients are averaged.
     """
 
     dp: int
@@ -53,27 +56,38 @@ class Mesh:
     pp_rank: int
     dp_group: Group
     pp_group: Group
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Group | None = None
 
 
-def mesh(dp: int = 1, pp: int = 1) -> Mesh:
-    """Split the world into `dp` × `pp`. Every rank must call it."""
+def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
+    """Split the world into `dp` × `pp` × `tp`. Every rank must call it, with the same sizes."""
     world = context.current().world
-    if dp < 1 or pp < 1:
-        raise ValueError(f"mesh(dp={dp}, pp={pp}): both must be >= 1")
-    if dp * pp != world.size:
+    if dp < 1 or pp < 1 or tp < 1:
+        raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
+    if dp * pp * tp != world.size:
         raise ValueError(
-            f"mesh(dp={dp}, pp={pp}) needs {dp * pp} ranks, but the world has {world.size}; "
-            f"start the job with -np {dp * pp} or change dp/pp"
+            f"mesh(dp={dp}, pp={pp}, tp={tp}) needs {dp * pp * tp} ranks, but the world has "
+            f"{world.size}; start the job with -np {dp * pp * tp} or change the sizes"
         )
-    dp_rank, pp_rank = divmod(world.rank, pp)
-    my_dp_group = my_pp_group = None
-    # Every rank creates every group (the engines require it), keeping its own.
-    for stage in range(pp):
-        group = new_group([replica * pp + stage for replica in range(dp)])
-        if stage == pp_rank:
-            my_dp_group = group
-    for replica in range(dp):
-        group = new_group([replica * pp + stage for stage in range(pp)])
-        if replica == dp_rank:
-            my_pp_group = group
-    return Mesh(dp, pp, dp_rank, pp_rank, my_dp_group, my_pp_group)
+    position, tp_rank = divmod(world.rank, tp)
+    dp_rank, pp_rank = divmod(position, pp)
+
+    def rank_of(d: int, p: int, t: int) -> int:
+        return (d * pp + p) * tp + t
+
+    def mine(members: list[int]) -> Group | None:
+        # Every rank creates every group (the engines require it), keeping its own.
+        group = new_group(members)
+        return group if world.rank in members else None
+
+    dp_groups = [mine([rank_of(d, p, t) for d in range(dp)]) for p in range(pp) for t in range(tp)]
+    pp_groups = [mine([rank_of(d, p, t) for p in range(pp)]) for d in range(dp) for t in range(tp)]
+    tp_groups = [mine([rank_of(d, p, t) for t in range(tp)]) for d in range(dp) for p in range(pp)]
+
+    def own(groups: list[Group | None]) -> Group:
+        return next(g for g in groups if g is not None)
+
+    return Mesh(dp, pp, dp_rank, pp_rank, own(dp_groups), own(pp_groups), tp, tp_rank,
+                own(tp_groups))

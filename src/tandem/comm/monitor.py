@@ -45,7 +45,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from tandem import environments
+from tandem import settings
 from tandem.comm import fingerprints, waitgraph
 from tandem.comm.backend import Backend
 from tandem.comm.watchdog import (
@@ -361,8 +361,7 @@ class Watchdog(Ledger):
 
 
 def enabled() -> bool:
-    text = environments.setting("WATCHDOG")
-    return text is None or text.strip().lower() not in ("0", "false", "no", "off")
+    return settings.current().watchdog
 
 
 def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
@@ -372,7 +371,7 @@ def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
         return engine
     board = None
     if job.master_port is not None:
-        restart = environments.setting("RESTART") or "0"
+        restart = settings.current().restart
         prefix = f"tandem/watchdog/{restart}/{next(_generation)}/"
         board = Board.connect(job.master_addr or "127.0.0.1", job.master_port, prefix)
     # Ranks of `tandem run` end with their agent even if it is killed without a word. The parent

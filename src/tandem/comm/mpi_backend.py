@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 
-from tandem import environments
+from tandem import settings
 from tandem.comm import mpi_exit
 from tandem.comm.backend import Backend, Group, Work
 from tandem.comm.mpi_buffers import Staging, cuda_aware, row_elements
 from tandem.comm.mpi_progress import MPIWork, Progress, Requests, completed_within
 from tandem.environments import JobEnvironment
 
-_PROGRESS_MODES = ("auto", "thread", "none")
 # How long a blocking all-reduce is driven by its caller before it becomes a watched MPIWork:
 # a 16 MB message takes ~2.5 ms here; a hang is reported after seconds, so this is invisible.
 ON_THE_SPOT_S = 0.01
@@ -99,11 +98,7 @@ class MPIBackend(Backend):
     @classmethod
     def create(cls, job: JobEnvironment, timeout: float) -> MPIBackend:
         """Join `MPI_COMM_WORLD` (initialising MPI on first use) and check it is this job."""
-        progress = (environments.setting("MPI_PROGRESS") or "auto").strip().lower()
-        if progress not in _PROGRESS_MODES:
-            raise ValueError(
-                f"TANDEM_MPI_PROGRESS={progress!r}: choose one of {', '.join(_PROGRESS_MODES)}"
-            )
+        progress = settings.current().mpi_progress  # auto | thread | none, checked there
         if progress == "auto":
             progress = "thread" if spare_core(job.local_size) else "none"
         MPI = _import_mpi()

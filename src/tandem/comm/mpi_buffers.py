@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tandem import environments
+from tandem import settings
 
 # Reduced in a wider dtype: what MPI (or MPICH at speed) cannot reduce natively.
 _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.int32}
@@ -75,9 +75,9 @@ def cuda_aware() -> bool:
     1 only when its GPU support is enabled at run time). Unknown means no: staging through
     host memory is slower, but never wrong.
     """
-    forced = environments.setting("MPI_CUDA_AWARE")
-    if forced:
-        return forced.strip().lower() not in ("0", "false", "no", "off")
+    forced = settings.current().mpi_cuda_aware
+    if forced is not None:
+        return forced
     if not torch.cuda.is_available():
         return False
     query = _libmpi_function("MPIX_Query_cuda_support")

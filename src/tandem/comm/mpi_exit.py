@@ -27,9 +27,8 @@ import threading
 import time
 from typing import Any
 
-from tandem import environments
+from tandem import settings
 
-POLICIES = ("abort", "exit")
 _POLL_S = 1e-3  # how often a rank at exit checks whether the others have arrived
 _guard: _ExitGuard | None = None
 
@@ -40,11 +39,7 @@ def install(MPI: Any, timeout: float) -> None:
     Collective over `MPI_COMM_WORLD` the first time: every rank calls it from `td.init`.
     """
     global _guard
-    policy = (environments.setting("MPI_ON_FAILURE") or "abort").strip().lower()
-    if policy not in POLICIES:
-        raise ValueError(
-            f"TANDEM_MPI_ON_FAILURE={policy!r}: choose one of {', '.join(POLICIES)}"
-        )
+    policy = settings.current().mpi_on_failure  # abort | exit, checked there
     if _guard is None:
         _guard = _ExitGuard(MPI, timeout, policy)
     else:

@@ -10,7 +10,7 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from tandem import environments, rendezvous
+from tandem import rendezvous, settings
 from tandem.comm.backend import Backend, CompletedWork, Work
 from tandem.environments import JobEnvironment
 
@@ -103,7 +103,7 @@ class TorchBackend(Backend):
             )
         # A restarted job (`tandem run --max-restarts`) may meet on the same store again: each
         # attempt (TANDEM_RESTART) gets keys of its own.
-        attempt = environments.setting("RESTART") or "0"
+        attempt = settings.current().restart
         store = dist.PrefixStore(
             f"tandem/{attempt}/{next(_generation)}", _make_store(job, timeout)
         )

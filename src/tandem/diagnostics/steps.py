@@ -32,7 +32,7 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from tandem import environments
+from tandem import settings
 from tandem.diagnostics import timeline
 
 CAPACITY = 4096  # steps kept; older ones are overwritten (bounded memory for endless jobs)
@@ -79,37 +79,15 @@ class ScalePlan:
 
     @classmethod
     def from_environment(cls) -> ScalePlan | None:
-        steps = environments.setting("SCALE_STEPS")
-        if not steps:
+        told = settings.current()  # parsed and checked there (both set, or neither)
+        if told.scale_steps is None:
             return None
-        out = environments.setting("SCALE_OUT")
-        if not out:
-            raise ValueError("TANDEM_SCALE_STEPS is set but TANDEM_SCALE_OUT is not: "
-                             "set both (tandem scale does), or neither")
-        return cls(
-            steps=_positive_int("SCALE_STEPS", steps, minimum=1),
-            warmup=_positive_int("SCALE_WARMUP", environments.setting("SCALE_WARMUP") or "0"),
-            out=out,
-            mode=scale_mode(),
-        )
-
-
-def _positive_int(name: str, text: str, minimum: int = 0) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"TANDEM_{name}={text!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"TANDEM_{name}={value}: give an integer >= {minimum}")
-    return value
+        return cls(told.scale_steps, told.scale_warmup, told.scale_out, told.scale_mode)
 
 
 def scale_mode() -> str:
     """`"strong"` (the default: the global batch stays fixed) or `"weak"` (TANDEM_SCALE_MODE)."""
-    mode = (environments.setting("SCALE_MODE") or "strong").strip().lower()
-    if mode not in ("weak", "strong"):
-        raise ValueError(f"TANDEM_SCALE_MODE={mode!r}: choose 'weak' or 'strong'")
-    return mode
+    return settings.current().scale_mode
 
 
 def scaled_batch(batch_size: int, size: int) -> int:
@@ -133,10 +111,12 @@ def add_batch(seconds: float, samples: int) -> None:
     _pending_samples += samples
 
 
-def step_done(comm_s: float = 0.0) -> None:
-    """End of one optimizer step, which waited `comm_s` seconds for communication."""
+def step_done(comm_s: float = 0.0, now: float | None = None) -> None:
+    """End of one optimizer step, which waited `comm_s` seconds for communication; `now` is
+    the caller's `time.perf_counter()` reading at the step's end, when it already took one."""
     global _count, _last_end, _pending_data_s, _pending_samples
-    now = time.perf_counter()
+    if now is None:
+        now = time.perf_counter()
     if _last_end is not None:
         slot = _count % CAPACITY
         _wall[slot] = now - _last_end
@@ -181,6 +161,11 @@ def records() -> list[StepRecord]:
                    int(_samples[i % CAPACITY]))
         for i in range(first, _count)
     ]
+
+
+def recorded() -> int:
+    """How many steps were recorded so far (older ones than the last `CAPACITY` are gone)."""
+    return _count
 
 
 def reset() -> None:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tandem import environments
+from tandem import settings
 
 ENABLED = False  # hot paths test this and nothing else
 
@@ -135,15 +135,10 @@ def configure() -> bool:
     """
     if ENABLED or _path is not None:
         return ENABLED
-    path = environments.setting("TIMELINE")
-    if not path:
+    told = settings.current()
+    if not told.timeline:
         return False
-    capacity_text = environments.setting("TIMELINE_EVENTS") or str(DEFAULT_CAPACITY)
-    try:
-        capacity = int(capacity_text)
-    except ValueError:
-        raise ValueError(f"TANDEM_TIMELINE_EVENTS={capacity_text!r} is not an integer") from None
-    start(path, capacity=capacity)
+    start(told.timeline, capacity=told.timeline_events)
     return True
 
 

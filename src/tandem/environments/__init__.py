@@ -1,8 +1,9 @@
 """How a process learns its place in the job: launcher adapters, and `td.init`'s arguments.
 
 - `adapters`: one small adapter per launcher (tandem, torchrun, Open MPI, MPICH, SLURM),
-  `detect()` (the first that recognises the environment, else a world of one), `setting()` for
-  `TANDEM_*` values, `tandem_variables()` for what a tandem launcher sets. Stdlib only.
+  `detect()` (the first that recognises the environment, else a world of one),
+  `tandem_variables()` for what a tandem launcher sets. Stdlib only. (`TANDEM_*` settings are
+  `tandem.settings`'.)
 - `manual`: `resolve()`, which adds what `td.init(rank=, world_size=, init_method=)` says:
   torch.distributed's manual template, a job no launcher describes, checked against any launcher.
 
@@ -24,7 +25,6 @@ from tandem.environments.adapters import (
     first_slurm_host,
     horovod_variables,
     launched,
-    setting,
     single_process,
     tandem_variables,
 )
@@ -46,7 +46,6 @@ __all__ = [
     "launched",
     "rendezvous_address",
     "resolve",
-    "setting",
     "single_process",
     "horovod_variables",
     "tandem_variables",

@@ -258,16 +258,6 @@ def detect(env: Env | None = None) -> JobEnvironment:
     return single_process(env)
 
 
-def setting(name: str, default: str | None = None, env: Env | None = None) -> str | None:
-    """The raw text of `TANDEM_<name>`; parsed settings are `tandem.settings.current()`.
-
-    Kept for the callers in comm/ and diagnostics/ that still read their setting here; each
-    has its parsed field in `settings.Settings` to move to.
-    """
-    env = os.environ if env is None else env
-    return env.get(f"TANDEM_{name}", default)
-
-
 def tandem_variables(
     *,
     rank: int,

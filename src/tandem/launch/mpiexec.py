@@ -121,6 +121,8 @@ class MPIExecRanks(LocalRanks):
             # A failed rank exits (we stop the others) rather than MPI_Abort'ing the job.
             env.update(TANDEM_BACKEND="mpi", TANDEM_LAUNCH_TOKEN=token,
                        TANDEM_MPI_ON_FAILURE="exit")
+            if self.output.terminal_rank(0):
+                env["TANDEM_TERMINAL"] = "1"  # rank 0's supervisor keeps it, the others drop it
             mpiexec = find_mpiexec()
             command = [
                 mpiexec, *_quiet_cleanup(mpiexec), *start_flags(mpiexec), "-n", str(self.config.np),

@@ -104,6 +104,9 @@ class LocalRanks:
     def start(self, placement: Placement) -> None:
         envs = [rank_environment(self.config, local, placement, os.environ, self.nproc)
                 for local in range(self.nproc)]
+        for local, env in enumerate(envs):
+            if self.output.terminal_rank(placement.offset + local):
+                env["TANDEM_TERMINAL"] = "1"  # its bars may redraw in place (see launch.output)
         processes = start_ranks(rank_command(self.config), envs)
         self.pids, self.live = {}, set()
         for local, proc in enumerate(processes):

@@ -158,6 +158,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+        if any(hasattr(p, "_tandem_group") for g in optimizer.param_groups for p in g["params"]):
+            raise TypeError("these parameters are td.fully_shard shards, whose gradients are reduced "
+                            "in backward already: give them to the plain torch optimizer, unwrapped")
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(
                 f"accumulate must be an integer >= 1 (backward passes per step), got {accumulate!r}")
@@ -263,7 +266,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             timeline.complete("optimizer step", start, end)
         self._clock.record(end * 1e-9, wait_s, (end - start) * 1e-9,
                            reducer.bytes_per_round if reducer else 0)
-        steps.step_done(wait_s)  # feeds `tandem scale`; may end the run there (SystemExit)
+        # One reading of the clock serves both records; feeds `tandem scale`, which may end the
+        # run there (SystemExit).
+        steps.step_done(wait_s, now=end * 1e-9)
         return result
 
     def _warn_short_window(self, reducer: Reducer) -> None:

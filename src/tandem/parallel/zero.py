@@ -74,6 +74,9 @@ class ZeroOptimizer:
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if any(hasattr(p, "_tandem_group") for g in optimizer.param_groups for p in g["params"]):
+            raise TypeError("these parameters are td.fully_shard shards (optimizer state already 1/N "
+                            "per rank): give them to the plain torch optimizer, unwrapped")
         if group is not None and group.rank < 0:
             raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
         self.optimizer = optimizer

@@ -281,10 +281,10 @@ def validate(schedule: Schedule, num_microbatches: int, backward: bool = True) -
         if stuck:
             problems = ["deadlock:", *stuck.values()]
     if problems:
-        raise ScheduleError(
-            "invalid pipeline schedule:\n  " + "\n  ".join(problems[:20])
-            + f"\n{format_grid(schedule)}\n{format_actions(schedule)}"
-        )
+        numbered = sorted(schedule) == list(range(len(schedule)))
+        # The grid is drawn by simulating the stages in order: only for stages 0..p-1.
+        shown = f"\n{format_grid(schedule)}\n{format_actions(schedule)}" if numbered else ""
+        raise ScheduleError("invalid pipeline schedule:\n  " + "\n  ".join(problems[:20]) + shown)
 
 
 # -- inspection ---------------------------------------------------------------------------

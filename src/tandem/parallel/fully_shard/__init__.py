@@ -1,0 +1,14 @@
+"""Fully sharded data parallelism (ZeRO-3, FSDP2-style); see `api` for the user guide."""
+
+from tandem.parallel.fully_shard.api import (
+    clip_grad_norm_,
+    full_optimizer_state_dict,
+    full_state_dict,
+    fully_shard,
+    load_full_state_dict,
+    set_requires_gradient_sync,
+    units,
+)
+
+__all__ = ["clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "fully_shard",
+           "load_full_state_dict", "set_requires_gradient_sync", "units"]

@@ -1,0 +1,227 @@
+"""Fully sharded data parallelism (ZeRO-3), FSDP2-style: `td.fully_shard(module)` per block.
+
+    for block in model.blocks:
+        td.fully_shard(block)                 # each block: one unit, gathered just in time
+    td.fully_shard(model)                     # the root: whatever the blocks left
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # steps this rank's shards only
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward()
+        td.clip_grad_norm_(model, 1.0)        # the global norm: a reduction over the shards
+        opt.step()
+
+Each rank keeps 1/N of every unit's parameters, gradients and optimizer state
+(`model.parameters()` are the shards, fp32 masters). A unit is gathered before its forward
+(the next one prefetched), freed after it, gathered again for backward, and its gradient is
+reduce-scattered (mean) into the shard's `.grad` during backward. Apply it to the inner
+blocks first and the root last, on every rank, with the same model.
+
+Options: `param_dtype=torch.bfloat16` computes in bf16 (gathers in bf16, reduces in fp32 into
+fp32 shards); `reshard_after_forward=False` keeps a unit gathered from forward to backward
+(the root always is, as in FSDP2). `td.set_requires_gradient_sync(model, False)` accumulates
+gradients locally (unsharded) over micro-batches; the next synced backward reduces them all.
+GradScaler works unchanged: a rank that saw inf makes every rank skip the step.
+`td.clip_grad_norm_(model, max_norm)` clips by the global norm; torch's
+`nn.utils.clip_grad_norm_` would see this rank's shards only. `td.full_state_dict(model)` and
+`td.load_full_state_dict(model, state)` give and take the ordinary (unsharded) state dict;
+sharded checkpoints that load on any world size are `td.save_sharded`/`td.load_sharded`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tandem import runtime
+from tandem.comm import collectives
+from tandem.comm.groups import Group
+from tandem.parallel.fully_shard.unit import ATTR, SHARD, Unit
+from tandem.parallel.tensor import plan as tensor_plan
+
+
+def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
+                param_dtype: torch.dtype | None = None, group: Group | None = None) -> nn.Module:
+    """Shard `module`'s parameters (those no inner unit owns) across `group`; returns `module`.
+
+    Collective: every rank of the group calls it, in the same order, on the same model.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if getattr(module, ATTR, None) is not None:
+        raise ValueError(
+            f"fully_shard: {type(module).__name__} is already fully sharded; call fully_shard "
+            f"once per module (inner blocks first, then the root)")
+    if group is not None and group.rank < 0:
+        raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
+    if param_dtype is not None and not (isinstance(param_dtype, torch.dtype)
+                                        and param_dtype.is_floating_point):
+        raise ValueError(f"param_dtype={param_dtype!r}: give a floating torch dtype, e.g. torch.bfloat16")
+    inner = [getattr(m, ATTR) for m in module.modules() if getattr(m, ATTR, None) is not None]
+    unit = Unit(module, group, param_dtype, reshard_after_forward, has_inner=bool(inner))
+    for sub in inner:
+        sub.is_root = False
+    setattr(module, ATTR, unit)
+    return module
+
+
+def units(model: nn.Module) -> Iterable[tuple[str, Unit]]:
+    """(qualified module name, unit) for every fully sharded module of `model` that holds
+    parameters (a root that only holds units has none)."""
+    for name, module in model.named_modules():
+        unit = getattr(module, ATTR, None)
+        if unit is not None and unit.shard is not None:
+            yield name, unit
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
+    """Off: backward keeps gradients local (unsharded) for accumulation; on: reduce them."""
+    found = list(units(model))
+    if not found:
+        raise ValueError("set_requires_gradient_sync: the model has no fully_shard units")
+    for _, unit in found:
+        unit.requires_gradient_sync = bool(requires_sync)
+
+
+def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
+                    max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm, as `nn.utils.clip_grad_norm_` does in one process.
+
+    Works on fully sharded models (the norm is a reduction over the ranks' shards) and on any
+    other parameters (whose gradients every rank holds whole, as after DDP's backward).
+    Returns the total norm. Collective when any parameter is a shard.
+    """
+    if isinstance(parameters, nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    sharded = [p for p in params if hasattr(p, "_tandem_group")]
+    whole = [p for p in params if not hasattr(p, "_tandem_group")]
+    groups = {id(p._tandem_group): p._tandem_group for p in sharded}
+    if len(groups) > 1:
+        raise ValueError("clip_grad_norm_: the shards come from different groups; clip each apart")
+    device = params[0].grad.device if params else torch.device("cpu")
+    inf = norm_type == float("inf")
+
+    def partial(tensors: list[torch.Tensor]) -> torch.Tensor:
+        values = [p.grad.detach().float() for p in tensors]
+        if not values:
+            return torch.zeros(1, device=device)
+        if inf:
+            peaks = [v.abs().max() if v.numel() else v.new_zeros(()) for v in values]
+            return torch.stack(peaks).max().reshape(1)
+        return sum(v.abs().pow(norm_type).sum() for v in values).reshape(1)
+
+    total = partial(sharded)
+    if sharded and runtime.is_initialized() and runtime.size() > 1:
+        total = collectives.allreduce(total, op="max" if inf else "sum", group=next(iter(groups.values())))
+    rest = partial(whole)
+    if inf:
+        total = torch.maximum(total, rest)[0]
+    else:
+        total = (total + rest)[0].pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coefficient.to(p.grad.dtype))
+    return total
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The ordinary state dict of the unsharded model, on every rank (collective): a model
+    sharded by `fully_shard` or split by `td.parallelize` (tensor parallelism)."""
+    if tensor_plan.is_parallelized(model):
+        if any(True for _ in units(model)):
+            raise NotImplementedError("full_state_dict of a model both fully sharded and tensor "
+                                      "parallel: not supported yet")
+        return tensor_plan.full_state_dict(model)
+    out: dict[str, torch.Tensor] = {}
+    gathered = {}
+    for prefix, unit in units(model):
+        flat = collectives.allgather(unit.shard.detach(), group=unit.group) if unit.size > 1 \
+            else unit.shard.detach()
+        gathered[prefix] = (unit, flat)
+    for key, value in model.state_dict().items():
+        if key.split(".")[-1] != SHARD:
+            out[key] = value
+    for prefix, (unit, flat) in gathered.items():
+        offset = 0
+        for name, shape in zip(unit.names, unit.shapes, strict=True):
+            n = int(torch.Size(shape).numel())
+            out[f"{prefix}.{name}" if prefix else name] = flat[offset : offset + n].view(shape).clone()
+            offset += n
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load an ordinary (unsharded) state dict: each rank keeps its shard of every unit.
+
+    A dict for another model is an error listing the missing and unexpected names with shapes.
+    """
+    expected = {}
+    for prefix, unit in units(model):
+        for name, shape in zip(unit.names, unit.shapes, strict=True):
+            expected[f"{prefix}.{name}" if prefix else name] = shape
+    others = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.split(".")[-1] != SHARD}
+    expected.update(others)
+    check_names(expected, {k: tuple(v.shape) for k, v in state.items()}, "the state dict")
+    with torch.no_grad():
+        for prefix, unit in units(model):
+            flat = torch.cat([state[f"{prefix}.{n}" if prefix else n].reshape(-1) for n in unit.names])
+            lo, hi = unit.my_range()
+            unit.shard.zero_()
+            unit.shard[: hi - lo].copy_(flat[lo:hi])
+    model.load_state_dict({k: state[k] for k in others}, strict=False)
+
+
+def check_names(expected: dict[str, tuple], found: dict[str, tuple], what: str) -> None:
+    """Raise, naming every parameter that is missing, unexpected or of another shape."""
+    missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in found]
+    unexpected = [f"{k} {list(s)}" for k, s in found.items() if k not in expected]
+    shapes = [f"{k}: model {list(s)}, saved {list(found[k])}" for k, s in expected.items()
+              if k in found and tuple(found[k]) != tuple(s)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing from {what}: " + ", ".join(missing))
+        if unexpected:
+            parts.append(f"in {what} but not in the model: " + ", ".join(unexpected))
+        if shapes:
+            parts.append("different shapes: " + "; ".join(shapes))
+        raise ValueError(f"{what} does not match the model (built a different model?): " + ". ".join(parts))
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state as the unsharded model's, keyed by parameter name (collective).
+
+    `{"state": {name: {"exp_avg": tensor of the parameter's shape, "step": ...}},
+    "param_groups": [{..., "params": [names]}]}`: per-element state is gathered over the
+    shards and cut along the unit's parameters; scalars (Adam's step) are taken as they are.
+    """
+    owner = {id(unit.shard): (prefix, unit) for prefix, unit in units(model)}
+    state = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out: dict[str, dict] = {}
+    names_of: dict[int, list[str]] = {}
+    for i, p in enumerate(params):
+        if id(p) not in owner:
+            raise ValueError(f"optimizer parameter {i} is not a shard of this model's units; "
+                             f"apply td.fully_shard to the root too")
+        prefix, unit = owner[id(p)]
+        names = [f"{prefix}.{n}" if prefix else n for n in unit.names]
+        names_of[i] = names
+        entry = state["state"].get(i, {})
+        for k, v in entry.items():
+            per_element = isinstance(v, torch.Tensor) and v.shape == p.shape and k != "step"
+            if per_element and unit.size > 1:
+                v = collectives.allgather(v.detach(), group=unit.group)
+            offset = 0
+            for name, shape in zip(names, unit.shapes, strict=True):
+                n = int(torch.Size(shape).numel())
+                value = v[offset : offset + n].view(shape).clone() if per_element else v
+                out.setdefault(name, {})[k] = value
+                offset += n
+    groups = [{**g, "params": [name for i in g["params"] for name in names_of[i]]}
+              for g in state["param_groups"]]
+    return {"state": out, "param_groups": groups}

@@ -1,0 +1,309 @@
+"""One fully sharded unit: the parameters of one module, flat, padded and cut into N shards.
+
+A unit owns the parameters of its module that no inner unit owns. They are laid end to end
+in one flat space of `numel` elements, padded to N * shard_numel, and this rank keeps only
+`shard` (an `nn.Parameter`, fp32 master, registered on the module as `_tandem_shard`: the
+optimizer steps it). The original parameters leave the module; in their place each forward
+puts views of the gathered flat tensor, so the module's own code runs unchanged.
+
+The life of a step, per unit:
+- pre-forward: all-gather the shards (already under way if the previous unit prefetched it),
+  in `param_dtype`, through `_Gather` (an autograd function: its backward reduce-scatters);
+  start the prefetch of the unit that ran next in the previous forward;
+- post-forward: free the gathered storage (`resize_(0)`, as FSDP2 does: autograd's saved
+  views keep their shape) unless this is the root, and hook the outputs so that their
+  gradient's arrival gathers again;
+- pre-backward: gather into the same storage, prefetch the unit before it;
+- `_Gather.backward`: the full gradient's reduce-scatter (fp32, sum) starts and the gathered
+  storage is freed; at the end of backward (an autograd callback, as DDP's) each is waited for
+  and the mean lands in the shard's `.grad`, so `.grad` is complete when backward() returns.
+
+A flag element rides with every reduce-scatter: whether any rank saw inf/NaN. Each rank puts
+inf into its shard's gradient when one did, so GradScaler's `unscale_` finds inf on every rank
+and all ranks skip the same step, with no extra call and no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from tandem import runtime
+from tandem.comm.groups import Group, group_rank, group_ranks, group_size
+
+ATTR = "_tandem_unit"
+SHARD = "_tandem_shard"
+
+
+def _owned(module: nn.Module, prefix: str = ""):
+    """(name, owner module, attribute, parameter) for the parameters no inner unit owns."""
+    for attr, param in module._parameters.items():
+        if param is not None:
+            yield prefix + attr, module, attr, param
+    for child_name, child in module._modules.items():
+        if child is not None and getattr(child, ATTR, None) is None:
+            yield from _owned(child, f"{prefix}{child_name}.")
+
+
+class _Gather(torch.autograd.Function):
+    """shard -> the gathered flat parameters; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, unit: Unit) -> torch.Tensor:
+        ctx.unit = unit
+        return unit.wait_gathered()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.unit.reduce_gradient(grad), None
+
+
+class Unit:
+    def __init__(self, module: nn.Module, group: Group | None, param_dtype: torch.dtype | None,
+                 reshard_after_forward: bool, has_inner: bool) -> None:
+        owned = list(_owned(module))
+        seen: dict[int, str] = {}
+        for name, _, _, param in owned:
+            if id(param) in seen:
+                raise ValueError(
+                    f"fully_shard: parameter {name!r} is the same tensor as {seen[id(param)]!r} "
+                    f"(tied weights); tie them inside one unit by sharing the module, or untie them")
+            seen[id(param)] = name
+        if not owned and not has_inner:
+            raise ValueError(
+                f"fully_shard: {type(module).__name__} has no parameters to shard; wrap a module "
+                f"that has parameters")
+        kinds = {(p.dtype, p.device) for _, _, _, p in owned}
+        if len(kinds) > 1:
+            found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
+            raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
+        self.module = module
+        self.group = group
+        self.size, self.rank = group_size(group), group_rank(group)
+        self.names = [name for name, _, _, _ in owned]
+        self.shapes = [tuple(p.shape) for _, _, _, p in owned]
+        self._slots = [(owner, attr) for _, owner, attr, _ in owned]
+        self.numel = sum(p.numel() for _, _, _, p in owned)
+        self.shard_numel = -(-self.numel // self.size)
+        self.param_dtype = param_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.is_root = True  # until an outer fully_shard takes this module in
+        self.requires_gradient_sync = True
+        self.order: list[Unit] = []  # the root's record of the units' forward order
+        self._recording = False
+        self._full: torch.Tensor | None = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._unsynced: torch.Tensor | None = None
+        self._backward_ready = False
+        self._root: Unit | None = None
+        self._reducing: tuple[Any, torch.Tensor] | None = None
+        self._reducing_input: torch.Tensor | None = None
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
+        self.shard: nn.Parameter | None = None
+        if owned:  # else a root that only holds units: it orders them and prefetches the first
+            self._make_shard(module, owned)
+
+    def _make_shard(self, module: nn.Module, owned: list) -> None:
+        dtype, device = owned[0][3].dtype, owned[0][3].device
+        self.param_dtype = self.param_dtype or dtype
+        group = self.group
+        with torch.no_grad():
+            flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
+            torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])
+            if self.size > 1:  # every rank starts from rank 0's values, as DDP does
+                from tandem.comm import collectives
+                collectives.broadcast(flat, root=group_ranks(group)[0], inplace=True, group=group)
+            lo = self.rank * self.shard_numel
+            self.shard = nn.Parameter(flat[lo : lo + self.shard_numel].clone())
+        del flat
+        self.shard._tandem_group = group  # clip_grad_norm_ reduces these over the group
+        for owner, attr in self._slots:
+            del owner._parameters[attr]
+        self._placeholders()
+        module.register_parameter(SHARD, self.shard)
+
+    # -- the unit's range in the flat space ------------------------------------------------------
+    def my_range(self) -> tuple[int, int]:
+        """[lo, hi) of this rank's shard, clipped to the real (unpadded) elements."""
+        lo = min(self.rank * self.shard_numel, self.numel)
+        return lo, min(lo + self.shard_numel, self.numel)
+
+    def _placeholders(self) -> None:
+        """Shape-only stand-ins between forwards: using one outside forward fails clearly."""
+        for (owner, attr), shape in zip(self._slots, self.shapes, strict=True):
+            setattr(owner, attr, torch.empty(shape, device="meta"))
+
+    # -- communication -------------------------------------------------------------------------
+    def _backend_and_buffer(self, out: torch.Tensor):
+        backend = runtime.get_backend()
+        staged = not backend.supports_device(out.device)
+        return backend, (out.cpu() if staged else out), staged
+
+    def start_gather(self, into: torch.Tensor | None = None) -> None:
+        """Start the all-gather of the shards (async); `into` reuses a freed storage."""
+        if self._pending is not None:
+            return
+        if into is None:
+            into = torch.empty(self.size * self.shard_numel, dtype=self.param_dtype,
+                               device=self.shard.device)
+        else:
+            # Back into the freed storage that autograd's saved views point at, through an
+            # alias of its own: writing through it leaves their version counters alone.
+            storage = into.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(into.numel() * into.element_size())
+            into = torch.empty(0, dtype=into.dtype, device=into.device).set_(
+                storage, into.storage_offset(), into.shape)
+        source = self.shard.detach().to(self.param_dtype)
+        if self.size == 1:
+            into.copy_(source)
+            self._pending = (None, into)
+            return
+        backend, out, staged = self._backend_and_buffer(into)
+        work = backend.allgather_into(out, source.cpu() if staged else source, self.group)
+        self._pending = (work, into if not staged else (into, out))
+
+    def wait_gathered(self) -> torch.Tensor:
+        if self._pending is None:  # a fresh tensor: autograd makes it _Gather's output
+            self.start_gather()
+        work, target = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait(runtime.state().timeout)
+        if isinstance(target, tuple):
+            target[0].copy_(target[1])
+            target = target[0]
+        return target
+
+    def freed(self) -> bool:
+        return self._full is not None and self._full.untyped_storage().size() == 0
+
+    def free(self) -> None:
+        if self._full is not None and not self.freed():
+            self._full.untyped_storage().resize_(0)
+
+    def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The averaged gradient of this rank's shard (None while gradient sync is off)."""
+        grad = grad.to(self.shard.dtype)
+        self.free()
+        self._backward_ready = False
+        if not self.requires_gradient_sync:
+            self._unsynced = grad.clone() if self._unsynced is None else self._unsynced.add_(grad)
+            return None
+        if self._unsynced is not None:
+            grad, self._unsynced = self._unsynced.add_(grad), None
+        n, s = self.size, self.shard_numel
+        packed = torch.empty(n, s + 1, dtype=grad.dtype, device=grad.device)
+        packed[:, :s].copy_(grad.view(n, s))
+        packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
+        work, out = None, packed[0]
+        if n > 1:
+            backend, out, staged = self._backend_and_buffer(torch.empty(s + 1, dtype=grad.dtype,
+                                                                        device=grad.device))
+            source = (packed.cpu() if staged else packed).view(-1)
+            work = backend.reducescatter_into(out, source, "sum", self.group)
+            self._reducing_input = source  # alive until the reduce-scatter is done
+        # Waited for at the end of backward, so it overlaps the backward of the units before.
+        self._reducing = (work, out)
+        if not _waiting:
+            torch.autograd.Variable._execution_engine.queue_callback(finish_reductions)
+        _waiting.append(self)
+        return None
+
+    def finish_reduction(self) -> None:
+        """Wait for the reduce-scatter; the averaged gradient goes into (or onto) `shard.grad`."""
+        work, out = self._reducing
+        self._reducing = self._reducing_input = None
+        if work is not None:
+            work.wait(runtime.state().timeout)
+        out = out.to(self.shard.device)
+        s = self.shard_numel
+        shard_grad = out[:s].div_(self.size)
+        shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
+        if self.shard.grad is None:
+            self.shard.grad = shard_grad
+        else:
+            self.shard.grad.add_(shard_grad)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _set_views(self, full: torch.Tensor) -> None:
+        offset = 0
+        for (owner, attr), shape in zip(self._slots, self.shapes, strict=True):
+            n = 1
+            for d in shape:
+                n *= d
+            setattr(owner, attr, full[offset : offset + n].view(shape))
+            offset += n
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        finish_reductions()  # left by a backward that raised: keep the collectives in step
+        if self.is_root:
+            _Forward.root = self
+            self._recording = not self.order
+            for unit in self.order:  # a prefetch the last forward did not use: stale now
+                if unit._pending is not None:
+                    unit.wait_gathered()
+        root = _Forward.root
+        if root is not None and root._recording and self is not root:
+            root.order.append(self)
+            self._root = root
+        if self.shard is not None:
+            self._full = _Gather.apply(self.shard, self)
+            self._set_views(self._full)
+        if root is not None and not root._recording and self in root.order:
+            index = root.order.index(self)
+            if index + 1 < len(root.order):
+                root.order[index + 1].start_gather()
+        elif root is self and self.order:
+            self.order[0].start_gather()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.is_root:
+            self._recording = False
+            _Forward.root = None
+        if self.shard is None:
+            return output
+        training = torch.is_grad_enabled() and self.shard.requires_grad
+        if not training:
+            self._full = None
+            self._placeholders()
+        elif self.reshard_after_forward and not self.is_root:
+            self.free()
+        if training:
+            self._backward_ready = True
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if not self._backward_ready:
+            return
+        self._backward_ready = False  # the first output's gradient gathers; the others pass
+        if self.freed():
+            self.start_gather(self._full)
+        if self._pending is not None:  # gathered now, or prefetched by the unit after it
+            self.wait_gathered()
+        root = self._root
+        if root is not None and self in root.order:
+            index = root.order.index(self)
+            if index > 0 and root.order[index - 1].freed():
+                previous = root.order[index - 1]
+                previous.start_gather(previous._full)
+
+
+class _Forward:
+    root: Unit | None = None  # the root unit whose forward is running
+
+
+_waiting: list[Unit] = []  # units whose reduce-scatter is in flight, in the order issued
+
+
+def finish_reductions() -> None:
+    """End of backward (an autograd callback): every shard's averaged gradient in place."""
+    while _waiting:
+        _waiting.pop(0).finish_reduction()

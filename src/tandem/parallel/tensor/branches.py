@@ -1,0 +1,74 @@
+"""Branches of a model on different ranks, run at the same time on the same batch.
+
+    self.branches = td.Branches([conv_path, pool_path], group=tp_group, join="cat", dim=1)
+
+A model with parallel paths (Inception-style towers, a two-tower encoder, the heads of a
+multi-task model) is split by path: group rank r runs its share of the branches (contiguous,
+in order, as evenly as possible) on the full input, and the outputs are joined on every rank,
+concatenated along `dim` in branch order (`join="cat"`, sizes along `dim` may differ) or summed
+(`join="sum"`). Everything before and after runs replicated, so gradients follow the
+tensor-parallel convention: the input's gradient is summed over the ranks that used it, and each
+branch's parameters get their gradient on the rank that holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tandem.comm import collectives
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.tensor.regions import copy_to, reduce_from
+
+
+class Branches(nn.Module):
+    """Run `branches` spread over `group`'s ranks and join their outputs on every rank."""
+
+    def __init__(self, branches: Sequence[nn.Module], *, group: Group | None = None,
+                 join: str = "cat", dim: int = -1) -> None:
+        super().__init__()
+        n = group_size(group)
+        if join not in ("cat", "sum"):
+            raise ValueError(f"join={join!r}: choose 'cat' or 'sum'")
+        if len(branches) < n:
+            raise ValueError(f"{len(branches)} branches cannot keep {n} ranks busy: use a group "
+                             f"of at most {len(branches)} ranks")
+        rank = group_rank(group)
+        first, last = rank * len(branches) // n, (rank + 1) * len(branches) // n
+        self.mine = nn.ModuleList(branches[first:last])  # only this rank's branches are kept
+        self.first_branch, self.count = first, len(branches)
+        self.group, self.join, self.dim = group, join, dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to(x, self.group)
+        outputs = [branch(x) for branch in self.mine]
+        if self.join == "sum":
+            return reduce_from(torch.stack(outputs).sum(0), self.group)
+        local = torch.cat(outputs, dim=self.dim)
+        if group_size(self.group) == 1:
+            return local
+        return _GatherUneven.apply(local, self.dim % local.dim(), self.group)
+
+    def extra_repr(self) -> str:
+        return (f"branches {self.first_branch}..{self.first_branch + len(self.mine) - 1} of "
+                f"{self.count} on this rank, join={self.join!r}, dim={self.dim}")
+
+
+class _GatherUneven(torch.autograd.Function):
+    """Concatenate every rank's tensor along `dim` (sizes may differ); backward keeps this
+    rank's slice (the loss after the join is replicated)."""
+
+    @staticmethod
+    def forward(ctx, tensor, dim, group):
+        moved = tensor.movedim(dim, 0).contiguous()
+        lengths = collectives.allgather(torch.tensor([moved.shape[0]]), group=group).tolist()
+        rank = group_rank(group)
+        ctx.dim, ctx.start, ctx.length = dim, sum(lengths[:rank]), lengths[rank]
+        return collectives.allgather(moved, group=group).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None

@@ -1,0 +1,109 @@
+"""Convert an existing model's layers by name: `parallelize(model, plan, group)`.
+
+    plan = {"attn": "attention", "mlp.0": "colwise", "mlp.2": "rowwise"}
+    model = parallelize(model, plan, group=mesh.tp_group)
+
+In the spirit of DTensor's `parallelize_module`: the model is written for one process, the
+plan says how each named layer is split, and the layers are swapped in place for their
+tensor-parallel versions, with shards sliced from the layer's own weights (so every rank
+starts from the one-process model). Styles:
+
+    "colwise"         nn.Linear -> ColumnParallelLinear (output stays split)
+    "colwise_gather"  nn.Linear -> ColumnParallelLinear(gather_output=True)
+    "rowwise"         nn.Linear -> RowParallelLinear (input split, output summed)
+    "embedding"       nn.Embedding -> VocabParallelEmbedding
+    "attention"       nn.MultiheadAttention -> ParallelSelfAttention (heads split)
+
+`full_state_dict(model)` gathers the one-process state dict back (for a checkpoint that loads
+at any tp size: load it into the one-process model, then `parallelize` again).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from tandem.comm import agreement, context
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_ranks
+from tandem.parallel.tensor.attention import ParallelSelfAttention
+from tandem.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+_STYLES = {
+    "colwise": (nn.Linear, lambda m, g: ColumnParallelLinear.from_linear(m, group=g)),
+    "colwise_gather": (nn.Linear, lambda m, g: ColumnParallelLinear.from_linear(
+        m, gather_output=True, group=g)),
+    "rowwise": (nn.Linear, lambda m, g: RowParallelLinear.from_linear(m, group=g)),
+    "embedding": (nn.Embedding, lambda m, g: VocabParallelEmbedding.from_embedding(m, group=g)),
+    "attention": (nn.MultiheadAttention,
+                  lambda m, g: ParallelSelfAttention.from_multihead(m, group=g)),
+}
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelSelfAttention)
+
+
+def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None = None) -> nn.Module:
+    """Swap the layers named in `plan` for tensor-parallel ones over `group`; returns `model`.
+
+    Every rank of the world calls it (each with its own tp group); the ranks of one group must
+    pass the same plan and the same model layout.
+    """
+    _check_groups(group)
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if style not in _STYLES:
+            raise ValueError(f"plan[{name!r}] = {style!r}: choose one of {', '.join(_STYLES)}")
+        if name not in modules or name == "":
+            close = difflib.get_close_matches(name, [n for n in modules if n], n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"the plan names {name!r}, which is not a layer of "
+                             f"{type(model).__name__}{hint}")
+        kind, _ = _STYLES[style]
+        if not isinstance(modules[name], kind):
+            raise TypeError(f"plan[{name!r}] = {style!r} needs an nn.{kind.__name__}, but "
+                            f"{name!r} is {type(modules[name]).__name__}")
+    layout = [f"{name}:{style}:{tuple(modules[name].state_dict()['weight'].shape)}"
+              if "weight" in modules[name].state_dict() else f"{name}:{style}"
+              for name, style in sorted(plan.items())]
+    agreement.agree_layout("tensor-parallel plan", layout, group, always=True)
+    for name, style in plan.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _STYLES[style][1](modules[name], group))
+    return model
+
+
+def _check_groups(group: Group | None) -> None:
+    """Every rank's tp group must be the one its members name: else say who thinks what."""
+    mine = list(group_ranks(group))
+    everyone = agreement.everyone(mine, None, context.current())
+    wrong = [f"rank {r} uses tp group {g}, but rank {m} of it uses {everyone[m]}"
+             for r, g in enumerate(everyone) for m in g if everyone[m] != g or r not in g]
+    if wrong:
+        raise agreement.CollectiveMismatchError(
+            "ranks disagree on their tensor-parallel groups:\n  " + "\n  ".join(wrong[:8])
+            + "\nBuild the groups the same way on every rank (td.mesh(dp=, tp=) does).")
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether `parallelize` split any of the model's layers."""
+    return any(isinstance(m, _PARALLEL) for m in model.modules())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The one-process state dict of a model converted by `parallelize` (every rank calls it)."""
+    state = {}
+    parallel = {name: m for name, m in model.named_modules() if isinstance(m, _PARALLEL)}
+    for key, value in model.state_dict().items():
+        if not any(key.startswith(f"{name}.") for name in parallel):
+            state[key] = value.detach().clone()
+    for name, module in parallel.items():
+        for key, value in module.full_weights().items():
+            state[f"{name}.{key}"] = value
+    return state

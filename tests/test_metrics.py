@@ -1,0 +1,171 @@
+"""td.MetricLogger, td.Average and td.progress on a real 2-rank world.
+
+One world checks the logger (averages over ranks, CSV and TensorBoard files on rank 0 only,
+bad input) and the bar (rank 0 only, plain lines into a pipe); the parent reads the event
+file back with TensorBoard's own reader and the CSV file with `csv`.
+"""
+
+import csv
+import io
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import tandem as td
+from tandem.testing import run_distributed
+
+
+def _raises(error_type, call, *fragments):
+    try:
+        call()
+    except error_type as error:
+        missing = [f for f in fragments if f not in str(error)]
+        assert not missing, f"{error!r} lacks {missing}"
+        return str(error)
+    raise AssertionError(f"{call} did not raise {error_type.__name__}")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def check_logger_and_progress(tmp):
+    rank = td.rank()
+    log_dir = os.path.join(tmp, f"run-of-rank{rank}")  # rank 1 must create nothing
+    logger = td.MetricLogger(log_dir)
+    first = logger.log(0, loss=1.0 + rank, accuracy=torch.tensor(0.5 * rank))
+    assert first == {"accuracy": 0.25, "loss": 1.5}
+    second = logger.log(10, loss=torch.tensor([3.0]), lr=0.1 * (rank + 1))  # lr: a new column
+
+    # a few real data-parallel steps, then their timing in the same reduction
+    model = nn.Linear(4, 2)
+    td.broadcast_parameters(model)
+    optimizer = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    for _ in range(4):
+        td.report(samples=8)
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    timed = logger.log(20, loss=0.5, timing=True)
+    assert timed["samples_per_s"] > 0 and timed["time/compute_s"] >= 0, timed
+    assert set(timed) == {"loss", "samples_per_s", "time/compute_s", "time/comm_s", "time/data_s"}
+
+    _raises(TypeError, lambda: logger.log(30, loss="0.3"), "loss='0.3'", "not a number", "loss.item()")
+    _raises(TypeError, lambda: logger.log(30, loss=torch.ones(3)), "loss=", "not a number")
+    _raises(TypeError, lambda: logger.log(1.5, loss=1.0), "step=1.5", "int")
+    logger.close()
+
+    # unwritable on rank 0 (a directory under a file): every rank fails at construction
+    blocker = os.path.join(tmp, "a-file")
+    if rank == 0:
+        open(blocker, "w").close()
+    td.barrier()
+    bad = os.path.join(blocker, "logs") if rank == 0 else os.path.join(tmp, "fine")
+    _raises(PermissionError, lambda: td.MetricLogger(bad), os.path.join(blocker, "logs"), "cannot write")
+
+    # progress: a bar on rank 0 only; into a pipe plain lines, on a terminal redrawn in place
+    piped, terminal = io.StringIO(), _Terminal()
+    assert list(td.progress(range(5), file=piped, desc="pipe", mininterval=0, delay=0)) == list(range(5))
+    list(td.progress(range(5), file=terminal, desc="tty", mininterval=0))
+    return second, piped.getvalue(), terminal.getvalue(), sorted(os.listdir(tmp))
+
+
+def test_metric_logger_and_progress(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra: pip install 'tandem[tensorboard]'")
+    (second, pipe0, tty0, files), (_, pipe1, tty1, _) = run_distributed(
+        check_logger_and_progress, world_size=2, args=(str(tmp_path),))
+    assert second == {"loss": 3.0, "lr": pytest.approx(0.15)}
+    assert "run-of-rank0" in files and "run-of-rank1" not in files and "fine" not in files
+
+    with open(tmp_path / "run-of-rank0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "10", "20"]
+    assert float(rows[0]["loss"]) == 1.5 and rows[0]["lr"] == ""
+    assert float(rows[1]["lr"]) == pytest.approx(0.15)
+    assert float(rows[2]["samples_per_s"]) > 0 and rows[2]["time/comm_s"] != ""
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run-of-rank0"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 1.5), (10, 3.0), (20, 0.5)]
+    assert {"accuracy", "lr", "samples_per_s", "time/compute_s"} <= set(events.Tags()["scalars"])
+
+    assert pipe1 == "" and tty1 == ""  # no bar on rank 1
+    assert "\r" not in pipe0 and "pipe: 100%" in pipe0 and pipe0.endswith("\n"), repr(pipe0)
+    assert "\r" in tty0 and "tty: 100%" in tty0, repr(tty0)
+
+
+def test_metric_logger_without_tensorboard_writes_csv(tmp_path):
+    """One process, no job: `tensorboard=False` writes the CSV file only."""
+    with td.MetricLogger(tmp_path, tensorboard=False) as logger:
+        assert logger.log(3, loss=2) == {"loss": 2.0}
+    assert os.listdir(tmp_path) == ["metrics.csv"]
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert [r["loss"] for r in csv.DictReader(f)] == ["2.0"]
+
+
+BAR_SCRIPT = """
+import tandem as td
+td.init()
+for _ in td.progress(range(4), desc="bar", mininterval=0, delay=0):
+    td.barrier()
+print("done", td.rank())
+td.shutdown()
+"""
+
+
+def _tandem_run(script, *flags, terminal):
+    """`tandem run -np 2 script` with its stdout and stderr on a pseudo-terminal or a pipe."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    command = [sys.executable, "-m", "tandem", "run", "-np", "2", *flags, str(script)]
+    if not terminal:
+        done = subprocess.run(command, env=env, capture_output=True, timeout=120)
+        return done.returncode, done.stdout + done.stderr
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=follower,
+                               stderr=follower)
+    os.close(follower)
+    output, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if select.select([leader], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: every writer has closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+        else:
+            raise AssertionError(f"tandem run did not finish in 120 s; output so far: {output!r}")
+        return process.wait(timeout=30), output
+    finally:
+        os.close(leader)
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "default"])
+def test_rank0_bar_redraws_in_place_under_tandem_run_on_a_terminal(tmp_path, backend):
+    script = tmp_path / "bar.py"
+    script.write_text(BAR_SCRIPT)
+    flags = ("--backend", "gloo") if backend == "gloo" else ()
+    code, output = _tandem_run(script, *flags, terminal=True)
+    assert code == 0, output
+    assert b"\r\x1b[K[0] bar:" in output, output  # drawn in place, prefixed
+    assert b"[0] bar: 100%" in output and b"[1] bar" not in output, output
+    assert b"[0] done 0" in output and b"[1] done 1" in output, output
+    if backend == "gloo":  # into a pipe the same job writes plain lines
+        code, output = _tandem_run(script, *flags, terminal=False)
+        assert code == 0, output
+        assert b"\r" not in output and b"[0] bar: 100%" in output and b"[1] bar" not in output, output

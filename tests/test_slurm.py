@@ -1,0 +1,59 @@
+"""examples/slurm/train.sbatch on a real single-node SLURM (scripts/slurm-local.sh starts it).
+
+Skipped, with the reason, where SLURM cannot start here (not root, no apt-get, no daemons).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running single-node cluster, or a skip that says why there is none."""
+    if os.geteuid() != 0:
+        pytest.skip("SLURM: scripts/slurm-local.sh needs root to install and start the daemons")
+    running = subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
+    try:
+        started = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh")], capture_output=True,
+                                 text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip("SLURM: scripts/slurm-local.sh did not finish in 600 s")
+    if started.returncode != 0 or not shutil.which("sbatch"):
+        pytest.skip(f"SLURM cannot start here: {started.stderr.strip() or 'no sbatch'}")
+    yield
+    if not running:  # we started it: leave the machine as we found it
+        subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop"], timeout=60)
+
+
+def _sbatch(*args, timeout):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "SLURM_"))}
+    env["PYTHON"] = sys.executable
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return subprocess.run(["sbatch", "--wait", f"--chdir={ROOT}", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_job_trains_on_two_tasks_and_oversized_jobs_are_refused(slurm, tmp_path):
+    out = tmp_path / "job-%j.out"
+    done = _sbatch(f"--output={out}", "--time=00:04:00", str(SBATCH), "--epochs", "1", timeout=280)
+    logs = list(tmp_path.glob("job-*.out"))
+    text = logs[0].read_text() if logs else "(no output file)"
+    assert done.returncode == 0, done.stdout + done.stderr + text
+    assert "2 tasks on 1 node(s)" in text and "2 rank(s), global batch 32 = 16 per rank" in text, text
+    assert "epoch  1: train loss" in text and "final test accuracy: 0." in text, text
+    assert text.count("final test accuracy") == 1, text  # rank 0 reports, rank 1 does not
+
+    cores = os.cpu_count() or 1
+    refused = _sbatch(f"--ntasks-per-node={cores + 1}", f"--output={tmp_path}/never.out", str(SBATCH),
+                      timeout=60)
+    assert refused.returncode != 0, refused.stdout + refused.stderr
+    assert "More processors requested than permitted" in refused.stderr, refused.stderr
