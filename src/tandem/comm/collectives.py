@@ -79,6 +79,9 @@ def _output(tensor: torch.Tensor, as_numpy: bool) -> Array:
     return tensor.numpy() if as_numpy else tensor
 
 
+_GLOO_WIDER = {torch.int16: torch.int32}
+
+
 class _Staging:
     """A contiguous buffer on a device the backend accepts, copied back when done."""
 
@@ -87,7 +90,10 @@ class _Staging:
     def __init__(self, tensor: torch.Tensor, engine: context.Context | None = None) -> None:
         self.original = tensor
         engine = engine or context.current()
-        if not engine.backend.supports_device(tensor.device):
+        if tensor.dtype in _GLOO_WIDER and engine.backend.name == "gloo":
+            # Gloo has no int16: int32 carries it; sums wrap back to int16 as they would natively.
+            self.buffer = tensor.to(_GLOO_WIDER[tensor.dtype]).contiguous()
+        elif not engine.backend.supports_device(tensor.device):
             self.buffer = tensor.to(engine.world.device).contiguous()
         elif tensor.is_contiguous():
             self.buffer = tensor

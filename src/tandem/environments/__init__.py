@@ -23,6 +23,7 @@ from tandem.environments.adapters import (
     detect_tandem,
     detect_torchrun,
     first_slurm_host,
+    horovod_variables,
     launched,
     single_process,
     tandem_variables,
@@ -46,5 +47,6 @@ __all__ = [
     "rendezvous_address",
     "resolve",
     "single_process",
+    "horovod_variables",
     "tandem_variables",
 ]

@@ -285,3 +285,13 @@ def tandem_variables(
     if under_mpi:
         variables["TANDEM_UNDER_MPI"] = "1"
     return variables
+
+
+def horovod_variables(*, rank: int, size: int, local_rank: int, local_size: int) -> dict[str, str]:
+    """What horovodrun tells each rank, for scripts that read it (`tandem run` sets these too)."""
+    return {
+        "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(size),
+        "HOROVOD_LOCAL_RANK": str(local_rank),
+        "HOROVOD_LOCAL_SIZE": str(local_size),
+    }

@@ -6,6 +6,8 @@ Usage
 
     tandem run -np 4 train.py --lr 0.1        # four ranks of `python train.py --lr 0.1`
     tandem run -np 2 -m mypackage.train       # a module, like `python -m`
+    tandem run -np 2 python train.py          # mpiexec's and horovodrun's form: any command
+    tandem run -np 2 /opt/py/bin/python -m pytest tests/   # ... run as given, under that Python
     tandem run -np 4 --backend gloo --threads-per-rank 2 train.py
     tandem run -H localhost:4 train.py        # horovodrun's spelling; -np defaults to the slots
     tandem run -np 4 --backend mpi train.py   # ranks started through mpiexec (launch/mpiexec.py)
@@ -14,7 +16,9 @@ Usage
     tandem run -np 8 -H node1:4,node2:4 train.py        # remote agents started over ssh
     python -m tandem run ...                  # the same command
 
-Everything after the script (or module) is passed to every rank unchanged. Each rank calls
+Everything after the script (or module) is passed to every rank unchanged. A program that
+is not a `.py` file and is an executable (a path, or a name on PATH: `python`, `./a.out`) is
+a command, run as given, with its arguments, instead of by this Python. Each rank calls
 td.init() and finds its place in the job from the variables set for it.
 
 The backend, unless --backend names one: nccl with GPUs; else mpi when mpi4py and mpiexec
@@ -28,6 +32,8 @@ What every rank gets
   port the operating system picked, so two jobs on one machine never collide),
   TANDEM_BACKEND (the backend chosen above), TANDEM_TIMEOUT with --timeout. MPI ranks get
   the same, plus TANDEM_UNDER_MPI=1, from their supervisor (launch/mpi_rank.py).
+- HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, as horovodrun sets them,
+  for Horovod scripts that read them.
 - OMP_NUM_THREADS and MKL_NUM_THREADS: --threads-per-rank, by default
   cores // ranks, so N ranks do not each start one thread per core. Values already in the
   environment are kept unless --threads-per-rank is given.

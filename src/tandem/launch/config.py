@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -114,9 +115,10 @@ class LaunchConfig:
     """Everything `launch()` needs to start one job; built by `config_from_args` or by hand."""
 
     np: int
-    program: str  # a script path, or a module name when `module` is True
+    program: str  # a script path, a module name when `module`, a command when `executable`
     args: tuple[str, ...] = ()
     module: bool = False
+    executable: bool = False  # `program` runs as given: `python train.py`, `/abs/python -m x`
     backend: str | None = None
     threads_per_rank: int | None = None  # None: cores // np, unless OMP_NUM_THREADS is set
     timeout: float | None = None  # None: the runtime's default
@@ -135,6 +137,9 @@ class LaunchConfig:
             )
         if not self.program:
             raise LaunchError("no program to run: give a script (train.py) or -m module")
+        if self.module and self.executable:
+            raise LaunchError(f"-m {self.program}: a module runs under this Python; to run it "
+                              f"under another, give `/path/to/python -m {self.program}`")
         if self.backend is not None and self.backend not in BACKENDS:
             raise LaunchError(f"unknown backend {self.backend!r}: choose one of "
                               f"{', '.join(BACKENDS)}")
@@ -186,7 +191,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "-m", "--module", action="store_true",
         help="run the program as a module, like `python -m module`",
     )
-    parser.add_argument("program", metavar="script.py|module", help="what each rank runs")
+    parser.add_argument("program", metavar="script.py|module", help="what each rank runs: a script, "
+                        "a module (-m), or a command run as given (python train.py)")
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, help="arguments passed to every rank unchanged"
     )
@@ -234,6 +240,7 @@ def config_from_args(
         program=args.program,
         args=tuple(args.args),
         module=bool(args.module),
+        executable=not args.module and is_command(args.program),
         backend=values["backend"],
         threads_per_rank=values["threads_per_rank"],
         timeout=values["timeout"],
@@ -247,9 +254,23 @@ def config_from_args(
     )
 
 
+def is_command(program: str) -> bool:
+    """Whether `program` is a command to run as given (mpiexec's and horovodrun's form:
+    `python train.py`, `/abs/python -m pkg`, `./a.out`) rather than a Python script.
+
+    A `.py` file, or a file that is not executable, is a script (run by this Python); an
+    executable file, or a name found on PATH that is no file here, is a command.
+    """
+    if program.endswith(".py"):
+        return False
+    if os.path.isfile(program):
+        return os.access(program, os.X_OK)
+    return os.sep not in program and shutil.which(program) is not None
+
+
 def check_program(config: LaunchConfig) -> None:
     """A missing script is our error (nothing starts); a missing module is each rank's."""
-    if config.module:
+    if config.module or config.executable:
         return  # importable only in the ranks' environment, so let them say so
     if not os.path.isfile(config.program):
         where = os.path.abspath(config.program)

@@ -73,6 +73,8 @@ def _child_environment(job, store: tuple[str, int], base) -> dict[str, str]:
         master_addr=store[0], master_port=store[1], store_hosted=True, backend="mpi",
         under_mpi=True,
     ))
+    env.update(environments.horovod_variables(
+        rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size))
     if job.rank != 0:
         env.pop("TANDEM_TERMINAL", None)  # only rank 0's bars redraw in place (launch.output)
     return env

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tandem.environments import tandem_variables
+from tandem.environments import horovod_variables, tandem_variables
 from tandem.launch.config import LaunchConfig
 from tandem.launch.output import RankOutput, block_agent_signals
 from tandem.launch.processes import cores, signal_group, start_ranks
@@ -45,7 +46,10 @@ class Placement:
 
 
 def rank_command(config: LaunchConfig) -> list[str]:
-    """The command line of every rank: this Python, running the script or module."""
+    """The command line of every rank: this Python running the script or module, or the
+    command as given (`tandem run -np 2 python train.py`)."""
+    if config.executable:
+        return [shutil.which(config.program) or config.program, *config.args]
     if config.module:
         return [sys.executable, "-u", "-m", config.program, *config.args]
     return [sys.executable, "-u", config.program, *config.args]
@@ -79,6 +83,8 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
         local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
         backend=config.backend,
     ))
+    env.update(horovod_variables(rank=placement.offset + local, size=placement.world,
+                                 local_rank=local, local_size=nproc or config.np))
     env["TANDEM_RESTART"] = str(placement.attempt)
     if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
         env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface

@@ -1,0 +1,84 @@
+"""What `tandem.horovod`'s Horovod semantics cost per call: hvd vs td vs torch.distributed.
+
+    python benchmarks/horovod_ops.py [--np 2] [--iters 200] [--out results/horovod_ops.json]
+
+Every `hvd` operation on the global set runs one small negotiation all-reduce first (how a
+joined rank learns what to answer, and how a mismatch becomes Horovod's RuntimeError), on top of
+tandem's own argument check. This measures the time per blocking allreduce, at a few sizes, of
+`hvd.allreduce`, `td.allreduce` and plain `torch.distributed.all_reduce` (the PyTorch
+equivalent, on the same Gloo process group), interleaved in one run on `np` local ranks, and
+prints the ratios. It is a latency claim, so it lives here and not in the unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import tandem as td
+
+SIZES = (1, 1024, 262144)  # float32 elements: 4 B, 4 KB, 1 MB
+
+
+def _time(call, tensor, iters: int) -> float:
+    for _ in range(5):
+        call(tensor)
+    td.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call(tensor)
+    return (time.perf_counter() - start) / iters
+
+
+def measure(iters: int) -> dict:
+    import torch.distributed as dist
+
+    import tandem.horovod as hvd
+
+    hvd.init()
+    calls = {
+        "torch.distributed": lambda t: dist.all_reduce(t.clone()),
+        "td.allreduce": lambda t: td.allreduce(t, op="sum"),
+        "hvd.allreduce": lambda t: hvd.allreduce(t, op=hvd.Sum),
+    }
+    rows = {}
+    for numel in SIZES:
+        tensor = torch.ones(numel)
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(3):  # interleaved, so a load that drifts hits all three alike
+            for name, call in calls.items():
+                samples[name].append(_time(call, tensor, iters))
+        rows[numel] = {name: statistics.median(values) for name, values in samples.items()}
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--out", default="results/horovod_ops.json")
+    args = parser.parse_args()
+    rows = td.spawn(measure, args.np, args=(args.iters,), backend="gloo")[0]
+    print(f"{args.np} ranks on Gloo, blocking allreduce (sum), median of 3 x {args.iters} calls")
+    print(f"{'elements':>10}{'torch (us)':>12}{'td (us)':>10}{'hvd (us)':>10}"
+          f"{'td/torch':>10}{'hvd/torch':>11}{'hvd/td':>8}")
+    for numel, row in rows.items():
+        base, mine, front = row["torch.distributed"], row["td.allreduce"], row["hvd.allreduce"]
+        print(f"{numel:>10}{base * 1e6:>12.1f}{mine * 1e6:>10.1f}{front * 1e6:>10.1f}"
+              f"{mine / base:>10.2f}{front / base:>11.2f}{front / mine:>8.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"np": args.np, "iters": args.iters, "seconds_per_call": rows},
+                              indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""Horovod's collectives (`allreduce`, `allgather`, `broadcast`, `alltoall`, `reducescatter`, their
+`_async`, in-place and grouped spellings) over tandem's, with Horovod's semantics:
+
+- A tensor that requires grad goes through `tandem.functional`, with Horovod's gradient
+  conventions on top: allgather's and broadcast's backward average over the set instead of
+  summing, reducescatter's is multiplied by the set's size.
+- `prescale_factor` / `postscale_factor` scale integers in float64 and half floats in float32
+  (CPU), then cast back, as Horovod does; an integer average truncates toward zero.
+- `reducescatter` accepts a first dimension not divisible by the set's size: the first
+  `rows % size` ranks get one row more, as in Horovod.
+- Operations run in posting order (see `engine`); `process_set=` picks the group.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+import tandem as td
+from tandem import functional
+from tandem.horovod import engine
+from tandem.horovod.basics import (
+    Average,
+    Compression,
+    ProcessSet,
+    Sum,
+    compressor,
+    global_process_set,
+    group_of,
+    reduce_op,
+)
+from tandem.horovod.engine import Description
+
+LINEAR = (Average, Sum)
+
+
+class ScaleGrad(torch.autograd.Function):
+    """The identity forward; the gradient multiplied by `factor` backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, factor):
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
+def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """`tensor * factor` in Horovod's arithmetic: integers in float64, CPU halves in float32."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point() and tensor.dtype in (torch.float16, torch.bfloat16) \
+            and tensor.device.type == "cpu":
+        return (tensor.float() * factor).to(tensor.dtype)
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return (tensor.double() * factor).to(tensor.dtype)
+    return tensor * factor
+
+
+def truncating_average(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(n)
+    return tensor.copy_(torch.div(tensor, n, rounding_mode="trunc"))
+
+
+def set_size(group) -> int:
+    return td.size() if group is None else group.size
+
+
+def negotiated(group, description: Description) -> None:
+    if group is None:  # join and the argument check are global, as in Horovod
+        engine.negotiate(description)
+
+
+# -- allreduce --------------------------------------------------------------------------------
+def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
+    """What starts one allreduce: returns a waitable whose result is the reduced tensor."""
+    through_autograd = differentiable(tensor) and not inplace
+
+    def start():
+        if through_autograd:
+            if op not in LINEAR:
+                raise ValueError(f"allreduce of a tensor that requires grad needs op=Average or "
+                                 f"Sum, got {op!r}")
+            negotiated(group, Description("allreduce", tensor, op))
+            reduced = functional.all_reduce(scale(tensor, prescale), op, group)
+            return engine.ready(scale(reduced, postscale))
+        native = "sum" if op == Average else op
+        negotiated(group, Description("allreduce", tensor, native))
+        work = tensor if inplace else tensor.detach()
+        scaled = scale(work, prescale)
+        work = scaled if scaled is not work or inplace else work.clone()
+        return td.allreduce(work, op=native, inplace=True, async_op=True, group=group)
+
+    def finish(result):
+        if through_autograd:  # scaled and averaged already
+            return result
+        if op == Average:
+            truncating_average(result, set_size(group))
+        result = scale(result, postscale)
+        if inplace and result is not tensor:
+            tensor.copy_(result)
+            return tensor
+        return result
+
+    return start, finish
+
+
+def answer_allreduce(dtype: torch.dtype, shape: list[int], op: str) -> None:
+    """A joined rank's share of an allreduce: zeros."""
+    td.allreduce(torch.zeros(shape, dtype=dtype), op=op)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set):
+    group = group_of(process_set)
+    start, finish = _allreduce_start(tensor, reduce_op(average, op), prescale_factor,
+                                     postscale_factor, group, inplace=True)
+    return engine.post(name, start, finish)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set):
+    group = group_of(process_set)
+    start, finish = _allreduce_start(tensor.detach(), reduce_op(average, op), prescale_factor,
+                                     postscale_factor, group, inplace=False)
+    return engine.post(name, start, finish)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    return engine.synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                               postscale_factor, process_set))
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """The reduction over the set, as a new tensor; differentiable (backward: the same allreduce)."""
+    codec = compressor(compression)
+    wire, ctx = codec.compress(tensor)
+    group = group_of(process_set)
+    start, finish = _allreduce_start(wire, reduce_op(average, op), prescale_factor,
+                                     postscale_factor, group, inplace=False)
+    return codec.decompress(engine.run(name, start, finish), ctx)
+
+
+class _Many:
+    """Several waitables as one: the grouped operations' handle."""
+
+    def __init__(self, works: list[Any], finishes: list[Any]) -> None:
+        self.works, self.finishes = works, finishes
+
+    def done(self) -> bool:
+        return all(work.done() for work in self.works)
+
+    def wait(self) -> list[Any]:
+        return [work.wait() if finish is None else finish(work.wait())
+                for work, finish in zip(self.works, self.finishes, strict=True)]
+
+
+def grouped(name, starts_and_finishes):
+    def start():
+        return _Many([s() for s, _ in starts_and_finishes], [f for _, f in starts_and_finishes])
+
+    return engine.post(name, start)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set):
+    group, op = group_of(process_set), reduce_op(average, op)
+    return grouped(name, [_allreduce_start(t.detach(), op, prescale_factor, postscale_factor,
+                                            group, inplace=False) for t in tensors])
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set):
+    group, op = group_of(process_set), reduce_op(average, op)
+    return grouped(name, [_allreduce_start(t, op, prescale_factor, postscale_factor, group,
+                                            inplace=True) for t in tensors])
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set):
+    return engine.synchronize(grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Each tensor's allreduce, in one call; differentiable."""
+    codec = compressor(compression)
+    wires = [codec.compress(t) for t in tensors]
+    group, op = group_of(process_set), reduce_op(average, op)
+    handle = grouped(name, [_allreduce_start(w, op, prescale_factor, postscale_factor, group,
+                                              inplace=False) for w, _ in wires])
+    reduced = engine.synchronize(handle)
+    return [codec.decompress(r, ctx) for r, (_, ctx) in zip(reduced, wires, strict=True)]
+
+
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
+    """A sparse tensor's allreduce: indices and values gathered from every rank, then summed.
+
+    Returns a function, as Horovod does: `handle()` waits and gives the (coalesced) result."""
+    group, op = group_of(process_set), reduce_op(None, op)
+    if op not in LINEAR:
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not {op!r}")
+    sparse = tensor.coalesce()
+    indices, values = sparse.indices().t().contiguous(), sparse.values()
+
+    def start():
+        negotiated(group, Description("allgather", values))
+        gathered = td.allgather(values, group=group)
+        negotiated(group, Description("allgather", indices))
+        where = td.allgather(indices, group=group).t()
+        if op == Average:
+            gathered = gathered / set_size(group)
+        return engine.ready(torch.sparse_coo_tensor(where, gathered, sparse.shape).coalesce())
+
+    handle = engine.post(name, start)
+    return lambda: engine.synchronize(handle)  # Horovod's: call it to wait for the result
+
+
+# -- allgather and broadcast --------------------------------------------------------------------
+def _allgather_start(tensor, group):
+    def start():
+        negotiated(group, Description("allgather", tensor))
+        if differentiable(tensor):
+            averaged = ScaleGrad.apply(tensor, 1.0 / set_size(group))
+            return engine.ready(functional.all_gather(averaged, 0, group))
+        return td.allgather(tensor, async_op=True, group=group)
+
+    return start, None
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    return engine.post(name, *_allgather_start(tensor.detach(), group_of(process_set)))
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Every rank's tensor concatenated along dim 0 (first dims may differ); differentiable."""
+    return engine.run(name, *_allgather_start(tensor, group_of(process_set)))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    group = group_of(process_set)
+    return grouped(name, [_allgather_start(t.detach(), group) for t in tensors])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    group = group_of(process_set)
+    return engine.synchronize(grouped(name, [_allgather_start(t, group) for t in tensors]))
+
+
+def _broadcast_start(tensor, root_rank, group, inplace):
+    if not isinstance(root_rank, int) or root_rank < 0:
+        raise ValueError(f"root_rank={root_rank!r}: give the global rank of the root")
+
+    def start():
+        negotiated(group, Description("broadcast", tensor, root=root_rank))
+        if differentiable(tensor) and not inplace:
+            averaged = ScaleGrad.apply(tensor, 1.0 / set_size(group))
+            return engine.ready(functional.broadcast(averaged, root_rank, group))
+        return td.broadcast(tensor, root=root_rank, inplace=inplace, async_op=True, group=group)
+
+    return start, None
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    return engine.post(name, *_broadcast_start(tensor, root_rank, group_of(process_set), True))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    return engine.post(name, *_broadcast_start(tensor.detach(), root_rank, group_of(process_set),
+                                               False))
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    return engine.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """`root_rank`'s tensor on every rank of the set; differentiable."""
+    return engine.run(name, *_broadcast_start(tensor, root_rank, group_of(process_set), False))
+
+
+# -- the rest ---------------------------------------------------------------------------------
+def barrier(process_set=global_process_set) -> None:
+    td.barrier(group=group_of(process_set))
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    engine.start_pending()
+    return td.broadcast_object(obj, root=root_rank, group=group_of(process_set))
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    engine.start_pending()
+    return td.allgather_object(obj, group=group_of(process_set))
+
+
+def join(device: int = -1) -> int:
+    """Answer the other ranks' operations until every rank has joined; returns the last to join.
+
+    With a `DistributedOptimizer` in the process, this answers its gradient reductions
+    (`td.join()`: the ranks out of data count as zero gradients); otherwise it answers the
+    other ranks' `hvd.allreduce`s with zeros (see `engine`).
+    """
+    from tandem.parallel.reducer import live_reducers
+
+    engine.start_pending()
+    if live_reducers():
+        gc.collect()  # optimizers the script dropped must not count
+    if live_reducers():
+        return td.join()
+    return engine.join_rounds(answer_allreduce)
+
