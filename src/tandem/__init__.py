@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 # module -> the public names it defines
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "tandem.checkpoint": ("CheckpointError", "Checkpointer", "load", "save"),
-    "tandem.comm.agreement": ("CollectiveMismatchError",),
+    "tandem.comm.agreement": ("CollectiveMismatchError", "DivergedError"),
+    "tandem.comm.finite": ("all_finite",),
     "tandem.comm.collectives": ("Handle", "allgather", "allgather_object", "allreduce",
                                 "alltoall", "barrier", "broadcast", "broadcast_object", "recv",
                                 "reduce", "reducescatter", "send"),
@@ -44,6 +45,7 @@ __all__ = [
     "CollectiveMismatchError",
     "DistributedDataParallel",
     "DistributedOptimizer",
+    "DivergedError",
     "Group",
     "Handle",
     "LocalSGD",
@@ -58,6 +60,7 @@ __all__ = [
     "WatchdogTimeout",
     "World",
     "ZeroOptimizer",
+    "all_finite",
     "allgather",
     "allgather_object",
     "allreduce",

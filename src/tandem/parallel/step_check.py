@@ -1,0 +1,87 @@
+"""One agreement per gradient round: ranks whose code paths diverged are named, not averaged.
+
+MPI and Gloo match collectives by their order alone. If one rank skips an optimizer step
+(`if not torch.isfinite(loss): continue` on that rank only) or calls `td.broadcast` where
+the others step, the others' gradient buckets would meet its next message and be summed with
+it: wrong numbers first, a crash or the timeout later. So, when argument checks are on (the
+default), the reducer opens every round with the same fixed-size agreement message that every
+checked collective sends (`tandem.comm.agreement`), carrying what the round is:
+
+    (gradient reduction, the reducer's layout, rounds, training forwards, optimizer steps)
+
+Ranks in the same round agree and the buckets follow. A rank elsewhere (another collective,
+another reducer, another step) disagrees, and every rank raises one `DivergedError` naming
+each rank's operation (and in debug mode the line that ran backward). The message is one
+all-reduce of a few hundred bytes per step, sent before the first bucket; on NCCL, where it
+would be a host synchronisation per step that DDP does not make, it is not sent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from tandem import runtime
+from tandem.comm import agreement, fingerprints
+from tandem.comm.agreement import DivergedError
+from tandem.comm.groups import Group
+
+_KIND = agreement.checksum("gradient reduction")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class StepCheck:
+    """The per-round agreement of one reducer (None-safe: see `make`)."""
+
+    def __init__(self, owner: str, layout_code: int, group: Group | None) -> None:
+        self._owner = owner
+        self._layout = layout_code
+        self._group = group
+        self.forwards = 0  # training forwards seen by DistributedDataParallel
+        self.steps = 0  # optimizer steps taken by DistributedOptimizer
+
+    @staticmethod
+    def make(owner: str, lines: list[str], group: Group | None) -> StepCheck | None:
+        state = runtime.state()
+        if not state.checks or not state.backend.supports_device(torch.device("cpu")):
+            return None
+        return StepCheck(owner, agreement.checksum(lines), group)
+
+    def agree(self, rounds: int) -> None:
+        """Before the round's first bucket: every rank must be in this same round."""
+        engine = runtime.state()
+        if not engine.checks:
+            return
+        site = _backward_site() if engine.debug else None
+
+        def mine() -> str:
+            counts = []
+            if self.steps:
+                counts.append(f"after {self.steps} optimizer steps")
+            if self.forwards:
+                counts.append(f"after {self.forwards} training forwards")
+            text = f"gradient reduction #{rounds + 1} of {self._owner}"
+            text += f" ({', '.join(counts)})" if counts else ""
+            return text + (f" at {site}" if site else "")
+
+        agreement.agree(mine, self._group, codes=[_KIND, self._layout, rounds, self.forwards,
+                                                  self.steps], error=DivergedError,
+                        explain=_explain, engine=engine)
+
+
+def _explain(ranks, calls) -> str:
+    return ("the ranks are reducing the gradients of different steps (nothing was sent):\n"
+            + "\n".join(f"  rank {r}: {c}" for r, c in zip(ranks, calls, strict=True))
+            + "\n" + agreement.SKIP_ADVICE)
+
+
+def _backward_site() -> str:
+    """Where the user's code ran backward (debug mode): the innermost frame of neither tandem
+    nor torch."""
+    frame = sys._getframe(2)
+    while frame is not None and (fingerprints.is_tandem_frame(frame)
+                                 or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+        frame = frame.f_back
+    return fingerprints.site_of(frame)
