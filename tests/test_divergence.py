@@ -81,7 +81,7 @@ def test_diverged_ranks_are_named_and_skipping_together_works(backend):
                 assert first[0] == 4 and second[0] == 4, (path, first, second)
             else:
                 assert {first[0], second[0]} <= {2, 3}, (wrapper, path, first, second)
-            for step, kind, message in (first, second):
+            for _, kind, message in (first, second):
                 assert kind == "DivergedError", (wrapper, path, message)
                 assert "rank 0:" in message and "rank 1:" in message, message
                 assert "td.all_finite" in message, message

@@ -26,7 +26,7 @@ import torch
 from tandem import runtime
 from tandem.comm import agreement, fingerprints
 from tandem.comm.agreement import DivergedError
-from tandem.comm.groups import Group
+from tandem.comm.groups import Group, group_size
 
 _KIND = agreement.checksum("gradient reduction")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -45,7 +45,7 @@ class StepCheck:
     @staticmethod
     def make(owner: str, lines: list[str], group: Group | None) -> StepCheck | None:
         state = runtime.state()
-        if not state.checks or not state.backend.supports_device(torch.device("cpu")):
+        if group_size(group) == 1 or not state.checks or not state.backend.supports_device(torch.device("cpu")):
             return None
         return StepCheck(owner, agreement.checksum(lines), group)
 
