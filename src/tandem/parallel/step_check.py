@@ -45,7 +45,8 @@ class StepCheck:
     @staticmethod
     def make(owner: str, lines: list[str], group: Group | None) -> StepCheck | None:
         state = runtime.state()
-        if group_size(group) == 1 or not state.checks or not state.backend.supports_device(torch.device("cpu")):
+        cpu = state.backend.supports_device(torch.device("cpu"))
+        if group_size(group) == 1 or not state.checks or not cpu:
             return None
         return StepCheck(owner, agreement.checksum(lines), group)
 
