@@ -92,3 +92,15 @@ def test_diverged_ranks_are_named_and_skipping_together_works(backend):
         (s0, _, w0), (s1, _, w1) = ranks[0]["nan"], ranks[1]["nan"]
         assert s0 is None and s1 is None
         assert w0 == w1 and torch.isfinite(torch.tensor(w0)).all()
+
+
+def test_a_rank_inside_a_tandem_call_is_not_reported_as_computing():
+    """The watchdog's words for a rank whose stack is in tandem but in no counted wait."""
+    from tandem.comm import waitgraph
+
+    answer = {"state": "running", "waits": [], "issued": {"world": 4},
+              "inside": "td.allreduce (called at train.py:31)"}
+    said = waitgraph.state_of(1, answer, "world")
+    assert said.startswith("inside td.allreduce (called at train.py:31)"), said
+    assert "computing" not in said
+    assert "computing" in waitgraph.state_of(1, dict(answer, inside=None), "world")

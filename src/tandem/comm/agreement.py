@@ -68,6 +68,14 @@ def checksum(description: str | Sequence[str] | Any) -> int:
 
 WIDTH = 24  # codes per agreement message, padded: every agreement is the same collective
 _PAD = -(2**40)
+_NO_SAY = -(2**62)
+
+
+class _Anything(tuple):
+    """The type of `ANY`."""
+
+
+ANY: Sequence[int] = _Anything()  # `codes=ANY`: take part in an agreement without a say in it
 
 
 def _fixed(codes: Sequence[int]) -> list[int]:
@@ -82,14 +90,17 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
               ) -> dict[int, tuple[int, int]]:
     """{index: (highest, lowest)} for the codes on which the ranks differ ({} when they agree):
     one all-reduce of 2 x WIDTH int64, the same message for every agreement."""
-    codes = _fixed(codes)
+    # ANY (a rank with no say, e.g. one out of data answering td.join's rounds) sends the
+    # lowest value in both halves: the others' highest and lowest are then theirs alone.
+    n = WIDTH
+    values = [_NO_SAY] * (2 * n) if codes is ANY else (lambda c: c + [-x for x in c])(_fixed(codes))
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
-    both = context.on_wire(torch.tensor(codes + [-c for c in codes], dtype=torch.int64), engine)
+    both = context.on_wire(torch.tensor(values, dtype=torch.int64), engine)
     engine.backend.allreduce(both, "max", group).wait(engine.timeout)
     result = both.tolist()
-    n = len(codes)
-    return {i: (result[i], -result[n + i]) for i in range(n) if result[i] != -result[n + i]}
+    return {i: (result[i], -result[n + i]) for i in range(n)
+            if result[i] != -result[n + i] and result[i] != _NO_SAY}
 
 
 def everyone(mine: Any, group: Group | None = None, engine: context.Context | None = None) -> list:
@@ -120,7 +131,7 @@ def agree(
     if group_size(group) == 1:
         return {}
     if codes is None:
-        codes = [checksum(mine() if callable(mine) else mine)]
+        codes = [checksum(_describe(mine))]
     differ = differing(codes, group, engine)
     if not differ or set(differ) <= set(tolerated):
         return differ

@@ -372,6 +372,8 @@ class Reducer:
 
     def exit_join(self) -> None:
         self._join_mode = False
+        if self.step_check is not None:
+            self.step_check.rebase(self.rounds)
         self._scale = self._mean_scale
 
     def shadow_round(self) -> bool:
@@ -381,6 +383,8 @@ class Reducer:
         as an active rank does, so any hook sees the same sequence of collectives. Returns
         False, on every rank at once, when no rank contributed: all have joined.
         """
+        if self.step_check is not None and not self._join_mode:
+            self.step_check.answer()  # the active ranks open each round with it (td.join())
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.contributing = False

@@ -41,6 +41,11 @@ class StepCheck:
         self._group = group
         self.forwards = 0  # training forwards seen by DistributedDataParallel
         self.steps = 0  # optimizer steps taken by DistributedOptimizer
+        self._base = (0, 0, 0)  # counts when the ranks last agreed to differ (td.join's end)
+
+    def rebase(self, rounds: int) -> None:
+        """After `td.join()`: ranks with uneven data ran different numbers of steps, on purpose."""
+        self._base = (rounds, self.forwards, self.steps)
 
     @staticmethod
     def make(owner: str, lines: list[str], group: Group | None) -> StepCheck | None:
@@ -56,20 +61,33 @@ class StepCheck:
         if not engine.checks:
             return
         site = _backward_site() if engine.debug else None
+        base_rounds, base_forwards, base_steps = self._base
+        rounds, forwards, steps = rounds - base_rounds, self.forwards - base_forwards, \
+            self.steps - base_steps
 
         def mine() -> str:
             counts = []
-            if self.steps:
-                counts.append(f"after {self.steps} optimizer steps")
-            if self.forwards:
-                counts.append(f"after {self.forwards} training forwards")
+            if steps:
+                counts.append(f"after {steps} optimizer steps")
+            if forwards:
+                counts.append(f"after {forwards} training forwards")
             text = f"gradient reduction #{rounds + 1} of {self._owner}"
             text += f" ({', '.join(counts)})" if counts else ""
             return text + (f" at {site}" if site else "")
 
-        agreement.agree(mine, self._group, codes=[_KIND, self._layout, rounds, self.forwards,
-                                                  self.steps], error=DivergedError,
+        agreement.agree(mine, self._group, codes=[_KIND, self._layout, rounds, forwards, steps],
+                        error=DivergedError,
                         explain=_explain, engine=engine)
+
+
+    def answer(self) -> None:
+        """On a rank out of data (`td.join()`): take part in the others' agreement, without a
+        say in it; a disagreement among them is raised here too."""
+        engine = runtime.state()
+        if engine.checks:
+            agreement.agree("out of data, answering in td.join()", self._group,
+                            codes=agreement.ANY, error=DivergedError, explain=_explain,
+                            engine=engine)
 
 
 def _explain(ranks, calls) -> str:
