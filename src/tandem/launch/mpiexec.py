@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from tandem.launch import shm
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
 from tandem.launch.output import block_agent_signals
 from tandem.launch.processes import signal_group
@@ -110,11 +111,13 @@ class MPIExecRanks(LocalRanks):
     def __init__(self, config: LaunchConfig, events, output, nproc: int | None = None) -> None:
         super().__init__(config, events, output, nproc)
         self._mpiexec: subprocess.Popen | None = None
+        self._segments_before: set[str] | None = None
 
     def start(self, placement: Placement) -> None:
         # MPI ranks find each other through mpiexec; `placement.store`, the agent's rendezvous
         # store, is for the watchdog's cross-rank reports (each supervisor hands it to its rank).
         token = secrets.token_hex(16)
+        self._segments_before = shm.segments()  # what is not ours to remove (see close)
         listener = socket.create_server(("127.0.0.1", 0), backlog=3 * self.config.np)
         try:
             env = job_environment(self.config, os.environ)
@@ -222,13 +225,15 @@ class MPIExecRanks(LocalRanks):
     def close(self) -> None:
         """Give mpiexec a moment to exit once every rank is gone; then kill it."""
         process = self._mpiexec
-        if process is None:
-            return
-        try:
-            process.wait(MPIEXEC_EXIT_S)
-        except subprocess.TimeoutExpired:
-            signal_group(process.pid, signal.SIGKILL)
-            process.wait(MPIEXEC_EXIT_S)
+        if process is not None:
+            try:
+                process.wait(MPIEXEC_EXIT_S)
+            except subprocess.TimeoutExpired:
+                signal_group(process.pid, signal.SIGKILL)
+                process.wait(MPIEXEC_EXIT_S)
+        if self._segments_before is not None:
+            # Ranks stopped before MPI unlinked its shared memory leave it in /dev/shm.
+            shm.remove_new(self._segments_before)
 
 
 def _remote_exit(control: socket.socket, lines) -> int:

@@ -1,0 +1,47 @@
+"""Nothing left behind: MPI's /dev/shm segments of a failed `tandem run` job are removed, and
+`tandem doctor` names stale ones with the command that clears them."""
+
+import importlib.util
+import mmap
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.launch import shm
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_stale_segments_are_named_with_the_command_and_mapped_ones_are_not(tmp_path):
+    stale = tmp_path / "mpich_shm_deadbeef_0"
+    stale.write_bytes(b"\0" * 4096)
+    (tmp_path / "not_mpi").write_bytes(b"x")
+    what, command = shm.describe_stale(tmp_path)
+    assert "1 stale MPI segment(s)" in what and "mpich_shm_deadbeef_0" in what
+    assert command == f"rm -f {stale}"
+    with open(stale, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+        assert shm.describe_stale(tmp_path) is None  # a live job maps it: not stale
+    assert shm.remove_new(set(), tmp_path) == ["mpich_shm_deadbeef_0"] and not stale.exists()
+    assert (tmp_path / "not_mpi").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="no mpi4py")
+def test_a_failed_mpi_job_leaves_no_shared_memory():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-m", "tandem", "run", "--backend", "mpi", "-np", "2",
+                           str(SCRIPTS / "mpi_shm_fail.py")],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1 and "rank 1 fails after td.init()" in done.stderr, done.stderr
+    mapped = set()
+    for line in re.findall(r"^\[\d\] rank \d maps (.*)$", done.stdout, re.M):
+        mapped |= {name for name in line.split() if not name.startswith("(")}
+    segments = {name for name in mapped if name.startswith(("mpich_shm_", "sm_segment", "vader"))}
+    assert segments, done.stdout  # the ranks did use shared memory that outlived MPI's init
+    left = [name for name in segments if (shm.SHM_DIR / name).exists()]
+    assert not left, f"left in /dev/shm: {left}"
