@@ -61,8 +61,26 @@ def _run(path: str, wrapper: str):
     return None, None, weights
 
 
+def _start(broadcast: bool):
+    """Two steps of DistributedOptimizer from rank-dependent weights; the warnings raised."""
+    import warnings
+
+    torch.manual_seed(td.rank())
+    model = nn.Linear(4, 2)
+    if broadcast:
+        td.broadcast_parameters(model)
+    opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+    return [str(w.message) for w in caught if w.category is td.ReplicaStartWarning]
+
+
 def check_divergence(wrapper):
-    results = {}
+    results = {"start": (_start(False), _start(True))}
     for path in ("broadcast", "skip", "skip_step", "nan"):
         results[path] = _run(path, wrapper)
     return results
@@ -89,6 +107,9 @@ def test_diverged_ranks_are_named_and_skipping_together_works(backend):
                 assert "broadcast(shape=(3,)" in first[2] and "gradient reduction" in first[2]
             if path == "skip_step" and wrapper == "optimizer":
                 assert "after 3 optimizer steps" in first[2] and "after 2 optimizer" in first[2]
+        (different, same), (other, _) = ranks[0]["start"], ranks[1]["start"]
+        assert len(different) == 1 and "td.broadcast_parameters(model)" in different[0]
+        assert same == [] and other == []  # once, on the group's first rank; none when equal
         (s0, _, w0), (s1, _, w1) = ranks[0]["nan"], ranks[1]["nan"]
         assert s0 is None and s1 is None
         assert w0 == w1 and torch.isfinite(torch.tensor(w0)).all()

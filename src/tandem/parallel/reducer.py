@@ -114,7 +114,7 @@ class Reducer:
         lines = describe_layout(infos, layout) + [f"options {options}"]
         self._agree(lines)
         # Every round opens with one agreement that all ranks are in it (see step_check.py).
-        self.step_check = StepCheck.make(owner, lines, group)
+        self.step_check = StepCheck.make(owner, lines, group, self._params)
 
         self.buckets: list[GradBucket] = []
         self._members: list[tuple[int, ...]] = []

@@ -20,23 +20,33 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+import zlib
+from collections.abc import Sequence
 
 import torch
 
 from tandem import runtime
 from tandem.comm import agreement, fingerprints
 from tandem.comm.agreement import DivergedError
-from tandem.comm.groups import Group, group_size
+from tandem.comm.groups import Group, group_rank, group_size
 
 _KIND = agreement.checksum("gradient reduction")
+_WEIGHTS = 5  # the code that may differ: a warning, not an error
+
+
+class ReplicaStartWarning(UserWarning):
+    """The ranks' parameters differed when training started (no broadcast_parameters)."""
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 class StepCheck:
     """The per-round agreement of one reducer (None-safe: see `make`)."""
 
-    def __init__(self, owner: str, layout_code: int, group: Group | None) -> None:
+    def __init__(self, owner: str, layout_code: int, group: Group | None,
+                 params: Sequence[torch.Tensor] = ()) -> None:
         self._owner = owner
+        self._params = params  # checksummed once, at the first round (see `_weights`)
         self._layout = layout_code
         self._group = group
         self.forwards = 0  # training forwards seen by DistributedDataParallel
@@ -48,12 +58,13 @@ class StepCheck:
         self._base = (rounds, self.forwards, self.steps)
 
     @staticmethod
-    def make(owner: str, lines: list[str], group: Group | None) -> StepCheck | None:
+    def make(owner: str, lines: list[str], group: Group | None,
+             params: Sequence[torch.Tensor] = ()) -> StepCheck | None:
         state = runtime.state()
         cpu = state.backend.supports_device(torch.device("cpu"))
         if group_size(group) == 1 or not state.checks or not cpu:
             return None
-        return StepCheck(owner, agreement.checksum(lines), group)
+        return StepCheck(owner, agreement.checksum(lines), group, params)
 
     def agree(self, rounds: int) -> None:
         """Before the round's first bucket: every rank must be in this same round."""
@@ -75,9 +86,25 @@ class StepCheck:
             text += f" ({', '.join(counts)})" if counts else ""
             return text + (f" at {site}" if site else "")
 
-        agreement.agree(mine, self._group, codes=[_KIND, self._layout, rounds, forwards, steps],
-                        error=DivergedError,
-                        explain=_explain, engine=engine)
+        weights = self._weights() if self._params else 0
+        differ = agreement.agree(mine, self._group, error=DivergedError, explain=_explain,
+                                 codes=[_KIND, self._layout, rounds, forwards, steps, weights],
+                                 tolerated=(_WEIGHTS,), engine=engine)
+        if _WEIGHTS in differ and group_rank(self._group) == 0:
+            warnings.warn(
+                f"{self._owner}: the replicas start from different weights (the parameters' "
+                "checksums differ across ranks at the first step): call "
+                "td.broadcast_parameters(model) before training (and "
+                "td.broadcast_optimizer_state(opt) after loading a checkpoint on one rank), or "
+                "seed every rank alike", ReplicaStartWarning, stacklevel=2)
+
+    def _weights(self) -> int:
+        """A checksum of the parameters' bytes, at the first round only (one pass over them)."""
+        params, self._params = self._params, ()
+        crc = 0
+        for p in params:
+            crc = zlib.crc32(p.detach().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+        return crc
 
 
     def answer(self) -> None:
