@@ -1,10 +1,12 @@
-"""Nothing left behind: MPI's /dev/shm segments of a failed `tandem run` job are removed, and
-`tandem doctor` names stale ones with the command that clears them."""
+"""Nothing left behind, nothing exposed: MPI's /dev/shm segments of a failed `tandem run` job
+are removed, `tandem doctor` names stale ones with the command that clears them, and a local
+MPI job's ranks listen on loopback only."""
 
 import importlib.util
 import mmap
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +31,33 @@ def test_stale_segments_are_named_with_the_command_and_mapped_ones_are_not(tmp_p
     assert (tmp_path / "not_mpi").exists()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="no mpi4py")
-def test_a_failed_mpi_job_leaves_no_shared_memory():
+needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="no mpi4py")
+
+
+def _tandem_run_mpi(script: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run([sys.executable, "-m", "tandem", "run", "--backend", "mpi", "-np", "2",
-                           str(SCRIPTS / "mpi_shm_fail.py")],
-                          env=env, capture_output=True, text=True, timeout=100)
+    return subprocess.run([sys.executable, "-m", "tandem", "run", "--backend", "mpi", "-np", "2",
+                           str(SCRIPTS / script)], env=env, capture_output=True, text=True,
+                          timeout=100)
+
+
+@pytest.mark.timeout(120)
+@needs_mpi
+@pytest.mark.skipif(shutil.which("ss") is None, reason="no ss")
+def test_a_local_mpi_jobs_ranks_listen_on_loopback_only():
+    done = _tandem_run_mpi("mpi_listeners.py")
+    assert done.returncode == 0, done.stderr
+    said = re.findall(r"^\[\d\] rank \d listens on (\d+) socket\(s\); outside loopback: (.*); mpiexec's",
+                      done.stdout, re.M)
+    assert len(said) == 2, done.stdout
+    assert all(outside == "none" for _, outside in said), said
+
+
+@pytest.mark.timeout(120)
+@needs_mpi
+def test_a_failed_mpi_job_leaves_no_shared_memory():
+    done = _tandem_run_mpi("mpi_shm_fail.py")
     assert done.returncode == 1 and "rank 1 fails after td.init()" in done.stderr, done.stderr
     mapped = set()
     for line in re.findall(r"^\[\d\] rank \d maps (.*)$", done.stdout, re.M):

@@ -95,6 +95,19 @@ def start_flags(mpiexec: str) -> list[str]:
     return flags
 
 
+def loopback_environment(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
+    """Settings that keep a one-node MPI job's sockets on loopback (the user's own win).
+
+    MPICH's UCX netmod otherwise listens on the machine's external interface, and Open MPI's
+    TCP transports and its runtime's out-of-band channel on every interface.
+    """
+    wanted = ({"OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo",
+               "PRTE_MCA_oob_tcp_if_include": "lo", "PMIX_MCA_ptl_tcp_if_include": "lo"}
+              if is_open_mpi(mpiexec) else
+              {"UCX_NET_DEVICES": "lo", "MPIR_CVAR_CH4_OFI_IFNAME": "lo", "FI_TCP_IFACE": "lo"})
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
 def _quiet_cleanup(mpiexec: str) -> list[str]:
     """Flags that leave stopping a failed job to us (Hydra's: MPICH and Intel MPI; Open MPI's)."""
     # Either would otherwise kill the supervisors when a rank exits without MPI_Finalize,
@@ -125,6 +138,7 @@ class MPIExecRanks(LocalRanks):
             env.update(TANDEM_BACKEND="mpi", TANDEM_LAUNCH_TOKEN=token,
                        TANDEM_MPI_ON_FAILURE="exit")
             mpiexec = find_mpiexec()
+            env.update(loopback_environment(mpiexec, env))
             command = [
                 mpiexec, *_quiet_cleanup(mpiexec), *start_flags(mpiexec), "-n", str(self.config.np),
                 sys.executable, "-u", "-m", "tandem.launch.mpi_rank",
