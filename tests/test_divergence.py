@@ -79,8 +79,22 @@ def _start(broadcast: bool):
     return [str(w.message) for w in caught if w.category is td.ReplicaStartWarning]
 
 
+def _layout_meets_barrier():
+    """Agreements of different kinds (a layout, a barrier's check) meet: one error, both named."""
+    from tandem.comm import agreement
+
+    try:
+        if td.rank() == 0:
+            agreement.agree_layout("my model", ["w (3,) float32"])
+        else:
+            td.barrier()
+    except td.DivergedError as error:
+        return str(error)
+    return None
+
+
 def check_divergence(wrapper):
-    results = {"start": (_start(False), _start(True))}
+    results = {"start": (_start(False), _start(True)), "kinds": _layout_meets_barrier()}
     for path in ("broadcast", "skip", "skip_step", "nan"):
         results[path] = _run(path, wrapper)
     return results
@@ -107,6 +121,9 @@ def test_diverged_ranks_are_named_and_skipping_together_works(backend):
                 assert "broadcast(shape=(3,)" in first[2] and "gradient reduction" in first[2]
             if path == "skip_step" and wrapper == "optimizer":
                 assert "after 3 optimizer steps" in first[2] and "after 2 optimizer" in first[2]
+        for rank in ranks:
+            assert "rank 0: w (3,) float32" in rank["kinds"], rank["kinds"]
+            assert "rank 1: barrier()" in rank["kinds"], rank["kinds"]
         (different, same), (other, _) = ranks[0]["start"], ranks[1]["start"]
         assert len(different) == 1 and "td.broadcast_parameters(model)" in different[0]
         assert same == [] and other == []  # once, on the group's first rank; none when equal
