@@ -12,6 +12,10 @@ small data-parallel job) with TANDEM_TIMEOUT=5, the rank and step drawn at rando
   raise       an exception in the rank
   skip        the rank skips an all-reduce and enters a barrier   (with and without debug mode)
   skip_recv   the rank skips an all-reduce and waits in a receive (with and without debug mode)
+  skip_step   the rank skips a whole step, the wrong way (`continue` on that rank only)
+  skip_opt    the rank runs backward but skips the optimizer step
+  diverge     the rank calls td.broadcast where the others step the optimizer
+              (these three with and without debug mode: a DivergedError on every rank)
 
 A trial passes when the job ends within `--bound` seconds (10) of the fault with a non-zero
 code, the output names the rank as the contract says (the summary for kill/raise, the

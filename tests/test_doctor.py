@@ -25,7 +25,7 @@ def test_doctor_prints_every_check_and_exits_zero():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     names = [line.split()[0] for line in lines]
-    assert names == ["tandem", "Gloo", "NCCL", "MPI", "CUDA", "cores", "network", "ports"]
+    assert names == ["tandem", "Gloo", "NCCL", "MPI", "CUDA", "cores", "network", "ports", "shm"]
     by_name = dict(zip(names, lines, strict=True))
     assert "torch " in by_name["tandem"] and "python " in by_name["tandem"]
     assert by_name["Gloo"].split(None, 1)[1].startswith("available")

@@ -316,6 +316,14 @@ class Checkpointer:
                     f"{sorted(saved['state'])}: restore the names you saved"
                 )
             for name, obj in objects.items():
-                obj.load_state_dict(saved["state"][name])
+                try:
+                    obj.load_state_dict(saved["state"][name])
+                except (RuntimeError, ValueError, KeyError) as error:
+                    # torch names the tensors that differ, not the file they came from.
+                    raise type(error)(
+                        f"checkpoint {self.path(completed)}: its {name!r} does not fit the "
+                        f"{type(obj).__name__} given to restore(); build the same model and "
+                        f"optimizer as the job that saved it, or start from another directory. "
+                        f"{error}") from error
             return int(saved["completed"])
         return 0

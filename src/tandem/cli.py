@@ -103,6 +103,10 @@ def _bench_allreduce(args: argparse.Namespace) -> int:
 
     if args.sizes:
         sizes = args.sizes
+    elif args.min_size > args.max_size:
+        print(f"tandem bench allreduce: error: --min-size {args.min_size} is larger than "
+              f"--max-size {args.max_size} (bytes): swap them", file=sys.stderr)
+        return 2
     else:
         sizes = [s for s in allreduce.DEFAULT_SIZES if args.min_size <= s <= args.max_size]
     backends = [name.strip().lower() for name in args.backends.split(",") if name.strip()]
@@ -191,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `tandem` command with `argv` (default: `sys.argv[1:]`); return its exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # in the usage of the command they were given to (`tandem run`'s)
+            getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
         if not hasattr(args, "handler"):
             parser.print_help(sys.stderr)
             return 2

@@ -165,9 +165,19 @@ def check_ports(ports: tuple[int, ...] = DEFAULT_PORTS) -> Check:
     return Check("ports", True, f"{span} free (rendezvous ports of torchrun-style jobs)")
 
 
+def check_shm() -> Check:
+    from tandem.launch import shm
+
+    found = shm.describe_stale()
+    if found is None:
+        return Check("shm", True, f"no stale MPI segments in {shm.SHM_DIR}")
+    what, command = found
+    return Check("shm", False, what, command)
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
     check_versions, check_gloo, check_nccl, check_mpi, check_cuda, check_cores,
-    check_network, check_ports,
+    check_network, check_ports, check_shm,
 )
 
 

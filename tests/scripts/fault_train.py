@@ -16,6 +16,9 @@ rank --rank, on the first attempt only, TANDEM_RESTART=0):
   hang       block outside any collective (on an Event that is never set)
   skip       skip the step's loss all-reduce and go on to a barrier
   skip_recv  skip the loss all-reduce and wait for a message from rank 0 that never comes
+  skip_step  skip the whole step on one rank (`if not torch.isfinite(loss): continue` there only)
+  skip_opt   run backward but skip the optimizer step on one rank
+  diverge    call td.broadcast where the others step the optimizer
   save_kill  rank 0 is SIGKILLed inside td.save, after the write and before the rename
 
 Each rank prints its pid first (for the orphan checks), rank 0 prints each step's loss and, at
@@ -67,7 +70,7 @@ if start and me == 0:
 
 
 def fault(step: int) -> bool:
-    faults = ("kill", "raise", "hang", "skip", "skip_recv")
+    faults = ("kill", "raise", "hang", "skip", "skip_recv", "skip_step", "skip_opt", "diverge")
     return first_attempt and step == args.at and me == args.rank and args.mode in faults
 
 
@@ -75,11 +78,19 @@ for step in range(start, args.steps):
     generator = torch.Generator().manual_seed(1000 * step + me)
     x = torch.randn(32, 8, generator=generator)
     y = x.sum(dim=1, keepdim=True).sin()
-    opt.zero_grad()
     loss = nn.functional.mse_loss(model(x), y)
+    if fault(step) and args.mode in ("skip_step", "diverge"):
+        print(f"failing at {time.time()}", flush=True)
+        if args.mode == "diverge":
+            td.broadcast(torch.zeros(3))  # the others are in the gradient reduction
+        continue  # the wrong way to skip a step: this rank alone
+    opt.zero_grad()
     loss.backward()
-    opt.step()
-    if fault(step):
+    if fault(step) and args.mode == "skip_opt":
+        print(f"failing at {time.time()}", flush=True)
+    else:
+        opt.step()
+    if fault(step) and args.mode != "skip_opt":
         if args.mode == "kill":
             print(f"failing at {time.time()}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

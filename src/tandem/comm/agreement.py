@@ -12,8 +12,15 @@ same error, a `CollectiveMismatchError` (or a subclass), whose message `explain`
 all of them. Every rank takes part in the same exchanges whatever it holds, so the agreement
 itself cannot deadlock on a mismatch.
 
-Hot paths (the gradient reducer, the pipeline) agree once, at construction, and pay nothing
-per step; user-facing collectives agree on every call (`checks`), unless checks are off.
+Every agreement message has the same size (`WIDTH` codes, padded), whatever is being agreed
+on: MPI and Gloo match collectives by their order alone, so when the ranks' code paths have
+diverged (one rank steps the optimizer while another calls `td.broadcast`) the two agreements
+meet each other, find that they differ, and every rank raises one error that names what each
+rank was doing (`DivergedError`), instead of one rank's message being read as another's data.
+
+Hot paths agree once, at construction; the gradient reducer also sends one such message per
+round, when checks are on (see `parallel/step_check.py`); user-facing collectives agree on
+every call (`checks`), unless checks are off.
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ class CollectiveMismatchError(ValueError):
     """Ranks disagree on something they must share: a collective's arguments, a layout, a plan."""
 
 
+class DivergedError(CollectiveMismatchError):
+    """Ranks are in different operations: their code paths diverged (a skipped step, a
+    collective called on some ranks only). Nothing was sent."""
+
+
 class LayoutMismatchError(CollectiveMismatchError):
     """Ranks passed different sets of tensors to an operation that needs them to match."""
 
@@ -54,18 +66,41 @@ def checksum(description: str | Sequence[str] | Any) -> int:
     return _crc(repr(description))
 
 
+WIDTH = 24  # codes per agreement message, padded: every agreement is the same collective
+_PAD = -(2**40)
+_NO_SAY = -(2**62)
+
+
+class _Anything(tuple):
+    """The type of `ANY`."""
+
+
+ANY: Sequence[int] = _Anything()  # `codes=ANY`: take part in an agreement without a say in it
+
+
+def _fixed(codes: Sequence[int]) -> list[int]:
+    """`codes` padded to `WIDTH` (a longer list keeps WIDTH - 1 codes and a checksum of the rest)."""
+    codes = [int(c) for c in codes]
+    if len(codes) > WIDTH:
+        codes = codes[: WIDTH - 1] + [checksum(codes[WIDTH - 1 :])]
+    return codes + [_PAD] * (WIDTH - len(codes))
+
+
 def differing(codes: Sequence[int], group: Group | None, engine: context.Context
               ) -> dict[int, tuple[int, int]]:
     """{index: (highest, lowest)} for the codes on which the ranks differ ({} when they agree):
-    one all-reduce of 2 x len(codes) int64."""
-    codes = list(codes)
+    one all-reduce of 2 x WIDTH int64, the same message for every agreement."""
+    # ANY (a rank with no say, e.g. one out of data answering td.join's rounds) sends the
+    # lowest value in both halves: the others' highest and lowest are then theirs alone.
+    n = WIDTH
+    values = [_NO_SAY] * (2 * n) if codes is ANY else (lambda c: c + [-x for x in c])(_fixed(codes))
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
-    both = context.on_wire(torch.tensor(codes + [-c for c in codes], dtype=torch.int64), engine)
+    both = context.on_wire(torch.tensor(values, dtype=torch.int64), engine)
     engine.backend.allreduce(both, "max", group).wait(engine.timeout)
     result = both.tolist()
-    n = len(codes)
-    return {i: (result[i], -result[n + i]) for i in range(n) if result[i] != -result[n + i]}
+    return {i: (result[i], -result[n + i]) for i in range(n)
+            if result[i] != -result[n + i] and result[i] != _NO_SAY}
 
 
 def everyone(mine: Any, group: Group | None = None, engine: context.Context | None = None) -> list:
@@ -96,13 +131,59 @@ def agree(
     if group_size(group) == 1:
         return {}
     if codes is None:
-        codes = [checksum(mine() if callable(mine) else mine)]
+        codes = [checksum(_describe(mine))]
     differ = differing(codes, group, engine)
     if not differ or set(differ) <= set(tolerated):
         return differ
-    descriptions = everyone(mine() if callable(mine) else mine, group, engine)
-    reason = explain(group_ranks(group), descriptions)
+    # Every rank tags its description with the kind of agreement it is in: ranks whose code
+    # paths diverged are in different kinds, and get one message that names each rank's.
+    kind = f"{error.__name__}:{getattr(explain, '__qualname__', '')}:{len(codes)}"
+    try:
+        tagged = everyone((kind, _describe(mine)), group, engine)
+    except CollectiveMismatchError:
+        raise
+    except Exception as failure:  # noqa: BLE001 - the ranks' messages were not ours
+        raise DivergedError(
+            f"rank {engine.world.rank}: the ranks disagreed and then could not exchange what each "
+            f"is doing ({type(failure).__name__}: {failure}); their code paths diverged") from None
+    ranks = group_ranks(group)
+    kinds = [t[0] if isinstance(t, tuple) and len(t) == 2 else None for t in tagged]
+    if any(k != kind for k in kinds):
+        raise DivergedError(explain_diverged(ranks, [_summary(t) for t in tagged]))
+    descriptions = [t[1] for t in tagged]
+    try:
+        reason = explain(ranks, descriptions)
+    except Exception:  # noqa: BLE001 - the reporter itself must not fail on odd descriptions
+        reason = explain_diverged(ranks, [_summary(t) for t in tagged])
     raise reason if isinstance(reason, BaseException) else error(reason)
+
+
+def _describe(mine: Any) -> Any:
+    return mine() if callable(mine) else mine
+
+
+def _summary(tagged: Any) -> str:
+    """One rank's description, as one readable line, whatever it sent."""
+    text = tagged[1] if isinstance(tagged, tuple) and len(tagged) == 2 else tagged
+    if isinstance(text, (list, tuple)):
+        text = "; ".join(map(str, text[:3])) + (" ..." if len(text) > 3 else "")
+    elif isinstance(text, dict):
+        text = ", ".join(f"{k}={v!r}" for k, v in list(text.items())[:4])
+    text = str(text)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+SKIP_ADVICE = (
+    "A rank took a different code path from the others (for example `if not "
+    "torch.isfinite(loss): continue` on one rank only). Decide together: "
+    "`if not td.all_finite(loss): continue` skips the step on every rank at once "
+    "(docs/failures.md, 'Skipping a step on every rank').")
+
+
+def explain_diverged(ranks: Sequence[int], calls: Sequence[str]) -> str:
+    """The error when ranks are in different operations."""
+    lines = "\n".join(f"  rank {r}: {c}" for r, c in zip(ranks, calls, strict=True))
+    return f"ranks are in different operations (nothing was sent):\n{lines}\n{SKIP_ADVICE}"
 
 
 # -- tensors ----------------------------------------------------------------------------------

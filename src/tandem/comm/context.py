@@ -41,17 +41,20 @@ class Context(Protocol):
 
 
 _current: Context | None = None
+_was_shut_down = False
 
 
 def install(context: Context) -> None:
     """Make `context` the engine every comm call uses (called by `td.init`)."""
-    global _current
+    global _current, _was_shut_down
     _current = context
+    _was_shut_down = False
 
 
 def clear() -> None:
     """Forget the engine (called by `td.shutdown`)."""
-    global _current
+    global _current, _was_shut_down
+    _was_shut_down = _current is not None
     _current = None
 
 
@@ -59,6 +62,10 @@ def current() -> Context:
     """The installed context; a clear error when `td.init` has not been called."""
     context = _current
     if context is None:
+        if _was_shut_down:
+            raise RuntimeError("tandem was shut down (td.shutdown() was called): no collective "
+                               "can run after it; call td.init() again first, or move the call "
+                               "before td.shutdown()")
         raise RuntimeError("tandem is not initialised: call td.init() first")
     return context
 

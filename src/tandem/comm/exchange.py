@@ -16,6 +16,8 @@ from tandem.comm import context
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_size
 
+_MAX_OBJECT = 1 << 34  # 16 GiB: more is another operation's data read as a length
+
 
 def lengths(length: int, group: Group | None, engine: context.Context) -> list[int]:
     """Every rank's `length` (one int64 each), in group order."""
@@ -33,6 +35,11 @@ def pickled(obj: Any) -> torch.Tensor:
 def objects(payload: torch.Tensor, group: Group | None, engine: context.Context) -> list[Any]:
     """Every rank's `pickled(...)` payload, unpickled, in group order (two messages)."""
     sizes = lengths(payload.numel(), group, engine)
+    if min(sizes) < 0 or max(sizes) > _MAX_OBJECT:
+        # Only when the ranks' code paths diverged: another operation's message was read here.
+        raise RuntimeError(
+            f"rank {engine.world.rank}: received object lengths {sizes} that no rank sent; the "
+            "ranks are in different operations (their code paths diverged)")
     longest = max(sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
@@ -40,5 +47,11 @@ def objects(payload: torch.Tensor, group: Group | None, engine: context.Context)
     output = torch.empty(len(sizes) * longest, dtype=torch.uint8, device=source.device)
     engine.backend.allgather_into(output, source, group).wait(engine.timeout)
     gathered = output.cpu().numpy()
-    return [pickle.loads(gathered[i * longest : i * longest + n].tobytes())
-            for i, n in enumerate(sizes)]
+    try:
+        return [pickle.loads(gathered[i * longest : i * longest + n].tobytes())
+                for i, n in enumerate(sizes)]
+    except Exception as error:  # noqa: BLE001 - bytes from another operation, not an object
+        raise RuntimeError(
+            f"rank {engine.world.rank}: received bytes that are not a pickled object "
+            f"({type(error).__name__}: {error}); the ranks are in different operations (their "
+            "code paths diverged)") from None

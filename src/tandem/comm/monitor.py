@@ -190,13 +190,18 @@ class Watchdog(Ledger):
                 "fingerprint": f"{entry} #{mark.seq} at {mark.site}" if named else None,
             })
         main = threading.main_thread().ident
+        # Not waiting on a counted operation is not "computing" when the stack is in tandem
+        # (a blocking engine call, the agreement's exchange): say where it is.
+        inside = None if waits else fingerprints.entry_point(frames.get(main))
+        if inside is not None:
+            inside += f" (called at {fingerprints.site_of(fingerprints.user_frame(frames[main]))})"
         parts = [_stack(frames[main])] if main in frames else []
         for tid in threads:
             if tid != main and tid in frames:
                 parts.append(f"(thread {tid})\n" + _stack(frames[tid]))
         return {"rank": self.rank, "pid": os.getpid(), "host": self._host,
                 "state": "left" if self._left else "running", "issued": dict(self._issued),
-                "waits": waits, "stack": "".join(parts)}
+                "waits": waits, "inside": inside, "stack": "".join(parts)}
 
     def query(self) -> dict[int, dict | None]:
         """Every rank's answer (None for ranks that did not answer within `ANSWER_S`)."""

@@ -88,6 +88,8 @@ def state_of(rank: int, answer: Answer, stream: str | None = None) -> str:
     waits = answer.get("waits") or []
     if waits:
         return "waiting in " + "; and in ".join(describe_wait(w) for w in waits) + progress
+    if answer.get("inside"):
+        return f"inside {answer['inside']}, not waiting on a message{progress}"
     return f"computing, not in any tandem operation{progress}"
 
 

@@ -168,6 +168,8 @@ class LaunchConfig:
                 "received both --nnodes and -H/--hostfile: choose one (-H starts the agents "
                 "over ssh; --nnodes means you start one `tandem run` per node)"
             )
+        if self.timeline is not None:
+            _check_writable(self.timeline)
         if self.hosts and self.np > total_slots(self.hosts):
             listed = ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
             raise LaunchError(
@@ -266,6 +268,21 @@ def is_command(program: str) -> bool:
     if os.path.isfile(program):
         return os.access(program, os.X_OK)
     return os.sep not in program and shutil.which(program) is not None
+
+
+def _check_writable(path: str) -> None:
+    """--timeline FILE: a file this process can create, checked before any rank starts."""
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise LaunchError(f"--timeline {path}: {full} is a directory; give a file name, e.g. "
+                          f"{os.path.join(path, 'trace.json')}")
+    if not os.path.isdir(folder):
+        raise LaunchError(f"--timeline {path}: the folder {folder} does not exist; create it "
+                          "first or give a path in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LaunchError(f"--timeline {path}: the folder {folder} is not writable; give a "
+                          "path in a folder you can write")
 
 
 def check_program(config: LaunchConfig) -> None:

@@ -75,6 +75,12 @@ def launch(config: LaunchConfig) -> int:
     # Decided here, once, and handed to every rank as TANDEM_BACKEND: td.init() then agrees
     # with the front end that started the ranks (mpiexec or not).
     config = with_backend(config)
+    if config.master is not None and config.nnodes == 1 and not config.hosts \
+            and not (config.max_restarts and config.backend != "mpi"):
+        raise LaunchError(
+            "--master {}:{} is for jobs of several nodes (--nnodes N) or with restarts: a "
+            "1-node job hosts its rendezvous on 127.0.0.1 at a free port itself. Drop --master "
+            "(or unset TANDEM_MASTER)".format(*config.master))
     if config.backend == "mpi":
         return mpiexec.launch(config)
     check_program(config)

@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from tandem.launch import shm
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
 from tandem.launch.output import block_agent_signals
 from tandem.launch.processes import signal_group
@@ -94,6 +95,19 @@ def start_flags(mpiexec: str) -> list[str]:
     return flags
 
 
+def loopback_environment(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
+    """Settings that keep a one-node MPI job's sockets on loopback (the user's own win).
+
+    MPICH's UCX netmod otherwise listens on the machine's external interface, and Open MPI's
+    TCP transports and its runtime's out-of-band channel on every interface.
+    """
+    wanted = ({"OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo",
+               "PRTE_MCA_oob_tcp_if_include": "lo", "PMIX_MCA_ptl_tcp_if_include": "lo"}
+              if is_open_mpi(mpiexec) else
+              {"UCX_NET_DEVICES": "lo", "MPIR_CVAR_CH4_OFI_IFNAME": "lo", "FI_TCP_IFACE": "lo"})
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
 def _quiet_cleanup(mpiexec: str) -> list[str]:
     """Flags that leave stopping a failed job to us (Hydra's: MPICH and Intel MPI; Open MPI's)."""
     # Either would otherwise kill the supervisors when a rank exits without MPI_Finalize,
@@ -110,11 +124,13 @@ class MPIExecRanks(LocalRanks):
     def __init__(self, config: LaunchConfig, events, output, nproc: int | None = None) -> None:
         super().__init__(config, events, output, nproc)
         self._mpiexec: subprocess.Popen | None = None
+        self._segments_before: set[str] | None = None
 
     def start(self, placement: Placement) -> None:
         # MPI ranks find each other through mpiexec; `placement.store`, the agent's rendezvous
         # store, is for the watchdog's cross-rank reports (each supervisor hands it to its rank).
         token = secrets.token_hex(16)
+        self._segments_before = shm.segments()  # what is not ours to remove (see close)
         listener = socket.create_server(("127.0.0.1", 0), backlog=3 * self.config.np)
         try:
             env = job_environment(self.config, os.environ)
@@ -124,6 +140,7 @@ class MPIExecRanks(LocalRanks):
             if self.output.terminal_rank(0):
                 env["TANDEM_TERMINAL"] = "1"  # rank 0's supervisor keeps it, the others drop it
             mpiexec = find_mpiexec()
+            env.update(loopback_environment(mpiexec, env))
             command = [
                 mpiexec, *_quiet_cleanup(mpiexec), *start_flags(mpiexec), "-n", str(self.config.np),
                 sys.executable, "-u", "-m", "tandem.launch.mpi_rank",
@@ -224,13 +241,15 @@ class MPIExecRanks(LocalRanks):
     def close(self) -> None:
         """Give mpiexec a moment to exit once every rank is gone; then kill it."""
         process = self._mpiexec
-        if process is None:
-            return
-        try:
-            process.wait(MPIEXEC_EXIT_S)
-        except subprocess.TimeoutExpired:
-            signal_group(process.pid, signal.SIGKILL)
-            process.wait(MPIEXEC_EXIT_S)
+        if process is not None:
+            try:
+                process.wait(MPIEXEC_EXIT_S)
+            except subprocess.TimeoutExpired:
+                signal_group(process.pid, signal.SIGKILL)
+                process.wait(MPIEXEC_EXIT_S)
+        if self._segments_before is not None:
+            # Ranks stopped before MPI unlinked its shared memory leave it in /dev/shm.
+            shm.remove_new(self._segments_before)
 
 
 def _remote_exit(control: socket.socket, lines) -> int:

@@ -269,7 +269,9 @@ def launch(config: LaunchConfig) -> int:
         if config.remote_hosts:
             return launch_hosts(config)
         if config.nnodes == 1:
-            return Coordinator(config, nproc=config.np, host=socket.gethostname()).run()
+            # --master on one node: host the store there (a taken port is an error, not ignored).
+            return Coordinator(config, nproc=config.np, host=socket.gethostname(),
+                               store=config.master or ("127.0.0.1", 0)).run()
         secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
         if config.node_rank == 0:
             return _coordinate(config, secret)

@@ -261,6 +261,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wait_s, self._wait_s = self._wait_s, 0.0
         start = time.perf_counter_ns()
         result = self.optimizer.step()
+        if reducer is not None and reducer.step_check is not None:
+            reducer.step_check.steps += 1  # a rank that skips a step is named at the next round
         end = time.perf_counter_ns()
         if timeline.ENABLED:
             timeline.complete("optimizer step", start, end)
@@ -366,6 +368,9 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel: forward() while gradient reductions launched by a backward() "
                 "that did not finish are still in flight; call model.synchronize() on every rank "
                 "first (or end the job)")
+        if reducer is not None and reducer.step_check is not None and self.training \
+                and torch.is_grad_enabled():
+            reducer.step_check.forwards += 1  # a rank that skips a backward is named at the next
         if self._buffers_to_sync and self._training_forward(reducer):
             self._sync_buffers()
         return self.module(*args, **kwargs)

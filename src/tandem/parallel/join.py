@@ -169,4 +169,6 @@ def join(*wrappers: Any, sync_state: bool = True) -> Any:
         raise RuntimeError("td.join() was called between backward() and step(); call step() first")
     while reducer.shadow_round():
         pass
+    if reducer.step_check is not None:
+        reducer.step_check.rebase(reducer.rounds)  # the ranks ran different numbers of steps
     return _last_joiner(reducer)

@@ -54,6 +54,7 @@ from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
 from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 from tandem.parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
+from tandem.parallel.step_check import StepCheck
 
 
 class GradientLayoutError(CollectiveMismatchError):
@@ -110,7 +111,10 @@ class Reducer:
         # Small first AND last buckets: communication starts early and little is left to do
         # once backward ends (see buckets.py).
         layout = assign_buckets(infos, cap_bytes, first_cap_bytes, last_cap_bytes=first_cap_bytes)
-        self._agree(describe_layout(infos, layout) + [f"options {options}"])
+        lines = describe_layout(infos, layout) + [f"options {options}"]
+        self._agree(lines)
+        # Every round opens with one agreement that all ranks are in it (see step_check.py).
+        self.step_check = StepCheck.make(owner, lines, group, self._params)
 
         self.buckets: list[GradBucket] = []
         self._members: list[tuple[int, ...]] = []
@@ -287,6 +291,8 @@ class Reducer:
                 self._move_in(i)
 
     def _launch(self, b: int) -> None:
+        if b == 0 and self.step_check is not None and not self._join_mode:
+            self.step_check.agree(self.rounds)
         bucket = self.buckets[b]
         bucket.tail.fill_(1.0)
         for position in self._unused[b]:
@@ -366,6 +372,8 @@ class Reducer:
 
     def exit_join(self) -> None:
         self._join_mode = False
+        if self.step_check is not None:
+            self.step_check.rebase(self.rounds)
         self._scale = self._mean_scale
 
     def shadow_round(self) -> bool:
@@ -375,6 +383,8 @@ class Reducer:
         as an active rank does, so any hook sees the same sequence of collectives. Returns
         False, on every rank at once, when no rank contributed: all have joined.
         """
+        if self.step_check is not None and not self._join_mode:
+            self.step_check.answer()  # the active ranks open each round with it (td.join())
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.contributing = False

@@ -1,0 +1,144 @@
+"""Ranks whose code paths diverge: one error on every rank naming each rank's operation,
+never one rank's message read as another's data (MPI and Gloo match collectives by order).
+
+Each check runs a short training loop in which rank 1 takes another path at step 2, catches
+the error tandem raises, and returns it: both ranks must raise, at the same step, with a
+message naming both ranks' operations. The right way to skip a step (`td.all_finite`) is
+checked too: every rank skips it, and the replicas stay equal.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import tandem as td
+from tandem.testing import run_distributed
+
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    pytest.importorskip("importlib").util.find_spec("mpi4py") is None, reason="no mpi4py"))]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _run(path: str, wrapper: str):
+    """Train 5 steps; rank 1 takes `path` at step 2. Returns (step, error) or (None, weights)."""
+    rank = td.rank()
+    model = _model()
+    if wrapper == "ddp":
+        model = td.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        td.broadcast_parameters(model)
+        opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    step = -1
+    try:
+        for step in range(5):
+            x = torch.full((3, 4), float(rank + step + 1))
+            loss = model(x).pow(2).mean()
+            if path == "nan" and rank == 1 and step == 2:
+                loss = loss * float("nan")
+            if path == "nan":
+                if not td.all_finite(loss):
+                    continue  # the right way: every rank skips together
+            elif rank == 1 and step == 2:
+                if path == "skip":  # the wrong way: this rank alone skips
+                    continue
+                if path == "broadcast":
+                    td.broadcast(torch.zeros(3))
+                    continue
+            opt.zero_grad()
+            loss.backward()
+            if path == "skip_step" and rank == 1 and step == 2:
+                continue  # reduced, but not stepped: this replica would drift
+            opt.step()
+        td.barrier()
+    except td.CollectiveMismatchError as error:
+        return step, type(error).__name__, str(error)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    return None, None, weights
+
+
+def _start(broadcast: bool):
+    """Two steps of DistributedOptimizer from rank-dependent weights; the warnings raised."""
+    import warnings
+
+    torch.manual_seed(td.rank())
+    model = nn.Linear(4, 2)
+    if broadcast:
+        td.broadcast_parameters(model)
+    opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+    return [str(w.message) for w in caught if w.category is td.ReplicaStartWarning]
+
+
+def _layout_meets_barrier():
+    """Agreements of different kinds (a layout, a barrier's check) meet: one error, both named."""
+    from tandem.comm import agreement
+
+    try:
+        if td.rank() == 0:
+            agreement.agree_layout("my model", ["w (3,) float32"])
+        else:
+            td.barrier()
+    except td.DivergedError as error:
+        return str(error)
+    return None
+
+
+def check_divergence(wrapper):
+    results = {"start": (_start(False), _start(True)), "kinds": _layout_meets_barrier()}
+    for path in ("broadcast", "skip", "skip_step", "nan"):
+        results[path] = _run(path, wrapper)
+    return results
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_diverged_ranks_are_named_and_skipping_together_works(backend):
+    for wrapper in ("ddp", "optimizer"):
+        ranks = run_distributed(check_divergence, 2, backend, args=(wrapper,), timeout=120)
+        for path in ("broadcast", "skip", "skip_step"):
+            first, second = ranks[0][path], ranks[1][path]
+            if wrapper == "ddp" and path == "skip_step":
+                continue  # a plain torch optimizer's steps are not tandem's to count
+            if wrapper == "optimizer" and path == "skip":
+                # Forward is not seen by DistributedOptimizer: caught at the barrier after the loop.
+                assert first[0] == 4 and second[0] == 4, (path, first, second)
+            else:
+                assert {first[0], second[0]} <= {2, 3}, (wrapper, path, first, second)
+            for _, kind, message in (first, second):
+                assert kind == "DivergedError", (wrapper, path, message)
+                assert "rank 0:" in message and "rank 1:" in message, message
+                assert "td.all_finite" in message, message
+            if path == "broadcast":
+                assert "broadcast(shape=(3,)" in first[2] and "gradient reduction" in first[2]
+            if path == "skip_step" and wrapper == "optimizer":
+                assert "after 3 optimizer steps" in first[2] and "after 2 optimizer" in first[2]
+        for rank in ranks:
+            assert "rank 0: w (3,) float32" in rank["kinds"], rank["kinds"]
+            assert "rank 1: barrier()" in rank["kinds"], rank["kinds"]
+        (different, same), (other, _) = ranks[0]["start"], ranks[1]["start"]
+        assert len(different) == 1 and "td.broadcast_parameters(model)" in different[0]
+        assert same == [] and other == []  # once, on the group's first rank; none when equal
+        (s0, _, w0), (s1, _, w1) = ranks[0]["nan"], ranks[1]["nan"]
+        assert s0 is None and s1 is None
+        assert w0 == w1 and torch.isfinite(torch.tensor(w0)).all()
+
+
+def test_a_rank_inside_a_tandem_call_is_not_reported_as_computing():
+    """The watchdog's words for a rank whose stack is in tandem but in no counted wait."""
+    from tandem.comm import waitgraph
+
+    answer = {"state": "running", "waits": [], "issued": {"world": 4},
+              "inside": "td.allreduce (called at train.py:31)"}
+    said = waitgraph.state_of(1, answer, "world")
+    assert said.startswith("inside td.allreduce (called at train.py:31)"), said
+    assert "computing" not in said
+    assert "computing" in waitgraph.state_of(1, dict(answer, inside=None), "world")
