@@ -205,3 +205,10 @@ def test_a_gradient_bucket_crosses_six_files_to_the_wire():
     assert names == ["parallel/reducer.py", "parallel/comm_hooks.py", "comm/watchdog.py",
                      "comm/torch_backend.py", "comm/watchdog.py", "parallel/comm_hooks.py",
                      "parallel/reducer.py"], names
+
+
+def test_no_module_over_400_lines():
+    """Small modules with one job each (STYLE.md): a file past 400 lines holds two ideas."""
+    long = {name: n for name, path in modules().items()
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"split these modules (lines): {long}"

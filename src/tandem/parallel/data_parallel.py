@@ -24,7 +24,6 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,32 +37,9 @@ from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
 from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
+from tandem.parallel.step_clock import StepClock, StepStats
 
 _MB = 1 << 20
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """Timing of one step, from host clocks only (no device synchronisation)."""
-
-    step: int
-    wall_s: float  # since the previous step finished: one whole iteration (nan for the first)
-    comm_wait_s: float  # blocked waiting for gradient communication
-    optimizer_s: float  # in the wrapped optimizer's step (0 for the module wrapper)
-    bytes_reduced: int  # bytes this rank handed to the reduction (0 without communication)
-
-
-class _StepClock:
-    def __init__(self) -> None:
-        self.steps = 0
-        self.last_end: float | None = None
-        self.last: StepStats | None = None
-
-    def record(self, end: float, wait_s: float, optimizer_s: float, nbytes: int) -> None:
-        wall = end - self.last_end if self.last_end is not None else float("nan")
-        self.last = StepStats(self.steps, wall, wait_s, optimizer_s, nbytes)
-        self.steps += 1
-        self.last_end = end
 
 
 def _check_common(op: str, bucket_mb: float, first_bucket_mb: float, group: Group | None, who: str) -> None:
@@ -168,7 +144,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.accumulate = accumulate
         self.group = group
-        self._clock = _StepClock()
+        self._clock = StepClock()
         timeline.configure()
         self._skip_sync = False
         self._wait_s = 0.0  # communication waited for since the last step
@@ -336,7 +312,7 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.group = group
         self._root = group_ranks(group)[0]
-        self._clock = _StepClock()
+        self._clock = StepClock()
         self._reducer: Reducer | None = None
         self._buffers_to_sync: list[torch.Tensor] = []
         if group_size(group) > 1:

@@ -54,6 +54,7 @@ from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
 from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 from tandem.parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
+from tandem.parallel.join_rounds import JoinRounds
 from tandem.parallel.step_check import StepCheck
 
 
@@ -69,7 +70,7 @@ def live_reducers() -> list[Reducer]:
     return sorted((r for r in _live if not r._closed), key=lambda r: r._serial)
 
 
-class Reducer:
+class Reducer(JoinRounds):
     """Buckets, hooks and the launch/wait protocol for one set of parameters."""
 
     _serials = 0
@@ -356,46 +357,6 @@ class Reducer:
             i = self._members[b][position]
             if flags[position] != 0:
                 self._params[i].grad = self._views[i]
-
-    # -- join support ------------------------------------------------------------------------
-    def enter_join(self) -> None:
-        """Active ranks now report, with every round, that they contributed (see join.py)."""
-        if self.has_pending():
-            raise RuntimeError(f"{self._owner}: td.join() entered with reductions pending; call step() first")
-        self._join_mode = True
-        self._scale = 1.0  # the divisor (the number of contributing ranks) is known only later
-
-    @property
-    def joining(self) -> bool:
-        """Inside `td.join()`: ranks out of data answer the reductions with zeros."""
-        return self._join_mode
-
-    def exit_join(self) -> None:
-        self._join_mode = False
-        if self.step_check is not None:
-            self.step_check.rebase(self.rounds)
-        self._scale = self._mean_scale
-
-    def shadow_round(self) -> bool:
-        """On a rank out of data: answer one round of the others' reductions with zeros.
-
-        Every bucket is launched (zeros, "contributed" flag 0) and waited for in order, exactly
-        as an active rank does, so any hook sees the same sequence of collectives. Returns
-        False, on every rank at once, when no rank contributed: all have joined.
-        """
-        if self.step_check is not None and not self._join_mode:
-            self.step_check.answer()  # the active ranks open each round with it (td.join())
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
-            bucket.contributing = False
-            try:
-                self._works[bucket.index] = self._hook(bucket)
-            finally:
-                bucket.contributing = True
-        for b in range(len(self.buckets)):
-            self._wait(self._works[b], b)
-        self._works[:] = itertools.repeat(None, len(self._works))
-        return self._contributors.item() != 0
 
     @property
     def group(self) -> Group | None:
