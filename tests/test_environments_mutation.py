@@ -15,7 +15,6 @@ from tandem.environments import (
     first_slurm_host,
     rendezvous_address,
     resolve,
-    setting,
     tandem_variables,
 )
 
@@ -132,13 +131,6 @@ def test_detect_reads_the_process_environment_by_default(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert detect().source == "torchrun" and resolve().rank == 1
-    assert setting("NO_SUCH_SETTING_HERE", "d") == "d"
-
-
-def test_settings_are_read_with_the_tandem_prefix():
-    env = {"TANDEM_TIMEOUT": "30", "TIMEOUT": "1"}
-    assert setting("TIMEOUT", env=env) == "30"
-    assert setting("DEBUG", env=env) is None and setting("DEBUG", "0", env=env) == "0"
 
 
 # -- ports and init_method ---------------------------------------------------------------------
