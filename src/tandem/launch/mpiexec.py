@@ -99,10 +99,12 @@ def loopback_environment(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
     """Settings that keep a one-node MPI job's sockets on loopback (the user's own win).
 
     MPICH's UCX netmod otherwise listens on the machine's external interface, and Open MPI's
-    TCP transports and its runtime's out-of-band channel on every interface.
+    TCP transports on every interface. Open MPI 5's runtime (PRRTE) refuses loopback for its
+    out-of-band channel ("No network interfaces were found"), so PRTE_MCA_oob_tcp_if_include
+    is left alone: that one listener still binds every interface.
     """
     wanted = ({"OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo",
-               "PRTE_MCA_oob_tcp_if_include": "lo", "PMIX_MCA_ptl_tcp_if_include": "lo"}
+               "PMIX_MCA_ptl_tcp_if_include": "lo"}
               if is_open_mpi(mpiexec) else
               {"UCX_NET_DEVICES": "lo", "MPIR_CVAR_CH4_OFI_IFNAME": "lo", "FI_TCP_IFACE": "lo"})
     return {k: v for k, v in wanted.items() if k not in env}
