@@ -115,18 +115,32 @@ def test_metric_logger_without_tensorboard_writes_csv(tmp_path):
 
 
 BAR_SCRIPT = """
-import tandem as td
+import os, tandem as td
 td.init()
-for _ in td.progress(range(4), desc="bar", mininterval=0, delay=0):
+gate = open(os.environ["BAR_GATE"]) if td.rank() == 0 and "BAR_GATE" in os.environ else None
+for step in td.progress(range(4), desc="bar", mininterval=0, delay=0):
+    if step == 1 and gate is not None:
+        gate.read()  # ends when the test has seen the bar drawn in place
     td.barrier()
 print("done", td.rank())
 td.shutdown()
 """
+DRAWN_IN_PLACE = b"\r\x1b[K[0] bar:"
 
 
-def _tandem_run(script, *flags, terminal):
-    """`tandem run -np 2 script` with its stdout and stderr on a pseudo-terminal or a pipe."""
+def _tandem_run(script, *flags, terminal, gate=None):
+    """`tandem run -np 2 script` with its stdout and stderr on a pseudo-terminal or a pipe.
+
+    `gate`: a FIFO that rank 0 reads to its end after its bar's first draw; we hold its only
+    writing end and close it (which lets rank 0 go on) once the terminal has shown that draw.
+    Without it a loaded machine can deliver the whole bar in one read, and the agent rightly
+    prints just the last state.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    if gate is not None:
+        os.mkfifo(gate)
+        env["BAR_GATE"] = str(gate)
+        gate = os.open(gate, os.O_RDWR)  # never blocks; rank 0's read ends when we close it
     command = [sys.executable, "-m", "tandem", "run", "-np", "2", *flags, str(script)]
     if not terminal:
         done = subprocess.run(command, env=env, capture_output=True, timeout=120)
@@ -146,11 +160,16 @@ def _tandem_run(script, *flags, terminal):
                 if not chunk:
                     break
                 output += chunk
+                if gate is not None and DRAWN_IN_PLACE in output:
+                    os.close(gate)
+                    gate = None
         else:
             raise AssertionError(f"tandem run did not finish in 120 s; output so far: {output!r}")
         return process.wait(timeout=30), output
     finally:
         os.close(leader)
+        if gate is not None:
+            os.close(gate)
         if process.poll() is None:
             process.kill()
 
@@ -160,9 +179,9 @@ def test_rank0_bar_redraws_in_place_under_tandem_run_on_a_terminal(tmp_path, bac
     script = tmp_path / "bar.py"
     script.write_text(BAR_SCRIPT)
     flags = ("--backend", "gloo") if backend == "gloo" else ()
-    code, output = _tandem_run(script, *flags, terminal=True)
+    code, output = _tandem_run(script, *flags, terminal=True, gate=tmp_path / "gate")
     assert code == 0, output
-    assert b"\r\x1b[K[0] bar:" in output, output  # drawn in place, prefixed
+    assert DRAWN_IN_PLACE in output, output  # drawn in place, prefixed
     assert b"[0] bar: 100%" in output and b"[1] bar" not in output, output
     assert b"[0] done 0" in output and b"[1] done 1" in output, output
     if backend == "gloo":  # into a pipe the same job writes plain lines
