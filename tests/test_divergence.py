@@ -4,8 +4,17 @@ never one rank's message read as another's data (MPI and Gloo match collectives 
 Each check runs a short training loop in which rank 1 takes another path at step 2, catches
 the error tandem raises, and returns it: both ranks must raise, at the same step, with a
 message naming both ranks' operations. The right way to skip a step (`td.all_finite`) is
-checked too: every rank skips it, and the replicas stay equal.
+checked too: every rank skips it, and the replicas stay equal. Pipeline stages out of step are
+named too: by the step header (one stage evaluates while stage 0 trains) or by the watchdog,
+which proves that the stages wait for each other (one logs with a collective while the others
+train), long before the timeout.
 """
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +151,39 @@ def test_a_rank_inside_a_tandem_call_is_not_reported_as_computing():
     assert said.startswith("inside td.allreduce (called at train.py:31)"), said
     assert "computing" not in said
     assert "computing" in waitgraph.state_of(1, dict(answer, inside=None), "world")
+
+
+PIPELINE_SCRIPT = Path(__file__).parent / "scripts" / "pipeline_out_of_step.py"
+
+
+def _pipeline_job(mode: str, backend: str) -> subprocess.CompletedProcess:
+    """The script under `tandem run -np 2` with a 10-minute TANDEM_TIMEOUT: a job that ends
+    within the subprocess's 120 s was stopped by a proof or a check, not by the timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(TANDEM_TIMEOUT="600", PYTHONPATH=str(Path(td.__file__).parents[1]))
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", backend,
+         str(PIPELINE_SCRIPT), mode], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_stages_out_of_step_are_named_long_before_the_timeout(backend):
+    """The last stage logs with a collective while stage 0 trains: each waits for the other.
+    Outside debug mode too, the watchdog proves the cycle and names both ranks' operations."""
+    done = _pipeline_job("collective", backend)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "finished" not in output, output
+    assert "desync: these ranks wait for each other" in output, output
+    assert re.search(r"rank 0: recv #\d+ from rank 1 .*pipeline_out_of_step.py:\d+", output), output
+    assert re.search(r"rank 1: allreduce #\d+ .*td.allreduce at pipeline_out_of_step.py:\d+",
+                     output), output
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error():
+    done = _pipeline_job("eval", "gloo")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "finished" not in output, output
+    assert ("DivergedError: pipeline stages are in different calls: stage 0 (rank 0) runs "
+            "train_step, stage 1 (rank 1) runs forward (evaluation)") in output, output

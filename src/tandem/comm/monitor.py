@@ -18,12 +18,15 @@ rank's thread answers with what it has issued, what it waits for, and its Python
 - a wait past its deadline that the engine does not end (a backstop, `BACKSTOP_MARGIN_S`
   later) is reported by the thread, which then ends the process with exit code 1.
 
-In debug mode the thread also acts early: a wait older than `DEBUG_GRACE_S` makes it ask every
-rank, and a *provable* desync (ranks waiting for each other around a cycle, two ranks waiting
-on one place of a stream with different operations, or a wait for a rank that left; see
-`waitgraph`) seen twice in a row is reported by the lowest rank involved, which ends its
-process: the job stops within seconds instead of at the timeout. A rank that is merely slow
-(computing) never closes a cycle, so it is reported only at the timeout, with its stack.
+The thread also acts early: a wait older than `DESYNC_GRACE_S` (`DEBUG_GRACE_S` in debug mode)
+makes it ask every rank, and a *provable* desync (ranks waiting for each other around a cycle,
+two ranks waiting on one place of a stream with different operations, or a wait for a rank that
+left; see `waitgraph`) seen twice in a row is reported by the lowest rank involved, which ends
+its process: the job stops within seconds instead of at the timeout (a rank that skipped a
+`recv`, pipeline stages out of step). A rank that is merely slow (computing) never closes a
+cycle, so it is reported only at the timeout, with its stack. Outside debug mode the checks of
+one long wait back off (at ages of about 2, 4, 8 ... s, then once a minute): a rank that waits
+an hour in a barrier while rank 0 evaluates asks its peers a few dozen times, never per step.
 
 Without a rendezvous store (an MPI job started by plain `mpiexec`) the reports say what this
 rank waited for, and the other ranks' states are unknown; MPI jobs of `tandem run` get the
@@ -62,9 +65,11 @@ from tandem.comm.watchdog import (
 
 TICK_S = 1.0
 DEBUG_TICK_S = 0.25
-DEBUG_GRACE_S = 1.0  # debug mode: a wait this old makes the watchdog look for a desync
+DESYNC_GRACE_S = 2.0  # a wait this old makes the watchdog look for a desync
+DESYNC_RECHECK_MAX_S = 60.0  # ...and again after as long as it has lasted, at most this long
+DEBUG_GRACE_S = 1.0  # debug mode: sooner
 DEBUG_RECHECK_S = 0.5  # ...and again this often while it lasts
-DEBUG_CONFIRM_S = 0.3  # a desync must be seen twice, this far apart, before it is reported
+DESYNC_CONFIRM_S = 0.3  # a desync must be seen twice, this far apart, before it is reported
 ANSWER_S = 3.0  # how long a query waits for every rank's answer
 QUERY_POLL_S = 0.05  # store checks while a query waits (a failure path, never the hot path)
 REPORTER_WAIT_S = 8.0  # how long a rank that is not the reporter lets the report get out
@@ -156,7 +161,8 @@ class Watchdog(Ledger):
         self.debug = debug
         self.board = board
         self.agent = agent  # pid of the tandem agent (under MPI: supervisor) that started this rank
-        self._checked: dict[int, float] = {}  # debug mode: wait serial -> last desync check
+        self._next_check: dict[int, float] = {}  # wait serial -> when to look for a desync again
+        self._grace = DEBUG_GRACE_S if debug else DESYNC_GRACE_S
         self._asked: set[int] = set()
         self._served = 0  # requests made while this rank was still starting get answers too
         self._serving = threading.Lock()
@@ -347,20 +353,20 @@ class Watchdog(Ledger):
                     "the process)"
                 )
             serial = wait[WAIT_SERIAL]
-            if self.debug and age >= DEBUG_GRACE_S and now - self._checked.get(serial, 0.0) \
-                    >= DEBUG_RECHECK_S:
-                self._checked = {serial: now}  # only the waits of the moment matter
+            if age >= self._grace and now >= self._next_check.get(serial, 0.0):
+                recheck = DEBUG_RECHECK_S if self.debug else min(age, DESYNC_RECHECK_MAX_S)
+                self._next_check = {serial: now + recheck}  # only the waits of the moment matter
                 self._look_for_desync()
 
     def _look_for_desync(self) -> None:
         answers = self.query()
-        desync = waitgraph.find_desync(answers, DEBUG_GRACE_S)
+        desync = waitgraph.find_desync(answers, self._grace)
         if desync is None or desync.reporter != self.rank:
             return
         # Seen twice, a short while apart, with the same waits: not a snapshot artefact.
-        self._pause.wait(DEBUG_CONFIRM_S)
+        self._pause.wait(DESYNC_CONFIRM_S)
         again_answers = self.query()
-        again = waitgraph.find_desync(again_answers, DEBUG_GRACE_S)
+        again = waitgraph.find_desync(again_answers, self._grace)
         if again is not None and set(again.ranks) == set(desync.ranks):
             self._end_job(waitgraph.desync_report(self.rank, again, again_answers))
 

@@ -272,7 +272,7 @@ def desync_report(me: int, desync: Desync, answers: Answers) -> str:
         "mismatch": "these ranks wait in different operations at the same place of one stream",
         "left": "a rank waits for a peer that has left the job",
     }[desync.kind]
-    lines = [f"tandem watchdog (debug mode): desync: {why}:"]
+    lines = [f"tandem watchdog: desync: {why}:"]
     lines.extend(f"  {line}" for line in desync.lines)
     text = stacks(answers)
     if text:

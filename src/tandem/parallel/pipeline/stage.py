@@ -19,7 +19,10 @@ sum, on the last stage (None elsewhere, or on every rank with `broadcast_loss=Tr
 float64 scalar).
 
 Messages: a per-step 32-byte header flows down the pipeline (the step's shape signature, or the
-first stage's refusal of a bad batch so that every stage raises instead of hanging). Shapes and
+first stage's refusal of a bad batch so that every stage raises instead of hanging, and whether
+the first stage trains or evaluates: a stage in the other call raises `td.DivergedError`).
+Stages out of step in any other way (one calls a collective, or skips a `recv`) wait for each
+other around a cycle, which the watchdog proves and reports within seconds (comm/monitor). Shapes and
 dtypes of each edge are sent once per new signature and cached; afterwards only tensors travel.
 Edge shapes must depend only on the input's shapes (no data-dependent shapes between stages).
 
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from tandem import runtime
+from tandem.comm.agreement import DivergedError
 from tandem.comm.groups import Group, group_rank, group_ranks
 from tandem.diagnostics import timeline
 from tandem.parallel.pipeline import balance as balancing
@@ -229,16 +233,26 @@ class Pipeline:
                     if len(self._signatures) >= _MAX_SIGNATURES:
                         self._signatures.clear()
                     sig = self._signatures[key] = len(self._signatures)
-                header[:] = torch.tensor([status, sig, rows, 0])
+                header[:] = torch.tensor([status, sig, rows, int(train)])
             except (ValueError, TypeError) as caught:
                 error = caught
-                header[:] = torch.tensor([_ERROR, 0, _rows(x), 0])
+                header[:] = torch.tensor([_ERROR, 0, _rows(x), int(train)])
         else:
             pending = self._link.recv((4,), torch.int64, self.device, prev, HEADER_TAG, "the step header")
             header = pending.wait().cpu()
         if nxt is not None:
             self._link.send(header.to(self.device), nxt, HEADER_TAG, "the step header")
-        status, sig, rows, _ = header.tolist()
+        status, sig, rows, first_trains = header.tolist()
+        if first_trains != train:  # sent on first: every later stage raises too
+            self._link.flush()
+            self._broken = True  # stage 0 goes on with its call: the messages are out of step
+            modes = ("forward (evaluation)", "train_step")
+            raise DivergedError(
+                f"pipeline stages are in different calls: stage 0 (rank {self._ranks[0]}) runs "
+                f"{modes[first_trains]}, {self._describe(None)} runs {modes[train]}. Every stage "
+                "must call train_step, or forward, together (the same number of times, in the "
+                "same order)"
+            )
         if status == _ERROR:
             self._link.flush()
             if error is not None:
