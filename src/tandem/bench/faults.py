@@ -58,9 +58,10 @@ def named(kind: str, rank: int, debug: bool, err: str) -> bool:
                       else rf"rank {rank}\b[^\n]*recv #1 from rank 0"),
         # A DivergedError on every rank, naming each rank's operation (the faulty rank's here).
         # DistributedOptimizer sees no forward: a rank that skipped a whole step is one step
-        # ahead until the end, where it finishes first (named by the exit guard), unless an
-        # operation differs earlier.
-        "skip_step": rf"  rank {rank}: gradient reduction #|rank {rank} finished, but not every rank",
+        # ahead until the end, where it finishes first and leaves while its peers still wait
+        # (named by the watchdog, or by MPI's exit guard), unless an operation differs earlier.
+        "skip_step": rf"  rank {rank}: gradient reduction #|rank {rank} finished, but not every rank"
+                     rf"|rank {rank} has left the job|rank {rank}: left the job",
         "skip_opt": rf"  rank {rank}: gradient reduction #\d+ of DistributedOptimizer \(after \d+ "
                     "optimizer steps",
         "diverge": rf"  rank {rank}: (#\d+ )?broadcast\(",

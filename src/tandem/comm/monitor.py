@@ -304,9 +304,10 @@ class Watchdog(Ledger):
         reasons += [f"rank {r} has left the job (td.shutdown or exit) and will not take part"
                     for r in left]
         call = mine.get("fingerprint") or f"{mine.get('entry') or ''} at {mine.get('site')}"
+        hint = f"\n{waitgraph.LEFT_EARLY_HINT}" if left else ""
         return PeerUnreachableError(
             f"rank {self.rank}: {waitgraph.describe_op(mine['op'])} (called as {call}) failed: "
-            + "; ".join(reasons) + f".\nThe engine said: {error}"
+            + "; ".join(reasons) + f".{hint}\nThe engine said: {error}"
         )
 
     def _end_job(self, report: str) -> NoReturn:

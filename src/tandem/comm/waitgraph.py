@@ -31,6 +31,13 @@ NO_ANSWER = "did not answer the watchdog (its process died, its machine cannot b
             "is stuck in native code that holds the GIL)"
 
 
+LEFT_EARLY_HINT = (
+    "A rank that leaves while its peers still communicate ran fewer operations: did it skip a "
+    "step alone (`if not torch.isfinite(loss): continue` on one rank; skip together with "
+    "`if not td.all_finite(loss): continue`), or run out of data first (`with td.join():`)?"
+)
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     if not ranks:
@@ -278,6 +285,8 @@ def desync_report(me: int, desync: Desync, answers: Answers) -> str:
     if text:
         lines.append("Python stacks (innermost call last):")
         lines.append(text)
+    if desync.kind == "left":
+        lines.append(LEFT_EARLY_HINT)
     lines.append(
         f"tandem watchdog: ending the job from rank {me}: desync among "
         f"{ranks_text(desync.ranks)} (make every rank call the same collectives in the same order)"
