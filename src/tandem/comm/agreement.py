@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from tandem.comm import context, exchange
-from tandem.comm.backend import Group
+from tandem.comm.backend import Group, on_wire
 from tandem.comm.groups import group_ranks, group_size
 
 Explain = Callable[[tuple[int, ...], list[Any]], str | BaseException]
@@ -96,7 +96,7 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
     values = [_NO_SAY] * (2 * n) if codes is ANY else (lambda c: c + [-x for x in c])(_fixed(codes))
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
-    both = context.on_wire(torch.tensor(values, dtype=torch.int64), engine)
+    both = on_wire(torch.tensor(values, dtype=torch.int64), engine.backend)
     engine.backend.allreduce(both, "max", group).wait(engine.timeout)
     result = both.tolist()
     return {i: (result[i], -result[n + i]) for i in range(n)

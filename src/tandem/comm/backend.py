@@ -147,6 +147,24 @@ class Backend(abc.ABC):
     def shutdown(self) -> None:
         """Release every resource; the backend is unusable afterwards."""
 
+    #: Where a tensor on a device the engine does not take is copied for it (`on_wire`).
+    staging_device = torch.device("cpu")
+
     def supports_device(self, device: torch.device) -> bool:
-        """Whether tensors on `device` can be passed directly (else the caller stages on CPU)."""
+        """Whether tensors on `device` can be passed directly (else `on_wire` stages them)."""
         return device.type == "cpu"
+
+
+def on_wire(tensor: torch.Tensor, backend: Backend, *, keep_values: bool = True) -> torch.Tensor:
+    """`tensor` itself when `backend` takes its device, else a copy on the device it does take
+    (NCCL: this rank's GPU; Gloo: the CPU). `keep_values=False`: an empty buffer there instead,
+    for a message about to be received. The caller copies a staged result back.
+
+    The one place that decides where a message travels from: collectives, the reducer's
+    helpers, ZeRO, fully_shard, the pipeline's links and the agreements all stage through it.
+    """
+    if backend.supports_device(tensor.device):
+        return tensor
+    if keep_values:
+        return tensor.to(backend.staging_device)
+    return torch.empty_like(tensor, device=backend.staging_device)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tandem.comm import checks, context, exchange
-from tandem.comm.backend import Work
+from tandem.comm.backend import Work, on_wire
 from tandem.comm.groups import Group, group_ranks, group_size
 
 OPS = ("sum", "mean", "min", "max", "product")
@@ -93,12 +93,8 @@ class _Staging:
         if tensor.dtype in _GLOO_WIDER and engine.backend.name == "gloo":
             # Gloo has no int16: int32 carries it; sums wrap back to int16 as they would natively.
             self.buffer = tensor.to(_GLOO_WIDER[tensor.dtype]).contiguous()
-        elif not engine.backend.supports_device(tensor.device):
-            self.buffer = tensor.to(engine.world.device).contiguous()
-        elif tensor.is_contiguous():
-            self.buffer = tensor
         else:
-            self.buffer = tensor.contiguous()
+            self.buffer = on_wire(tensor, engine.backend).contiguous()
 
     def copy_back(self) -> torch.Tensor:
         if self.buffer is not self.original:

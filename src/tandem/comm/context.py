@@ -69,9 +69,3 @@ def current() -> Context:
         raise RuntimeError("tandem is not initialised: call td.init() first")
     return context
 
-
-def on_wire(tensor: torch.Tensor, context: Context) -> torch.Tensor:
-    """`tensor`, or a copy of it on the device the backend accepts (NCCL: this rank's GPU)."""
-    if context.backend.supports_device(tensor.device):
-        return tensor
-    return tensor.to(context.world.device)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tandem.comm import context
-from tandem.comm.backend import Group
+from tandem.comm.backend import Group, on_wire
 from tandem.comm.groups import group_size
 
 _MAX_OBJECT = 1 << 34  # 16 GiB: more is another operation's data read as a length
@@ -21,7 +21,7 @@ _MAX_OBJECT = 1 << 34  # 16 GiB: more is another operation's data read as a leng
 
 def lengths(length: int, group: Group | None, engine: context.Context) -> list[int]:
     """Every rank's `length` (one int64 each), in group order."""
-    mine = context.on_wire(torch.tensor([length], dtype=torch.int64), engine)
+    mine = on_wire(torch.tensor([length], dtype=torch.int64), engine.backend)
     everyone = torch.zeros(group_size(group), dtype=torch.int64, device=mine.device)
     engine.backend.allgather_into(everyone, mine, group).wait(engine.timeout)
     return everyone.tolist()
@@ -43,7 +43,7 @@ def objects(payload: torch.Tensor, group: Group | None, engine: context.Context)
     longest = max(sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
-    source = context.on_wire(padded, engine)
+    source = on_wire(padded, engine.backend)
     output = torch.empty(len(sizes) * longest, dtype=torch.uint8, device=source.device)
     engine.backend.allgather_into(output, source, group).wait(engine.timeout)
     gathered = output.cpu().numpy()

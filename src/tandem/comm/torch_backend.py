@@ -91,6 +91,8 @@ class TorchBackend(Backend):
         self.rank = rank
         self.size = size
         self.device = device
+        if name == "nccl":
+            self.staging_device = device
 
     @classmethod
     def create(

@@ -196,6 +196,10 @@ class WatchedBackend(Backend):
     def supports_device(self, device) -> bool:
         return self._inner.supports_device(device)
 
+    @property
+    def staging_device(self):
+        return self._inner.staging_device
+
     def shutdown(self) -> None:
         # The engine must be torn down while the interpreter is alive, whatever the watchdog
         # does: Gloo threads left to interpreter teardown abort the process (std::terminate).

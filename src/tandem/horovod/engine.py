@@ -35,6 +35,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm.agreement import CollectiveMismatchError
+from tandem.comm.backend import on_wire
 from tandem.comm.collectives import allgather_object
 from tandem.horovod import timeline
 from tandem.horovod.basics import HorovodMismatchError
@@ -92,10 +93,8 @@ def _negotiate(mine: Description | None) -> tuple[list[int], list[int] | None, b
     else:
         own = mine.fields()
         fields = own + [-value for value in own]
-    message = torch.tensor(flags + fields, dtype=torch.int64)
     backend = runtime.get_backend()
-    if not backend.supports_device(message.device):
-        message = message.to(runtime.device())
+    message = on_wire(torch.tensor(flags + fields, dtype=torch.int64), backend)
     backend.allreduce(message, "max", None).wait(runtime.state().timeout)
     values = message.tolist()
     joined, high, low = values[:n], values[n : n + _FIELDS], values[n + _FIELDS :]

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from tandem import runtime
+from tandem.comm.backend import on_wire
 from tandem.comm.groups import group_ranks, group_size
 
 _active = 0
@@ -139,8 +140,7 @@ def _last_joiner(reducer) -> int:
     # max(rounds * n + (n - 1 - me)) names the most rounds, then the lowest rank.
     code = torch.tensor([reducer.rounds * n + (n - 1 - reducer.group_rank())], dtype=torch.int64)
     backend = runtime.get_backend()
-    if not backend.supports_device(code.device):
-        code = code.to(runtime.device())
+    code = on_wire(code, backend)
     backend.allreduce(code, "max", group).wait(runtime.state().timeout)
     return group_ranks(group)[n - 1 - int(code.item()) % n]
 

@@ -48,6 +48,7 @@ import torch
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.agreement import agree_layout, describe_tensors
+from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 
 
@@ -246,15 +247,14 @@ class ZeroOptimizer:
             output.copy_(input)
             return
         backend = runtime.get_backend()
-        staged = not backend.supports_device(output.device)
-        out = output.cpu() if staged else output
-        inp = input.cpu() if staged else input
+        out = on_wire(output, backend, keep_values=False)
+        inp = on_wire(input, backend)
         if kind == "reducescatter":
             work = backend.reducescatter_into(out, inp, "sum", self.group)
         else:
             work = backend.allgather_into(out, inp, self.group)
         work.wait(runtime.state().timeout)
-        if staged:
+        if out is not output:
             output.copy_(out)
 
     # -- memory and checkpoints --------------------------------------------------------------

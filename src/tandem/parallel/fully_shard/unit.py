@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
+from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 
 ATTR = "_tandem_unit"
@@ -138,11 +139,6 @@ class Unit:
             setattr(owner, attr, torch.empty(shape, device="meta"))
 
     # -- communication -------------------------------------------------------------------------
-    def _backend_and_buffer(self, out: torch.Tensor):
-        backend = runtime.get_backend()
-        staged = not backend.supports_device(out.device)
-        return backend, (out.cpu() if staged else out), staged
-
     def start_gather(self, into: torch.Tensor | None = None) -> None:
         """Start the all-gather of the shards (async); `into` reuses a freed storage."""
         if self._pending is not None:
@@ -163,9 +159,10 @@ class Unit:
             into.copy_(source)
             self._pending = (None, into)
             return
-        backend, out, staged = self._backend_and_buffer(into)
-        work = backend.allgather_into(out, source.cpu() if staged else source, self.group)
-        self._pending = (work, into if not staged else (into, out))
+        backend = runtime.get_backend()
+        out = on_wire(into, backend, keep_values=False)
+        work = backend.allgather_into(out, on_wire(source, backend), self.group)
+        self._pending = (work, into if out is into else (into, out))
 
     def wait_gathered(self) -> torch.Tensor:
         if self._pending is None:  # a fresh tensor: autograd makes it _Gather's output
@@ -202,9 +199,10 @@ class Unit:
         packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
         work, out = None, packed[0]
         if n > 1:
-            backend, out, staged = self._backend_and_buffer(torch.empty(s + 1, dtype=grad.dtype,
-                                                                        device=grad.device))
-            source = (packed.cpu() if staged else packed).view(-1)
+            backend = runtime.get_backend()
+            out = on_wire(torch.empty(s + 1, dtype=grad.dtype, device=grad.device), backend,
+                          keep_values=False)
+            source = on_wire(packed, backend).view(-1)
             work = backend.reducescatter_into(out, source, "sum", self.group)
             self._reducing_input = source  # alive until the reduce-scatter is done
         # Waited for at the end of backward, so it overlaps the backward of the units before.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.comm.backend import Backend, Work
+from tandem.comm.backend import Backend, Work, on_wire
 
 #: int64 words in a packed spec: container, count, then (dtype, ndim, *dims) per tensor.
 SPEC_WORDS = 256
@@ -137,11 +137,8 @@ class Link:
         self._describe = describe  # global rank -> "stage s (rank r)"
         self._sends: list[tuple[Work, torch.Tensor, str]] = []
 
-    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.backend.supports_device(tensor.device) else tensor.cpu()
-
     def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        buffer = self._stage(tensor.detach().contiguous())
+        buffer = on_wire(tensor.detach().contiguous(), self.backend)
         work = self.backend.send(buffer, peer, tag, self.group)
         self._sends.append((work, buffer, f"{what} to {self._describe(peer)}"))
         if len(self._sends) > 32:  # drop finished sends so their tensors can be freed
@@ -149,7 +146,7 @@ class Link:
 
     def recv(self, shape, dtype, device: torch.device, peer: int, tag: int, what: str) -> Pending:
         target = torch.empty(shape, dtype=dtype, device=device)
-        buffer = target if self.backend.supports_device(device) else torch.empty(shape, dtype=dtype)
+        buffer = on_wire(target, self.backend, keep_values=False)
         work = self.backend.recv(buffer, peer, tag, self.group)
         return Pending(work, buffer, target, f"{what} from {self._describe(peer)}", self)
 

@@ -47,6 +47,7 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm.agreement import DivergedError
+from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks
 from tandem.diagnostics import timeline
 from tandem.parallel.pipeline import balance as balancing
@@ -168,7 +169,7 @@ class Pipeline:
         if loss is not None:
             buffer.fill_(float(loss))
         if self.num_stages > 1:
-            staged = buffer if self._backend.supports_device(buffer.device) else buffer.to(self.device)
+            staged = on_wire(buffer, self._backend)
             self._backend.broadcast(staged, self._ranks[-1], self._group).wait(self._timeout)
             buffer = staged.cpu()
         return buffer
