@@ -28,12 +28,12 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tandem.comm import context, exchange
-from tandem.comm.backend import Group, on_wire
+from tandem.comm.backend import Group, Work, on_wire
 from tandem.comm.groups import group_ranks, group_size
 
 Explain = Callable[[tuple[int, ...], list[Any]], str | BaseException]
@@ -86,10 +86,18 @@ def _fixed(codes: Sequence[int]) -> list[int]:
     return codes + [_PAD] * (WIDTH - len(codes))
 
 
-def differing(codes: Sequence[int], group: Group | None, engine: context.Context
-              ) -> dict[int, tuple[int, int]]:
-    """{index: (highest, lowest)} for the codes on which the ranks differ ({} when they agree):
-    one all-reduce of 2 x WIDTH int64, the same message for every agreement."""
+class Posted(NamedTuple):
+    """An agreement's message in flight (`post`), finished by `agree(..., posted=)`."""
+
+    codes: Sequence[int]
+    work: Work
+    message: torch.Tensor
+
+
+def post(codes: Sequence[int], group: Group | None, engine: context.Context) -> Posted:
+    """Start the agreement's all-reduce now; whoever posts must finish it (`agree`) before the
+    group's next operation. The reducer posts at the round's first gradient, so the message
+    travels while backward computes and the first bucket rarely waits for it."""
     # ANY (a rank with no say, e.g. one out of data answering td.join's rounds) sends the
     # lowest value in both halves: the others' highest and lowest are then theirs alone.
     n = WIDTH
@@ -97,8 +105,18 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
     both = on_wire(torch.tensor(values, dtype=torch.int64), engine.backend)
-    engine.backend.allreduce(both, "max", group).wait(engine.timeout)
-    result = both.tolist()
+    return Posted(codes, engine.backend.allreduce(both, "max", group), both)
+
+
+def differing(codes: Sequence[int], group: Group | None, engine: context.Context,
+              posted: Posted | None = None) -> dict[int, tuple[int, int]]:
+    """{index: (highest, lowest)} for the codes on which the ranks differ ({} when they agree):
+    one all-reduce of 2 x WIDTH int64, the same message for every agreement (`posted`: already
+    on its way)."""
+    n = WIDTH
+    posted = posted or post(codes, group, engine)
+    posted.work.wait(engine.timeout)
+    result = posted.message.tolist()
     return {i: (result[i], -result[n + i]) for i in range(n)
             if result[i] != -result[n + i] and result[i] != _NO_SAY}
 
@@ -117,6 +135,7 @@ def agree(
     tolerated: Collection[int] = (),
     error: type[CollectiveMismatchError] = CollectiveMismatchError,
     engine: context.Context | None = None,
+    posted: Posted | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Raise on every rank unless every rank of `group` holds the same `mine`.
 
@@ -125,14 +144,17 @@ def agree(
     mismatch, `explain(ranks, descriptions)` gets every rank's description in group order and
     returns the message of `error` (or an exception to raise as it is). Differences in the
     codes listed in `tolerated` alone are not an error: they are returned, as
-    `{index: (highest, lowest)}` (else {}).
+    `{index: (highest, lowest)}` (else {}). `posted`: this agreement's message, already sent
+    with `post(codes, ...)` (its codes are used).
     """
     engine = engine or context.current()
     if group_size(group) == 1:
         return {}
-    if codes is None:
+    if posted is not None:
+        codes = posted.codes
+    elif codes is None:
         codes = [checksum(_describe(mine))]
-    differ = differing(codes, group, engine)
+    differ = differing(codes, group, engine, posted)
     if not differ or set(differ) <= set(tolerated):
         return differ
     # Every rank tags its description with the kind of agreement it is in: ranks whose code

@@ -193,6 +193,7 @@ class Reducer(JoinRounds):
         for unused in self._unused:
             unused.clear()
         self._next = 0
+        self._agreement: agreement.Posted | None = None  # this round's, once its first gradient is in
         self.max_passes = 0
         self._local_passes = False
         self._callback_queued = False  # also after a backward that raised before its end
@@ -258,6 +259,8 @@ class Reducer(JoinRounds):
             self.max_passes = count
         if count < self._accumulate:
             return
+        if self._agreement is None and self.step_check is not None and not self._join_mode:
+            self._agreement = self.step_check.post(self.rounds)  # travels while backward runs
         self._move_in(i)
         left = self._pending[b] - 1
         self._pending[b] = left
@@ -293,7 +296,7 @@ class Reducer(JoinRounds):
 
     def _launch(self, b: int) -> None:
         if b == 0 and self.step_check is not None and not self._join_mode:
-            self.step_check.agree(self.rounds)
+            self.step_check.agree(self.rounds, self._agreement)
         bucket = self.buckets[b]
         bucket.tail.fill_(1.0)
         for position in self._unused[b]:

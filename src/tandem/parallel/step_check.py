@@ -12,7 +12,8 @@ checked collective sends (`tandem.comm.agreement`), carrying what the round is:
 Ranks in the same round agree and the buckets follow. A rank elsewhere (another collective,
 another reducer, another step) disagrees, and every rank raises one `DivergedError` naming
 each rank's operation (and in debug mode the line that ran backward). The message is one
-all-reduce of a few hundred bytes per step, sent before the first bucket; on NCCL, where it
+all-reduce of a few hundred bytes per step, posted at the round's first gradient (it travels
+while backward computes) and finished before the first bucket; on NCCL, where it
 would be a host synchronisation per step that DDP does not make, it is not sent.
 """
 
@@ -66,30 +67,43 @@ class StepCheck:
             return None
         return StepCheck(owner, agreement.checksum(lines), group, params)
 
-    def agree(self, rounds: int) -> None:
-        """Before the round's first bucket: every rank must be in this same round."""
+    def _counts(self, rounds: int) -> tuple[int, int, int]:
+        base_rounds, base_forwards, base_steps = self._base
+        return rounds - base_rounds, self.forwards - base_forwards, self.steps - base_steps
+
+    def _codes(self, rounds: int) -> list[int]:
+        rounds, forwards, steps = self._counts(rounds)
+        weights = self._weights() if self._params else 0
+        return [_KIND, self._layout, rounds, forwards, steps, weights]
+
+    def post(self, rounds: int) -> agreement.Posted:
+        """At the round's first gradient: send the agreement, to be finished by `agree`."""
+        engine = runtime.state()
+        return agreement.post(self._codes(rounds), self._group, engine)
+
+    def agree(self, rounds: int, posted: agreement.Posted | None = None) -> None:
+        """Before the round's first bucket: every rank must be in this same round (`posted`:
+        this round's agreement, already sent by `post`)."""
         engine = runtime.state()
         if not engine.checks:
             return
         site = _backward_site() if engine.debug else None
-        base_rounds, base_forwards, base_steps = self._base
-        rounds, forwards, steps = rounds - base_rounds, self.forwards - base_forwards, \
-            self.steps - base_steps
+        counted = self._counts(rounds)
 
         def mine() -> str:
+            number, forwards, steps = counted
             counts = []
             if steps:
                 counts.append(f"after {steps} optimizer steps")
             if forwards:
                 counts.append(f"after {forwards} training forwards")
-            text = f"gradient reduction #{rounds + 1} of {self._owner}"
+            text = f"gradient reduction #{number + 1} of {self._owner}"
             text += f" ({', '.join(counts)})" if counts else ""
             return text + (f" at {site}" if site else "")
 
-        weights = self._weights() if self._params else 0
         differ = agreement.agree(mine, self._group, error=DivergedError, explain=_explain,
-                                 codes=[_KIND, self._layout, rounds, forwards, steps, weights],
-                                 tolerated=(_WEIGHTS,), engine=engine)
+                                 codes=None if posted else self._codes(rounds),
+                                 tolerated=(_WEIGHTS,), engine=engine, posted=posted)
         if _WEIGHTS in differ and group_rank(self._group) == 0:
             warnings.warn(
                 f"{self._owner}: the replicas start from different weights (the parameters' "
