@@ -51,7 +51,7 @@ def test_the_package_and_the_launcher_import_no_torch():
 
 def test_tandem_run_decides_and_checks_the_job_without_torch(tmp_path):
     """The parent of `tandem run` parses, picks the backend and checks the program without
-    torch; it loads torch.distributed only to host the rendezvous store (a torch TCPStore)."""
+    torch."""
     code = (
         "from tandem.launch import LaunchConfig, launcher\n"
         "config = launcher.with_backend(LaunchConfig(np=2, program='t.py'))\n"
@@ -62,6 +62,21 @@ def test_tandem_run_decides_and_checks_the_job_without_torch(tmp_path):
     done = _without_torch(code)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "does not exist" in done.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_tandem_runs_a_whole_job_without_torch_in_its_parent(tmp_path, backend):
+    """The rendezvous store that `tandem run` hosts is plain Python: only the ranks load torch."""
+    if backend == "mpi":
+        pytest.importorskip("mpi4py", reason="the MPI launcher needs mpi4py")
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nimport tandem as td\ntd.init()\ntd.barrier()\n"
+                      "print('rank', td.rank(), 'torch' in sys.modules)\ntd.shutdown()\n")
+    done = _without_torch(_main("run", "-np", "2", "--backend", backend, str(script))
+                          + "assert code == 0, code\n")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[0] rank 0 True" in done.stdout and "[1] rank 1 True" in done.stdout, done.stdout
 
 
 def test_doctor_imports_torch_only_for_torchs_own_lines():

@@ -129,7 +129,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _start(nprocs: int, port: int, backend: str | None,
+def _start(nprocs: int, store: rendezvous.StoreServer, backend: str | None,
            output: RankOutput) -> tuple[list[_Child], list[Connection]]:
     """Start the children, their output copied by `output`; return them and the pipes to
     send each its work."""
@@ -140,7 +140,7 @@ def _start(nprocs: int, port: int, backend: str | None,
                for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     envs = [{**os.environ, **threads, **tandem_variables(
         rank=rank, size=nprocs, local_rank=rank, local_size=nprocs, master_addr="127.0.0.1",
-        master_port=port, backend=backend), _FDS: f"{work_r} {report_w}"}
+        master_port=store.port, backend=backend, store_key=store.key), _FDS: f"{work_r} {report_w}"}
         for rank, ((work_r, _), (_, report_w)) in enumerate(pipes)]
     try:
         processes = start_ranks(
@@ -172,12 +172,12 @@ def spawn(
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     work = _pickled(fn, tuple(args), backend)
-    store = rendezvous.host_store("127.0.0.1", 0)
+    store = rendezvous.StoreServer("127.0.0.1", 0)
     preparation = multiprocessing.spawn.get_preparation_data("tandem-spawn")
     preparation.pop("authkey", None)  # multiprocessing refuses to pickle it; unused here
     preparation = pickle.dumps(preparation)
     output = RankOutput()
-    children, senders = _start(nprocs, store.port, backend, output)
+    children, senders = _start(nprocs, store, backend, output)
     death: _Died | None = None
     try:
         results = _collect(children, senders, (preparation, work))
@@ -188,7 +188,7 @@ def spawn(
         output.join(_DRAIN_S)
         for child in children:
             child.close()
-        del store
+        store.close()
     if death is not None:
         last = "\n".join(output.tail(death.rank)) or "(nothing)"
         raise SpawnError(death.rank, f"{death.detail}\nits last output:\n{last}") from None

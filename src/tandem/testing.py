@@ -108,10 +108,11 @@ class LocalWorld:
         else:
             from tandem import rendezvous
 
-            self._store = rendezvous.host_store("127.0.0.1", 0)
+            self._store = rendezvous.StoreServer("127.0.0.1", 0)
             envs = [{**env, **tandem_variables(
                 rank=rank, size=self.size, local_rank=rank, local_size=self.size,
                 master_addr="127.0.0.1", master_port=self._store.port, backend=self.backend,
+                store_key=self._store.key,
             )} for rank in range(self.size)]
             names = [f"rank{rank}" for rank in range(self.size)]
         logs = [open(self._log_dir / f"{name}.log", "wb") for name in names]  # noqa: SIM115
@@ -187,7 +188,9 @@ class LocalWorld:
             connection.close()
         self._connections.clear()
         self._processes.clear()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def _logs(self) -> str:

@@ -42,15 +42,13 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 from itertools import count
 from typing import NoReturn
-
-import torch.distributed as dist
 
 from tandem import settings
 from tandem.comm import fingerprints, waitgraph
 from tandem.comm.backend import Backend
+from tandem.comm.board import Board
 from tandem.comm.watchdog import (
     WAIT_LIMIT,
     WAIT_OP,
@@ -74,62 +72,15 @@ ANSWER_S = 3.0  # how long a query waits for every rank's answer
 QUERY_POLL_S = 0.05  # store checks while a query waits (a failure path, never the hot path)
 REPORTER_WAIT_S = 8.0  # how long a rank that is not the reporter lets the report get out
 BACKSTOP_MARGIN_S = 10.0
-BOARD_TIMEOUT_S = 5.0
 STACK_FRAMES = 14
 EXIT_CODE = 1
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe",
               "connection refused", "socket closed")
 # Frames of these files are left out of the stacks in reports: they are the watchdog itself.
-_OWN_FILES = tuple(os.path.join("comm", name) for name in ("monitor.py", "waitgraph.py", "watchdog.py"))
+_OWN_FILES = tuple(os.path.join("comm", name)
+                   for name in ("board.py", "monitor.py", "waitgraph.py", "watchdog.py"))
 
 _generation = count()
-
-
-class Board:
-    """The rendezvous store as the watchdog's notice board: short timeouts, never raises."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self._store = store
-        self._lock = threading.Lock()  # the monitor thread and a failing wait share the client
-
-    @classmethod
-    def connect(cls, addr: str, port: int, prefix: str) -> Board | None:
-        try:
-            client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=BOARD_TIMEOUT_S))
-        except Exception:
-            return None  # reports will lack the other ranks; nothing else depends on it
-        return cls(dist.PrefixStore(prefix, client))
-
-    def add(self, key: str, amount: int) -> int | None:
-        try:
-            with self._lock:
-                return self._store.add(key, amount)
-        except Exception:
-            return None
-
-    def set(self, key: str, value: str) -> bool:
-        try:
-            with self._lock:
-                self._store.set(key, value)
-            return True
-        except Exception:
-            return False
-
-    def get(self, key: str) -> bytes | None:
-        """The value, or None when absent (a plain `get` would block until it appears)."""
-        try:
-            with self._lock:
-                return self._store.get(key) if self._store.check([key]) else None
-        except Exception:
-            return None
-
-    def delete(self, key: str) -> None:
-        try:
-            with self._lock:
-                self._store.delete_key(key)
-        except Exception:
-            pass
 
 
 def _stack(frame) -> str:
@@ -329,6 +280,8 @@ class Watchdog(Ledger):
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
+        if self.board is not None:
+            self.board.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self._tick):
@@ -385,7 +338,8 @@ def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
     if job.master_port is not None:
         restart = settings.current().restart
         prefix = f"tandem/watchdog/{restart}/{next(_generation)}/"
-        board = Board.connect(job.master_addr or "127.0.0.1", job.master_port, prefix)
+        board = Board.connect(job.master_addr or "127.0.0.1", job.master_port, prefix,
+                              job.store_key)
     # Ranks of `tandem run` end with their agent even if it is killed without a word. The parent
     # is the agent itself, or under MPI the rank's supervisor (launch/mpi_rank.py), which kills
     # its rank when the agent goes: watching the parent covers both.

@@ -47,21 +47,23 @@ class TorchWork(Work):
         return self._work is None or self._work.is_completed()
 
 
-def _agree_port_over_mpi(job: JobEnvironment, timeout: float) -> tuple[str, int, object]:
-    """Under mpiexec without MASTER_PORT: rank 0 hosts the store and tells the others via MPI."""
+def _agree_port_over_mpi(job: JobEnvironment, timeout: float) -> dist.Store:
+    """Under mpiexec without MASTER_PORT: rank 0 hosts the store and tells the others, with a
+    new key for it, over MPI (the store is authenticated as a launcher's is)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     store = None
     if job.rank == 0:
-        store = rendezvous.host_store("0.0.0.0", 0, timeout)
-        address = (socket.gethostname(), store.port)
+        key = rendezvous.new_key()
+        store = rendezvous.host_store("0.0.0.0", 0, timeout, key)
+        address = (socket.gethostname(), store.port, key)
     else:
         address = None
-    host, port = comm.bcast(address, root=0)
+    host, port, key = comm.bcast(address, root=0)
     if store is None:
-        store = rendezvous.connect_store(host, port, timeout)
-    return host, port, store
+        store = rendezvous.connect_store(host, port, timeout, key)
+    return store
 
 
 def _make_store(job: JobEnvironment, timeout: float) -> dist.Store:
@@ -70,7 +72,7 @@ def _make_store(job: JobEnvironment, timeout: float) -> dist.Store:
     if job.master_port is None:
         if job.under_mpi:
             try:
-                return _agree_port_over_mpi(job, timeout)[2]
+                return _agree_port_over_mpi(job, timeout)
             except ImportError:
                 pass
         raise ValueError(
@@ -79,15 +81,19 @@ def _make_store(job: JobEnvironment, timeout: float) -> dist.Store:
         )
     addr = job.master_addr or "127.0.0.1"
     if job.store_hosted or job.rank != 0:
-        return rendezvous.connect_store(addr, job.master_port, timeout)
-    return rendezvous.host_store(addr, job.master_port, timeout)
+        return rendezvous.connect_store(addr, job.master_port, timeout, job.store_key)
+    return rendezvous.host_store(addr, job.master_port, timeout, job.store_key)
 
 
 class TorchBackend(Backend):
     """A thin layer over one torch.distributed default process group."""
 
-    def __init__(self, name: str, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, name: str, rank: int, size: int, device: torch.device,
+                 store: dist.Store | None = None) -> None:
         self.name = name
+        # torch keeps the C++ half of a store written in Python (rendezvous' authenticated
+        # one), not the Python object: it must live as long as the process group.
+        self._store = store
         self.rank = rank
         self.size = size
         self.device = device
@@ -106,9 +112,8 @@ class TorchBackend(Backend):
         # A restarted job (`tandem run --max-restarts`) may meet on the same store again: each
         # attempt (TANDEM_RESTART) gets keys of its own.
         attempt = settings.current().restart
-        store = dist.PrefixStore(
-            f"tandem/{attempt}/{next(_generation)}", _make_store(job, timeout)
-        )
+        base = _make_store(job, timeout)
+        store = dist.PrefixStore(f"tandem/{attempt}/{next(_generation)}", base)
         dist.init_process_group(
             name,
             store=store,
@@ -117,7 +122,7 @@ class TorchBackend(Backend):
             timeout=timedelta(seconds=timeout),
             device_id=device if name == "nccl" else None,
         )
-        return cls(name, job.rank, job.size, device)
+        return cls(name, job.rank, job.size, device, base)
 
     @staticmethod
     def _pg(group) -> dist.ProcessGroup | None:
@@ -174,3 +179,6 @@ class TorchBackend(Backend):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if hasattr(self._store, "close"):  # ours (a TCPStore closes when dropped)
+            self._store.close()
+        self._store = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class JobEnvironment:
     backend: str | None = None
     # Started by an MPI launcher, so MPI_Init will find its peers.
     under_mpi: bool = False
+    # The key of tandem's authenticated rendezvous store (its launcher made it); None: the
+    # store is torch's TCPStore (torchrun's agent, or rank 0 where no launcher hosts one).
+    store_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -92,6 +95,7 @@ def detect_tandem(env: Env) -> JobEnvironment | None:
         store_hosted=env.get("TANDEM_STORE_HOSTED", "0") == "1",
         backend=env.get("TANDEM_BACKEND") or None,
         under_mpi=env.get("TANDEM_UNDER_MPI", "0") == "1",
+        store_key=env.get("TANDEM_STORE_KEY") or None,
     )
 
 
@@ -269,6 +273,7 @@ def tandem_variables(
     store_hosted: bool = True,
     backend: str | None = None,
     under_mpi: bool = False,
+    store_key: str | None = None,
 ) -> dict[str, str]:
     """The variables a tandem launcher sets for one rank: the inverse of `detect_tandem`."""
     variables = {
@@ -284,6 +289,8 @@ def tandem_variables(
         variables["TANDEM_BACKEND"] = backend
     if under_mpi:
         variables["TANDEM_UNDER_MPI"] = "1"
+    if store_key:
+        variables["TANDEM_STORE_KEY"] = store_key
     return variables
 
 

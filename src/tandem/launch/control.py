@@ -1,11 +1,11 @@
 """The control plane between the agents of a multi-node job: authenticated messages, heartbeats.
 
 Node 0's agent listens (`ControlServer`) and the other agents connect to it (`connect`). Before
-anything is read as a message, each side proves it knows the job's secret without sending it:
-both send a random nonce, both answer with HMAC-SHA256(secret, peer's nonce + own role), both
-check the other's answer. A wrong secret fails on both sides with an error that says so; a
-stranger that connects and says nothing is dropped after `HANDSHAKE_S`. Only then are
-messages (small tuples, pickled by `multiprocessing.connection`) exchanged.
+anything is read as a message, each side proves it knows the job's secret without sending it
+(`rendezvous.auth.authenticate`, the rendezvous store's handshake too); a wrong secret fails on
+both sides with an error that says so, and a stranger that connects and says nothing is dropped
+after `HANDSHAKE_S`. Only then are messages (small tuples, pickled by
+`multiprocessing.connection`) exchanged.
 
 A cut network link produces no error by itself, TCP just goes quiet, so each side sends a ping
 every `HEARTBEAT_S`, and a peer that says nothing for `lost_after` seconds is reported as
@@ -18,58 +18,21 @@ can advertise an address its peers can reach and point Gloo at the right interfa
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import hmac
 import queue
-import secrets
 import socket
 import struct
 import threading
 import time
 from multiprocessing.connection import Connection, Listener
 
+from tandem.rendezvous.auth import HANDSHAKE_S, AuthenticationFailed, authenticate, new_secret
+
 HEARTBEAT_S = 1.0
-HANDSHAKE_S = 10.0
 CONNECT_RETRY_S = 0.25
-_HELLO = b"tandem-control/1 "
 _SIOCGIFADDR = 0x8915
 
-
-class AuthenticationFailed(ConnectionError):
-    """The other side does not know the job's secret (or is not a tandem agent)."""
-
-
-def new_secret() -> str:
-    return secrets.token_hex(16)
-
-
-def _receive(conn: Connection, deadline: float) -> bytes:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0 or not conn.poll(remaining):
-        raise AuthenticationFailed("the peer did not complete the handshake in time")
-    try:
-        return conn.recv_bytes(256)
-    except (EOFError, OSError) as error:
-        raise AuthenticationFailed(f"the peer closed the connection during the handshake "
-                                   f"({error or 'end of file'})") from None
-
-
-def authenticate(conn: Connection, secret: str, server: bool, timeout: float = HANDSHAKE_S) -> None:
-    """Mutual HMAC challenge-response; raises `AuthenticationFailed` unless both know `secret`."""
-    key = secret.encode()
-    deadline = time.monotonic() + timeout
-    mine = secrets.token_bytes(32)
-    own_role, peer_role = (b"server", b"client") if server else (b"client", b"server")
-    conn.send_bytes(_HELLO + mine)
-    greeting = _receive(conn, deadline)
-    if not greeting.startswith(_HELLO):
-        raise AuthenticationFailed("the peer is not a tandem agent (unexpected greeting)")
-    theirs = greeting[len(_HELLO):]
-    conn.send_bytes(hmac.new(key, theirs + own_role, hashlib.sha256).digest())
-    proof = _receive(conn, deadline)
-    expected = hmac.new(key, mine + peer_role, hashlib.sha256).digest()
-    if not hmac.compare_digest(proof, expected):
-        raise AuthenticationFailed("the peer does not know this job's secret")
+__all__ = ["AuthenticationFailed", "ControlServer", "Peer", "authenticate", "connect",
+           "interface_of", "local_address_towards", "new_secret"]
 
 
 class Peer:

@@ -71,11 +71,17 @@ class Coordinator(Agent):
             peer.close()
         if self._server is not None:
             self._server.close()
+        if self.store is not None:
+            self.store.close()
 
     def _run(self) -> int:
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
         with signals_blocked():  # the store's and the listener's threads leave them to us
-            self.store = rendezvous.host_store(*self.store_address, timeout=timeout)
+            key = rendezvous.store_key(self.secret) if self.secret else rendezvous.new_key()
+            # An agent with the wrong secret is refused by the store first: report it as the
+            # control plane would.
+            refused = self._refused if self.nnodes > 1 else None
+            self.store = rendezvous.StoreServer(*self.store_address, key, refused)
             if self.nnodes > 1:
                 self._server = ControlServer(self.store_address[0], self.secret, self.events)
         port = self.store.port
@@ -129,6 +135,9 @@ class Coordinator(Agent):
         return code
 
     # -- joining ---------------------------------------------------------------------------
+    def _refused(self, where: str, why: str) -> None:
+        self.events.put(("rejected", where, why))
+
     def _gather(self, timeout: float) -> Failure | None:
         """Wait until every other node's agent has joined (authenticated, valid node rank)."""
         deadline = time.monotonic() + timeout
@@ -197,7 +206,7 @@ class Coordinator(Agent):
         for node, peer in self.peers.items():
             peer.send(("start", {"attempt": attempt, "offset": offsets[node], "world": world,
                                  "store": (host, port)}))
-        self.ranks.start(Placement(attempt, offsets[0], world, (host, port),
+        self.ranks.start(Placement(attempt, offsets[0], world, (host, port), self.store.key,
                                    self.gloo_interface))
         run = _Attempt(self, attempt)
         run.run()

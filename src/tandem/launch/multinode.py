@@ -88,24 +88,23 @@ class Member(Agent):
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
         host, port = self.config.master
         try:
-            store = rendezvous.connect_store(host, port, timeout)
-            address = store.get("tandem/control").decode()
-        except ConnectionError as error:
-            self.say(f"node 0 is unreachable: {error}")
-            return 1
-        except Exception as error:  # a store that never got the control plane's address
-            self.say(f"the rendezvous store at {self.master} has no tandem control plane "
-                     f"({error}); is node 0 a `tandem run --nnodes` agent of this job?")
-            return 1
-        control_host, control_port = address.rsplit(":", 1)
-        try:
+            store = rendezvous.StoreClient(host, port, rendezvous.store_key(self.secret), timeout)
+            try:
+                address = store.get("tandem/control").decode()
+            finally:
+                store.close()
+            control_host, control_port = address.rsplit(":", 1)
             conn = control.connect((control_host, int(control_port)), self.secret, timeout)
-        except control.AuthenticationFailed as error:
+        except control.AuthenticationFailed as error:  # at the store or the control plane
             self.say(f"cannot join node 0 at {self.master}: {error} (the secrets differ). "
                      "Give every node the same --secret (or TANDEM_SECRET)")
             return 2
+        except rendezvous.StoreTimeout as error:  # a store without the control plane's address
+            self.say(f"the rendezvous store at {self.master} has no tandem control plane "
+                     f"({error}); is node 0 a `tandem run --nnodes` agent of this job?")
+            return 1
         except ConnectionError as error:
-            self.say(str(error))
+            self.say(f"node 0 is unreachable: {error}")
             return 1
         conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
                              "nproc": self.config.np, "host": socket.gethostname()}))
@@ -146,7 +145,7 @@ class Member(Agent):
         """Run one attempt; None to wait for node 0's verdict, else this agent's exit code."""
         attempt = body["attempt"]
         self.ranks.start(Placement(attempt, body["offset"], body["world"], tuple(body["store"]),
-                                   self.interface))
+                                   rendezvous.store_key(self.secret), self.interface))
         run = _MemberAttempt(self, attempt)
         run.run()
         self.output.join(DRAIN_S)

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.environments import horovod_variables, tandem_variables
 from tandem.launch.config import LaunchConfig
@@ -37,12 +37,13 @@ class Placement:
     offset: int  # global rank of this node's first rank
     world: int
     store: tuple[str, int]
+    store_key: str = field(repr=False)  # what the ranks prove to the store (rendezvous.server)
     gloo_interface: str | None = None
 
     @classmethod
-    def single(cls, np: int, port: int) -> Placement:
+    def single(cls, np: int, port: int, store_key: str) -> Placement:
         """A one-node job of `np` ranks around a store on this machine's `port`."""
-        return cls(attempt=0, offset=0, world=np, store=(MASTER_ADDR, port))
+        return cls(attempt=0, offset=0, world=np, store=(MASTER_ADDR, port), store_key=store_key)
 
 
 def rank_command(config: LaunchConfig) -> list[str]:
@@ -81,7 +82,7 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
     env.update(tandem_variables(
         rank=placement.offset + local, size=placement.world, local_rank=local,
         local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
-        backend=config.backend,
+        backend=config.backend, store_key=placement.store_key,
     ))
     env.update(horovod_variables(rank=placement.offset + local, size=placement.world,
                                  local_rank=local, local_size=nproc or config.np))

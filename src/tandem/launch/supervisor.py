@@ -237,13 +237,14 @@ class LocalJob(Agent):
     """
 
     def _run(self) -> int:
-        with signals_blocked():  # the store's thread leaves our signals to this one
-            store = rendezvous.host_store(MASTER_ADDR, 0)  # lives until the ranks are gone
+        with signals_blocked():  # the store's threads leave our signals to this one
+            store = rendezvous.StoreServer(MASTER_ADDR, 0)  # lives until the ranks are gone
         try:
-            self.ranks.start(Placement.single(self.config.np, store.port))
+            self.ranks.start(Placement.single(self.config.np, store.port, store.key))
             failure = Supervisor(self.ranks, self.events, self.output).run()
         finally:
             self.ranks.reap()
+            store.close()
         self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
         if failure is None or failure.interrupt is not None:
             return 0 if failure is None else failure.code
