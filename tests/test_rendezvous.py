@@ -51,7 +51,7 @@ def test_every_request_of_the_store(server):
     client.multi_set(["m1", "m2"], [b"1", b"2"])
     assert client.multi_get(["m1", "m2", "log"]) == [b"1", b"2", b"abcd"]
     assert client.num_keys() == 7  # a, text, n, c, log, m1, m2
-    assert client.delete("a") and not client.delete("a")
+    assert client.delete_key("a") and not client.delete_key("a")
     assert server.get("n") == b"5" and server.get("a") is None
     client.close()
 
@@ -163,3 +163,27 @@ def test_a_real_jobs_store_refuses_strangers():
     assert "[0] wrong key refused: the rendezvous store at 127.0.0.1:" in done.stdout
     found = [line for line in done.stdout.splitlines() if "right key:" in line]
     assert found and int(found[0].split()[-2]) > 0, done.stdout  # the ranks' own keys
+
+
+@pytest.mark.timeout(120)
+def test_a_job_no_launcher_started_keys_its_store_with_tandem_store_key():
+    """The manual template (also SLURM, torchrun without its agent's store): rank 0 hosts the
+    store, authenticated when every rank is given the same TANDEM_STORE_KEY."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_", "OMPI_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TANDEM_STORE_KEY="shared-key")
+    script = str(ROOT / "tests" / "scripts" / "keyed_manual_rank.py")
+    ranks = [subprocess.Popen([sys.executable, script, str(rank)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=100) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (out, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, out + err
+    assert "raw client refused" in outputs[0][0], outputs[0][0]
+    assert "rank 0 total 2" in outputs[0][0] and "rank 1 total 2" in outputs[1][0]

@@ -21,7 +21,8 @@ mode = sys.argv[1]
 rank = int(os.environ["TANDEM_RANK"])
 if mode == "stubborn" and rank == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-store = connect_store(os.environ["TANDEM_MASTER_ADDR"], int(os.environ["TANDEM_MASTER_PORT"]))
+store = connect_store(os.environ["TANDEM_MASTER_ADDR"], int(os.environ["TANDEM_MASTER_PORT"]),
+                      key=os.environ["TANDEM_STORE_KEY"])
 print(f"pid={os.getpid()}")
 if rank == 0:
     child = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait(600)"])

@@ -95,8 +95,15 @@ def detect_tandem(env: Env) -> JobEnvironment | None:
         store_hosted=env.get("TANDEM_STORE_HOSTED", "0") == "1",
         backend=env.get("TANDEM_BACKEND") or None,
         under_mpi=env.get("TANDEM_UNDER_MPI", "0") == "1",
-        store_key=env.get("TANDEM_STORE_KEY") or None,
+        store_key=store_key(env),
     )
+
+
+def store_key(env: Env) -> str | None:
+    """The rendezvous store's key: `tandem run` sets it; for jobs that rank 0 hosts (SLURM,
+    torchrun without its agent's store, the manual template) the user may give every rank the
+    same one, and the store is then tandem's authenticated one instead of torch's TCPStore."""
+    return env.get("TANDEM_STORE_KEY") or None
 
 
 def detect_torchrun(env: Env) -> JobEnvironment | None:
@@ -104,6 +111,7 @@ def detect_torchrun(env: Env) -> JobEnvironment | None:
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
     size = env_int(env, "WORLD_SIZE")
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     return JobEnvironment(
         source="torchrun",
         rank=env_int(env, "RANK"),
@@ -112,8 +120,9 @@ def detect_torchrun(env: Env) -> JobEnvironment | None:
         local_size=env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_port(env, "MASTER_PORT"),
-        # torchrun's elastic agent hosts the store and says so.
-        store_hosted=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        # torchrun's elastic agent hosts the store (a TCPStore: no key) and says so.
+        store_hosted=agent_store,
+        store_key=None if agent_store else store_key(env),
     )
 
 
@@ -130,6 +139,7 @@ def detect_openmpi(env: Env) -> JobEnvironment | None:
         master_addr=env.get("MASTER_ADDR"),
         master_port=_port(env, "MASTER_PORT"),
         under_mpi=True,
+        store_key=store_key(env),
     )
 
 
@@ -150,6 +160,7 @@ def detect_mpich(env: Env) -> JobEnvironment | None:
         master_addr=env.get("MASTER_ADDR"),
         master_port=_port(env, "MASTER_PORT"),
         under_mpi=True,
+        store_key=store_key(env),
     )
 
 
@@ -191,6 +202,7 @@ def detect_slurm(env: Env) -> JobEnvironment | None:
         master_port=port,
         # srun with --mpi=pmi2/pmix sets PMI variables too; MPI can then initialise.
         under_mpi="PMI_RANK" in env or "PMIX_RANK" in env,
+        store_key=store_key(env),
     )
 
 

@@ -22,6 +22,7 @@ from tandem.environments.adapters import (
     env_int,
     launched,
     single_process,
+    store_key,
 )
 
 # Each launcher's names for "which rank of how many", to name them in a disagreement.
@@ -187,4 +188,5 @@ def resolve(
         source="manual", rank=rank, size=world_size, local_rank=local_rank,
         local_size=local_size, master_addr=master_addr, master_port=master_port,
         store_hosted=False,  # rank 0 hosts the store (comm.torch_backend._make_store)
+        store_key=store_key(env),
     )

@@ -18,7 +18,6 @@ from tandem.rendezvous.auth import AuthenticationFailed, authenticate
 from tandem.rendezvous.server import STORE_GREETING
 
 CONNECT_RETRY_S = 0.1
-REPLY_SLACK_S = 10.0  # beyond a request's own wait: the store answers within this
 
 
 class StoreTimeout(TimeoutError):
@@ -28,8 +27,9 @@ class StoreTimeout(TimeoutError):
 class StoreClient:
     """Requests to the store at `host:port`, authenticated with `key`.
 
-    `timeout` bounds connecting (the store may still be starting: rank 0 hosts it in some jobs)
-    and is the default wait of `get`/`wait`.
+    `timeout` bounds connecting (the store may still be starting: rank 0 hosts it in some jobs),
+    is the default wait of `get`/`wait`, and bounds how long any answer may take beyond that.
+    The method names are `torch.distributed.Store`'s, so code can take either.
     """
 
     def __init__(self, host: str, port: int, key: str, timeout: float) -> None:
@@ -73,7 +73,7 @@ class StoreClient:
     def check(self, keys: list[str]) -> bool:
         return self._request(("check", list(keys)))
 
-    def delete(self, key: str) -> bool:
+    def delete_key(self, key: str) -> bool:
         return self._request(("delete", key))
 
     def num_keys(self) -> int:
@@ -94,9 +94,9 @@ class StoreClient:
         conn = self._connection()
         try:
             conn.send(request)
-            if not conn.poll(wait + REPLY_SLACK_S):
+            if not conn.poll(wait + self.timeout):
                 raise ConnectionError(f"the rendezvous store at {self.address} did not answer "
-                                      f"a {request[0]} within {wait + REPLY_SLACK_S:g} s")
+                                      f"a {request[0]} within {wait + self.timeout:g} s")
             status, result = conn.recv()
         except (EOFError, OSError) as error:
             self._forget(conn)

@@ -63,7 +63,7 @@ class AuthenticatedStore(dist.Store):
         self._call(self._client.wait, list(keys), _seconds(timeout) or self._wait_s())
 
     def delete_key(self, key) -> bool:
-        return self._call(self._client.delete, key)
+        return self._call(self._client.delete_key, key)
 
     def num_keys(self) -> int:
         return self._call(self._client.num_keys)
