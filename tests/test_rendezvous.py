@@ -134,13 +134,15 @@ def test_a_store_that_went_away_is_a_clear_error_not_a_hang():
         StoreClient("127.0.0.1", server.port, server.key, timeout=1)
 
 
-def test_a_taken_port_is_a_clear_error():
+@pytest.mark.parametrize("host", [StoreServer, rendezvous.host_store],
+                         ids=["launcher's store", "rank 0's TCPStore"])
+def test_a_taken_port_is_a_clear_error(host):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(rendezvous.PortInUseError, match=f"127.0.0.1:{port}: the port is in use"):
-            StoreServer("127.0.0.1", port)
+            host("127.0.0.1", port)
 
 
 def test_a_multi_node_store_key_comes_from_the_secret_and_hides_it():
