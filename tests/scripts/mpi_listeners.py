@@ -1,7 +1,7 @@
 """Under `tandem run --backend mpi`: print this rank's listening TCP sockets outside loopback.
 
-Hydra's own control socket (listening on every interface, inherited by the ranks) is listed
-apart: tandem cannot yet move it to loopback (see docs/failures.md, Limits).
+mpiexec's own sockets are listed apart: Hydra's control port (on every interface, inherited
+by the ranks) when tandem runs Hydra because no mpiexec.gforker sits beside it (docs/mpi.md).
 """
 
 import os

@@ -6,22 +6,26 @@ connects it to the `tandem run` agent over three local sockets (control, stdout,
     mpiexec -n N python -m tandem.launch.mpi_rank --connect 127.0.0.1:P1
         --store 127.0.0.1:P2 -- python -u train.py
 
-The child inherits MPI's process-manager connection (Hydra's `PMI_FD` and friends, Open MPI's
+The child inherits MPI's process-manager connection (MPICH's `PMI_FD` and friends, Open MPI's
 `PMIX_*` variables; `close_fds=False` keeps inheritable descriptors), so `td.init()` in it
-joins the MPI job as usual. It also gets
-the same `TANDEM_*` variables as a locally started rank (its MPI rank, size and local rank, the
-agent's rendezvous store at `--store`) plus `TANDEM_UNDER_MPI=1`: it is a tandem rank that
-happens to be wired by MPI, so the watchdog's all-ranks reports, the timeline and scripts that
-read `TANDEM_RANK` work as under Gloo, while `td.init()` still picks the MPI backend.
+joins the MPI job as usual. Its environment is the job's, which the agent sends first thing on
+the control socket (`env <bytes>` and JSON), with what mpiexec set on top: MPICH's gforker
+is given only the few variables a supervisor needs to start (it refuses more than 193). It
+also gets the same `TANDEM_*` variables as a locally started rank (its MPI rank, size and local
+rank, the agent's rendezvous store at `--store`) plus `TANDEM_UNDER_MPI=1`: it is a tandem rank
+that happens to be wired by MPI, so the watchdog's all-ranks reports, the timeline and scripts
+that read `TANDEM_RANK` work as under Gloo, while `td.init()` still picks the MPI backend.
 
 It runs in a session of its own, so the agent stops it (and whatever it started) by process
 group, exactly like a locally started rank, and reads its output as it reads a local rank's
 pipes. On the control socket the supervisor says `pid <pid>` when the child started and
-`exit <code>` when it ended (a negative code: killed by that signal); the agent never writes
-there, so end of file means the agent is gone, and the supervisor then kills the child's group
-(the rank's watchdog in turn ends the rank if the supervisor vanishes). It exits 0 itself
-either way: deciding what a failure means (stop the others, the summary, the job's exit code)
-is the agent's job, not mpiexec's.
+`exit <code>` when it ended (a negative code: killed by that signal); past the environment the
+agent never writes there, so end of file means the agent is gone, and the supervisor then kills
+the child's group (the rank's watchdog in turn ends the rank if the supervisor vanishes). It
+exits 0 itself either way: deciding what a failure means (stop the others, the summary, the
+job's exit code) is the agent's job, not mpiexec's. So it ignores mpiexec's own ways of ending a job after one
+rank left without MPI_Finalize: Hydra's SIGUSR1 (with -disable-auto-cleanup), and with
+`--forker` gforker's SIGINT then SIGQUIT a second later, which no flag turns off.
 
 It imports `tandem.environments` and `tandem.settings`, which need no torch (the `tandem`
 package loads its names lazily), so starting a rank's supervisor stays cheap.
@@ -30,6 +34,8 @@ package loads its names lazily), so starting a rank's supervisor stays cheap.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -40,7 +46,9 @@ import threading
 from tandem import environments, settings
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORKER_KILLS = (signal.SIGINT, signal.SIGQUIT)  # gforker's MPIE_KillWorld, on an abnormal exit
 CONNECT_TIMEOUT_S = 30.0
+_ENV_HEADER_BYTES = 64
 
 
 def _connect(address: tuple[str, int], header: bytes) -> socket.socket:
@@ -48,6 +56,31 @@ def _connect(address: tuple[str, int], header: bytes) -> socket.socket:
     sock.settimeout(None)
     sock.sendall(header)
     return sock
+
+
+def _receive_environment(control: socket.socket) -> dict[str, str]:
+    """The job's environment, as the agent sends it first on the control socket."""
+    control.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        header = b""
+        while not header.endswith(b"\n"):
+            chunk = control.recv(1)
+            if not chunk or len(header) > _ENV_HEADER_BYTES:
+                raise SystemExit(f"mpi_rank.py: no environment from the agent ({header!r})")
+            header += chunk
+        words = header.split()
+        if len(words) != 2 or words[0] != b"env" or not words[1].isdigit():
+            raise SystemExit(f"mpi_rank.py: no environment from the agent ({header!r})")
+        size, data = int(words[1]), bytearray()
+        while len(data) < size:
+            chunk = control.recv(min(1 << 16, size - len(data)))
+            if not chunk:
+                raise SystemExit("mpi_rank.py: the agent left while sending the environment")
+            data += chunk
+    except OSError as error:
+        raise SystemExit(f"mpi_rank.py: no environment from the agent: {error}") from None
+    control.settimeout(None)
+    return json.loads(data)
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -103,15 +136,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connect", required=True, help="HOST:PORT of the agent")
     parser.add_argument("--store", required=True, help="HOST:PORT of the agent's rendezvous store")
+    parser.add_argument("--forker", action="store_true",
+                        help="started by MPICH's gforker: ignore its SIGINT and SIGQUIT")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.forker:
+        # The rest of the job is stopped by the agent, which reports who failed first; gforker
+        # signals every supervisor by pid (the ranks run in sessions of their own). Handlers,
+        # not SIG_IGN: the program does not inherit them.
+        for signum in FORKER_KILLS:
+            signal.signal(signum, lambda signum, frame: None)
     job = _mpi_job(os.environ)
+    if args.forker:
+        # gforker runs every rank on this node and, unlike Hydra, says nothing of local ranks
+        # (MPI_LOCALRANKID): local and global are the same (the GPU each rank takes, for one).
+        job = dataclasses.replace(job, local_rank=job.rank, local_size=job.size)
     token = settings.current().launch_token or ""
     address = _address(args.connect)
     streams = {kind: _connect(address, f"{token} {job.rank} {kind}\n".encode())
                for kind in ("control", "stdout", "stderr")}
-    env = _child_environment(job, _address(args.store), os.environ)
+    # The job's environment, then what mpiexec set (PMI_FD, PMI_RANK...: os.environ holds
+    # what mpiexec was given, a part of the job's, plus those).
+    base = {**_receive_environment(streams["control"]), **os.environ}
+    env = _child_environment(job, _address(args.store), base)
     child = subprocess.Popen(
         command, env=env, stdin=subprocess.DEVNULL, stdout=streams["stdout"].fileno(),
         stderr=streams["stderr"].fileno(), close_fds=False, start_new_session=True,
@@ -127,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     for signum in FORWARDED:
-        signal.signal(signum, forward)
+        if not (args.forker and signum in FORKER_KILLS):
+            signal.signal(signum, forward)
     # Hydra run with -disable-auto-cleanup tells the surviving processes that one failed with
     # SIGUSR1; stopping the job is the agent's decision, so the supervisor stays to report.
     # (A handler rather than SIG_IGN: handlers are not inherited by the program.)

@@ -6,21 +6,28 @@
 first on PATH; with the flags Open MPI needs, `start_flags`) starts one small supervisor per
 rank (`mpi_rank.py`), which starts the user's program and connects its output and its exit
 to this process over local sockets (`MPIExecRanks`, the local ranks' way of starting, swapped).
+With MPICH the ranks are started by `mpiexec.gforker`, MPICH's one-node process manager,
+when it sits beside Hydra's `mpiexec` (`find_forker`): it hands each rank its process-manager
+connection as an inherited socket pair, where Hydra listens on every interface.
 From there on the job is run by the rank supervisor (`supervisor.LocalJob`): the same `[rank]` prefixes,
 the same fail-fast stop (SIGTERM to every rank's process group, SIGKILL after a grace), the
 same summary naming the first rank to fail and its last lines, the same exit code. mpiexec
 only starts processes and wires MPI (its process-manager connection is inherited by the
 program, so `td.init()` joins the MPI job and picks the MPI backend). The agent still hosts
-the job's rendezvous store, and every rank gets it (`TANDEM_MASTER_ADDR/PORT`, passed on by
-its supervisor): MPI does not need it, the watchdog does, to ask every rank where it is.
+the job's rendezvous store, and every rank gets it (`TANDEM_MASTER_ADDR/PORT` and its
+`TANDEM_STORE_KEY`, passed on by its supervisor): MPI does not need it, the watchdog does, to
+ask every rank where it is.
 
 Ranks run on this machine only (as with the local launcher); the agent's sockets listen on
-127.0.0.1 and ranks authenticate with a per-job token.
+127.0.0.1 and ranks authenticate with a per-job token. The job's environment reaches every
+rank's supervisor over its control connection rather than through mpiexec (gforker refuses an
+environment of more than 193 variables; it gets the few its supervisors need to start).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import secrets
 import shutil
@@ -41,6 +48,9 @@ from tandem.launch.supervisor import LocalJob
 
 START_TIMEOUT_S = 120.0  # for mpiexec to start every rank's program (imports included)
 MPIEXEC_EXIT_S = 10.0  # for mpiexec to exit once every rank is gone
+# gforker has nothing left to do once every rank is gone, but after a failure it sleeps 1 s
+# per supervisor that left (MPIE_KillWorld, in its SIGCHLD handler) before it exits.
+FORKER_EXIT_S = 1.0
 _HEADER_BYTES = 256
 _KINDS = ("control", "stdout", "stderr")
 
@@ -98,16 +108,51 @@ def start_flags(mpiexec: str) -> list[str]:
 def loopback_environment(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
     """Settings that keep a one-node MPI job's sockets on loopback (the user's own win).
 
-    MPICH's UCX netmod otherwise listens on the machine's external interface, and Open MPI's
-    TCP transports on every interface. Open MPI 5's runtime (PRRTE) refuses loopback for its
-    out-of-band channel ("No network interfaces were found"), so PRTE_MCA_oob_tcp_if_include
-    is left alone: that one listener still binds every interface.
+    MPICH's UCX netmod otherwise listens on the machine's external interface. Open MPI's TCP
+    BTL listens on 0.0.0.0 and [::] in every rank whatever btl_tcp_if_include says, so it is
+    left out (`btl=^tcp`): the ranks share one node, and shared memory (sm, or smcuda in a
+    CUDA build) carries their messages. Open MPI 5's runtime (PRRTE) refuses loopback for its
+    out-of-band channel ("No network interfaces were found"), and binds that channel's
+    listeners to INADDR_ANY and in6addr_any whatever its include list says, so
+    PRTE_MCA_oob_tcp_if_include is left alone: mpiexec's two out-of-band listeners are the
+    only ones off loopback (docs/mpi.md).
     """
-    wanted = ({"OMPI_MCA_btl_tcp_if_include": "lo", "OMPI_MCA_oob_tcp_if_include": "lo",
-               "PMIX_MCA_ptl_tcp_if_include": "lo"}
+    wanted = ({"OMPI_MCA_btl": "^tcp", "OMPI_MCA_btl_tcp_if_include": "lo",
+               "OMPI_MCA_oob_tcp_if_include": "lo", "PMIX_MCA_ptl_tcp_if_include": "lo"}
               if is_open_mpi(mpiexec) else
               {"UCX_NET_DEVICES": "lo", "MPIR_CVAR_CH4_OFI_IFNAME": "lo", "FI_TCP_IFACE": "lo"})
     return {k: v for k, v in wanted.items() if k not in env}
+
+
+def find_forker(mpiexec: str) -> str | None:
+    """MPICH's `mpiexec.gforker` beside this Hydra `mpiexec` (the `mpich` wheel ships both).
+
+    For a job on one node it is the better starter: each rank gets its process-manager (PMI)
+    connection as an inherited socket pair, so nothing listens, where Hydra's mpiexec listens on
+    every interface (its proxies' control port binds INADDR_ANY, whatever -iface, -localhost
+    or -hosts say). Intel MPI and MVAPICH share Hydra without gforker: None, Hydra stays.
+    """
+    if "HYDRA" not in _version(mpiexec).upper():
+        return None
+    for folder in dict.fromkeys((Path(mpiexec).parent, Path(mpiexec).resolve().parent)):
+        forker = folder / "mpiexec.gforker"
+        if forker.is_file() and os.access(forker, os.X_OK):
+            return str(forker)
+    return None
+
+
+# What a rank's supervisor needs to start (the interpreter, tandem, its token), and gforker's
+# own settings (MPIEXEC_TIMEOUT...): gforker exits "Environment is too large (max is 193)"
+# past 193 variables, a count a cluster's module system or a CI runner reaches. The job's
+# whole environment goes to each supervisor over its control connection (`_send_environment`).
+_FORKER_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+                 "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+_FORKER_PREFIXES = ("PYTHON", "LC_", "TANDEM_", "MPIEXEC_")
+
+
+def forker_environment(env: dict[str, str]) -> dict[str, str]:
+    """The part of the job's environment that gforker itself gets."""
+    return {k: v for k, v in env.items() if k in _FORKER_NAMES or k.startswith(_FORKER_PREFIXES)}
 
 
 def _quiet_cleanup(mpiexec: str) -> list[str]:
@@ -127,6 +172,8 @@ class MPIExecRanks(LocalRanks):
         super().__init__(config, events, output, nproc)
         self._mpiexec: subprocess.Popen | None = None
         self._segments_before: set[str] | None = None
+        self._environment = b""  # the ranks' environment, sent to each supervisor (JSON)
+        self._exit_wait = MPIEXEC_EXIT_S
 
     def start(self, placement: Placement) -> None:
         # MPI ranks find each other through mpiexec; `placement.store`, the agent's rendezvous
@@ -143,9 +190,25 @@ class MPIExecRanks(LocalRanks):
                 env["TANDEM_TERMINAL"] = "1"  # rank 0's supervisor keeps it, the others drop it
             mpiexec = find_mpiexec()
             env.update(loopback_environment(mpiexec, env))
+            # The store's key goes to the ranks over their supervisors' control sockets only:
+            # mpiexec has no use for it (nor for an enclosing job's).
+            env.pop("TANDEM_STORE_KEY", None)
+            self._environment = json.dumps(
+                {**env, "TANDEM_STORE_KEY": placement.store_key}).encode()
+            forker = find_forker(mpiexec)
+            if forker:
+                # gforker kills the rest of the job itself when a rank leaves without
+                # MPI_Finalize (no flag turns that off): `--forker` makes the supervisors
+                # deaf to it, as -disable-auto-cleanup does for Hydra.
+                starter, flags, extra = forker, [], ["--forker"]
+                self._exit_wait = FORKER_EXIT_S
+                env = forker_environment(env)  # the token included (TANDEM_*)
+            else:
+                starter, flags, extra = mpiexec, [*_quiet_cleanup(mpiexec),
+                                                  *start_flags(mpiexec)], []
             command = [
-                mpiexec, *_quiet_cleanup(mpiexec), *start_flags(mpiexec), "-n", str(self.config.np),
-                sys.executable, "-u", "-m", "tandem.launch.mpi_rank",
+                starter, *flags, "-n", str(self.config.np),
+                sys.executable, "-u", "-m", "tandem.launch.mpi_rank", *extra,
                 "--connect", f"127.0.0.1:{listener.getsockname()[1]}",
                 "--store", "{}:{}".format(*placement.store), "--",
                 *rank_command(self.config),
@@ -193,10 +256,22 @@ class MPIExecRanks(LocalRanks):
             entry = ranks.setdefault(rank, {})
             entry[kind] = connection
             if kind == "control":
+                self._send_environment(connection, deadline)
                 # One buffered reader for the connection's whole life: the pid, later the exit.
                 entry["lines"] = connection.makefile("rb")
                 entry["pid"] = self._read_pid(connection, entry["lines"], deadline)
         return ranks
+
+    def _send_environment(self, connection: socket.socket, deadline: float) -> None:
+        """`env <bytes>` and the job's environment as JSON: what the rank's program gets
+        (plus what mpiexec set for it), whatever environment mpiexec itself was given."""
+        connection.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            connection.sendall(b"env %d\n" % len(self._environment) + self._environment)
+        except OSError as error:
+            raise LaunchError(f"a rank's supervisor did not take the job's environment: "
+                              f"{error}") from None
+        connection.settimeout(None)
 
     @staticmethod
     def _greeting(connection: socket.socket, token: str) -> tuple[int | None, str]:
@@ -245,7 +320,7 @@ class MPIExecRanks(LocalRanks):
         process = self._mpiexec
         if process is not None:
             try:
-                process.wait(MPIEXEC_EXIT_S)
+                process.wait(self._exit_wait)
             except subprocess.TimeoutExpired:
                 signal_group(process.pid, signal.SIGKILL)
                 process.wait(MPIEXEC_EXIT_S)

@@ -1,0 +1,32 @@
+"""Under `tandem run`: rank 0 lists the machine's listening sockets while every rank is alive.
+
+It prints one JSON line: `ss -ltunpH` (TCP and UDP, with the owning processes) and every
+process's parent, read at the same moment, so the test can tell the job's sockets (the
+launcher's descendants) from those of other programs on the machine.
+"""
+
+import json
+import os
+import subprocess
+
+import torch
+
+import tandem as td
+
+td.init()
+td.allreduce(torch.ones(4))  # the transports are wired by now
+td.barrier()
+if td.rank() == 0:
+    listening = subprocess.run(["ss", "-ltunpH"], capture_output=True, text=True, timeout=30)
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as stat:
+                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                    parents[name] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    print("LISTENERS " + json.dumps({"ss": listening.stdout, "rc": listening.returncode,
+                                      "parents": parents}), flush=True)
+td.barrier()
