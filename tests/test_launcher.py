@@ -389,7 +389,7 @@ def test_run_help_names_each_variable_and_the_program(capsys):
 
 def test_timeline_reaches_every_rank_as_an_absolute_path():
     config = _config("-np", "2", "--timeline", "trace.json", "t.py")
-    env = rank_environment(config, 1, Placement.single(config.np, 12345), {})
+    env = rank_environment(config, 1, Placement.single(config.np, 12345, "k"), {})
     assert env["TANDEM_TIMELINE"] == os.path.abspath("trace.json")
 
 
@@ -408,12 +408,15 @@ def test_hosts_set_the_default_number_of_processes(tmp_path):
 
 def test_threads_per_rank_respect_the_users_setting():
     config = LaunchConfig(np=2, program="t.py")
-    env = rank_environment(config, 1, Placement.single(2, 1234), {"OMP_NUM_THREADS": "7"})
+    env = rank_environment(config, 1, Placement.single(2, 1234, "the-key"),
+                           {"OMP_NUM_THREADS": "7", "TANDEM_SECRET": "agents-only"})
     assert env["OMP_NUM_THREADS"] == "7"
     assert env["MKL_NUM_THREADS"] == str(max(1, cores() // 2))
     assert (env["TANDEM_RANK"], env["TANDEM_MASTER_PORT"]) == ("1", "1234")
+    # the store's key reaches the ranks; the agents' secret does not
+    assert env["TANDEM_STORE_KEY"] == "the-key" and "TANDEM_SECRET" not in env
     forced = rank_environment(LaunchConfig(np=2, program="t.py", threads_per_rank=3), 0,
-                              Placement.single(2, 1),
+                              Placement.single(2, 1, "k"),
                               {"OMP_NUM_THREADS": "7"})
     assert forced["OMP_NUM_THREADS"] == forced["MKL_NUM_THREADS"] == "3"
 
