@@ -50,7 +50,7 @@ START_TIMEOUT_S = 120.0  # for mpiexec to start every rank's program (imports in
 MPIEXEC_EXIT_S = 10.0  # for mpiexec to exit once every rank is gone
 # gforker has nothing left to do once every rank is gone, but after a failure it sleeps 1 s
 # per supervisor that left (MPIE_KillWorld, in its SIGCHLD handler) before it exits.
-FORKER_EXIT_S = 1.0
+FORKER_EXIT_S = 0.2
 _HEADER_BYTES = 256
 _KINDS = ("control", "stdout", "stderr")
 
