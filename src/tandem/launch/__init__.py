@@ -29,7 +29,8 @@ What every rank gets
 --------------------
 - TANDEM_RANK, TANDEM_SIZE, TANDEM_LOCAL_RANK, TANDEM_LOCAL_SIZE,
   TANDEM_MASTER_ADDR/TANDEM_MASTER_PORT (a rendezvous store the launcher hosts on a
-  port the operating system picked, so two jobs on one machine never collide),
+  port the operating system picked, so two jobs on one machine never collide) and
+  TANDEM_STORE_KEY (what a client proves to that store; without it the store answers nothing),
   TANDEM_BACKEND (the backend chosen above), TANDEM_TIMEOUT with --timeout. MPI ranks get
   the same, plus TANDEM_UNDER_MPI=1, from their supervisor (launch/mpi_rank.py).
 - HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, as horovodrun sets them,
