@@ -77,7 +77,7 @@ class Coordinator(Agent):
     def _run(self) -> int:
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
         with signals_blocked():  # the store's and the listener's threads leave them to us
-            key = rendezvous.store_key(self.secret) if self.secret else rendezvous.new_key()
+            key = rendezvous.store_key(self.secret) if self.secret else None  # None: a new one
             # An agent with the wrong secret is refused by the store first: report it as the
             # control plane would.
             refused = self._refused if self.nnodes > 1 else None

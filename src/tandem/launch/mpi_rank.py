@@ -23,9 +23,10 @@ pipes. On the control socket the supervisor says `pid <pid>` when the child star
 agent never writes there, so end of file means the agent is gone, and the supervisor then kills
 the child's group (the rank's watchdog in turn ends the rank if the supervisor vanishes). It
 exits 0 itself either way: deciding what a failure means (stop the others, the summary, the
-job's exit code) is the agent's job, not mpiexec's. So it ignores mpiexec's own ways of ending a job after one
-rank left without MPI_Finalize: Hydra's SIGUSR1 (with -disable-auto-cleanup), and with
-`--forker` gforker's SIGINT then SIGQUIT a second later, which no flag turns off.
+job's exit code) is the agent's job, not mpiexec's. So it ignores mpiexec's own ways of
+ending a job after one rank left without MPI_Finalize: Hydra's SIGUSR1 (with
+-disable-auto-cleanup), and with `--forker` gforker's SIGINT then SIGQUIT a second later,
+which no flag turns off.
 
 It imports `tandem.environments` and `tandem.settings`, which need no torch (the `tandem`
 package loads its names lazily), so starting a rank's supervisor stays cheap.
@@ -141,14 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    job = _mpi_job(os.environ)
     if args.forker:
         # The rest of the job is stopped by the agent, which reports who failed first; gforker
         # signals every supervisor by pid (the ranks run in sessions of their own). Handlers,
         # not SIG_IGN: the program does not inherit them.
         for signum in FORKER_KILLS:
             signal.signal(signum, lambda signum, frame: None)
-    job = _mpi_job(os.environ)
-    if args.forker:
         # gforker runs every rank on this node and, unlike Hydra, says nothing of local ranks
         # (MPI_LOCALRANKID): local and global are the same (the GPU each rank takes, for one).
         job = dataclasses.replace(job, local_rank=job.rank, local_size=job.size)
