@@ -46,8 +46,8 @@ def test_an_empty_bench_range_is_refused(capsys):
 def test_restoring_into_another_shape_names_the_checkpoint(tmp_path):
     checkpointer = td.Checkpointer(tmp_path, every=1)
     checkpointer.save(1, model=torch.nn.Linear(2, 3))
-    with pytest.raises(RuntimeError, match=r"checkpoint .*step-\d+\.pt: its 'model' does not fit "
-                                           r"the Linear given to restore\(\)(.|\n)*size mismatch"):
+    with pytest.raises(RuntimeError, match=r"checkpoint .*step-\d+'(.|\n)*its 'model' does not match "
+                                           r"(.|\n)*weight: model \[3, 4\], saved \[3, 2\]"):
         checkpointer.restore(model=torch.nn.Linear(4, 3))
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import tandem as td
+from tandem.files import CheckpointError
 from tandem.launch.supervisor import Failure, summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def test_checkpointer_saves_every_n_steps_keeps_the_newest_and_restores(tmp_path
             momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     assert written == [False, True, False, True, False, True, False]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-        "step-00000004.pt", "step-00000006.pt"]
+        "step-00000004", "step-00000006"]  # DCP directories
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     assert td.Checkpointer(tmp_path / "ck", every=2).restore(model=fresh, optimizer=fresh_opt) == 6
@@ -72,9 +73,12 @@ def test_checkpointer_saves_every_n_steps_keeps_the_newest_and_restores(tmp_path
     restored = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(restored, momentum, strict=True))
     assert fresh_opt.param_groups[0]["lr"] == 0.1 and fresh_opt.param_groups[0]["momentum"] == 0.9
-    # an unreadable newest checkpoint falls back to the one before it
-    (tmp_path / "ck" / "step-00000008.pt").write_bytes(b"not a checkpoint")
-    assert ckpt.restore(model=fresh) == 6
+    # an unreadable newest checkpoint is an error that names it, never skipped for an older one
+    (tmp_path / "ck" / "step-00000008").mkdir()
+    with pytest.raises(CheckpointError, match=r"step-00000008' has no \.metadata"):
+        ckpt.restore(model=fresh)
+    with pytest.raises(CheckpointError, match="neither skips nor overwrites it"):
+        ckpt.save(9, model=fresh)
 
 
 def test_checkpointer_refuses_bad_input(tmp_path):
@@ -86,7 +90,7 @@ def test_checkpointer_refuses_bad_input(tmp_path):
     with pytest.raises(ValueError, match="nothing to save"):
         ckpt.save(0)
     ckpt.save(0, model=nn.Linear(1, 1))
-    with pytest.raises(KeyError, match=r"no state for \['optimizer'\]"):
+    with pytest.raises(CheckpointError, match=r"no state for 'optimizer'; it holds \['model'\]"):
         ckpt.restore(optimizer=torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0))
 
 

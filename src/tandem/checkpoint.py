@@ -61,10 +61,10 @@ from typing import Any
 import torch
 
 from tandem import runtime
+from tandem import sharded_checkpoint as sharded
 from tandem.comm import collectives
 from tandem.files import CheckpointError
 from tandem.files import fsync_directory as _fsync_directory
-from tandem.sharded_checkpoint import MANIFEST, is_sharded, load_sharded, save_sharded
 
 PathLike = str | os.PathLike
 
@@ -207,33 +207,20 @@ def load(path: PathLike, map_location: Any = "cpu", weights_only: bool = True) -
     return _unpickle(data, path, map_location, weights_only)
 
 
-def _stateful(name: str, obj: Any) -> Any:
-    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-        raise TypeError(
-            f"{name}={type(obj).__name__} has no state_dict()/load_state_dict(); pass models, "
-            f"optimizers, schedulers or other objects that have them (save plain values with "
-            f"td.save)"
-        )
-    return obj
-
-
-class _Completed:
-    """The step count inside a sharded checkpoint (it holds objects with state dicts)."""
-
-    def __init__(self, completed: int) -> None:
-        self.completed = completed
-
-    def state_dict(self) -> dict[str, int]:
-        return {"completed": self.completed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.completed = state["completed"]
-
-
 class Checkpointer:
-    """Saves `every` steps into `directory`, keeps the `keep` newest, restores the newest."""
+    """Saves `every` steps into `directory`, keeps the `keep` newest, restores the newest.
 
-    def __init__(self, directory: str | os.PathLike, every: int = 1, keep: int = 2) -> None:
+    Each checkpoint is a directory `step-<completed>` in PyTorch's Distributed Checkpoint
+    format (`tandem.sharded_checkpoint`): every rank writes the pieces it holds of whatever
+    layout the model has (replicated, tensor parallel, pipeline stages, fully sharded, ZeRO),
+    and `restore` loads them into any other layout of the same model. With
+    `async_save=True`, `save` returns once the state is copied to host memory; the files are
+    written by a background thread and published at the next `save`, `restore` or `wait()`
+    (call `wait()` after the last step so that the last checkpoint is published).
+    """
+
+    def __init__(self, directory: str | os.PathLike, every: int = 1, keep: int = 2,
+                 async_save: bool = False) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every={every!r}: give a positive number of steps between saves")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -241,89 +228,104 @@ class Checkpointer:
         self.directory = Path(os.fspath(directory))
         self.every = every
         self.keep = keep
+        self.async_save = bool(async_save)
+        self._pending: sharded.PendingSave | None = None
         # Every rank may create it: rank 0 writes, and on a shared file system this is one dir.
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def path(self, completed: int) -> Path:
-        return self.directory / f"step-{completed:08d}.pt"
+        return self.directory / f"step-{completed:08d}"
 
-    def _on_disk(self) -> list[int]:
-        """Completed-step counts of the checkpoints rank 0 sees, newest first."""
+    def _on_disk(self) -> list[tuple[int, Path]]:
+        """(completed steps, path) of the checkpoints rank 0 sees, newest first; a checkpoint
+        directory without its metadata is an error, never skipped (a restart would lose it)."""
         found = []
         for entry in self.directory.iterdir():
             match = _NAME.match(entry.name)
-            if match and (entry.is_file() if match.group(2) else (entry / MANIFEST).is_file()):
-                found.append(int(match.group(1)))
+            if not match:
+                continue
+            if entry.is_dir() and not (entry / sharded.METADATA).is_file():
+                raise CheckpointError(
+                    f"checkpoint directory {str(entry)!r} has no {sharded.METADATA} (its save did "
+                    f"not complete, or files were removed): move it away or restore its files; "
+                    f"tandem neither skips nor overwrites it")
+            found.append((int(match.group(1)), entry))
         return sorted(found, reverse=True)
 
     def checkpoints(self) -> list[int]:
         """The completed-step counts of the checkpoints on rank 0, newest first (every rank)."""
-        mine = self._on_disk() if not _distributed() or runtime.rank() == 0 else None
+        mine: Any = None
+        if not _distributed() or runtime.rank() == 0:
+            try:
+                mine = [completed for completed, _ in self._on_disk()]
+            except CheckpointError as error:
+                mine = error
         if _distributed():
-            mine = collectives.broadcast_object(mine, root=0)
+            mine = collectives.broadcast_object(
+                str(mine) if isinstance(mine, CheckpointError) else mine, root=0)
+        if isinstance(mine, (str, CheckpointError)):
+            raise CheckpointError(str(mine))
         return mine
 
     def save(self, step: int, **objects: Any) -> bool:
         """After step `step` (0-based): write a checkpoint if it completes `every` steps.
 
-        Returns True when a checkpoint was written. Every rank must call it.
+        Returns True when a checkpoint was written (or, with `async_save`, started). Every rank
+        must call it.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: give the 0-based index of the step just finished")
         if not objects:
             raise ValueError("nothing to save: pass the objects, e.g. save(step, model=model)")
+        sharded.check_objects(objects)
         completed = step + 1
         if completed % self.every:
             return False
-        if any(is_sharded(obj) for obj in objects.values()):  # each rank writes its shard
-            save_sharded(self.path(completed).with_suffix(""), completed=_Completed(completed),
-                         **objects)
-        else:
-            states = {name: _stateful(name, obj).state_dict() for name, obj in objects.items()}
-            save({"completed": completed, "state": states}, self.path(completed))
-        if not _distributed() or runtime.rank() == 0:
-            for old in self._on_disk()[self.keep:]:
-                shutil.rmtree(self.path(old).with_suffix(""), ignore_errors=True)
-                try:
-                    self.path(old).unlink()
-                except FileNotFoundError:
-                    pass
+        self.wait()  # a second save waits for the first
+        self.checkpoints()  # refuses a directory without metadata before writing beside it
+        self._pending = sharded.start_save(self.path(completed), {"completed": completed},
+                                           background=self.async_save, **objects)
+        if not self.async_save:
+            self.wait()
         return True
 
-    def restore(self, **objects: Any) -> int:
-        """Load the newest checkpoint into `objects`; return the step to resume at (0: none).
+    def wait(self) -> None:
+        """Finish the save in flight, if any (every rank): its checkpoint is then on disk."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.finish()
+        if not _distributed() or runtime.rank() == 0:
+            sharded.remove_leftovers(pending.path)
+            for _, old in self._on_disk()[self.keep:]:
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
 
-        A checkpoint that cannot be read (it should not happen with atomic saves, but disks
-        fail) is skipped for the one before it, with a warning on rank 0.
-        """
-        for name, obj in objects.items():
-            _stateful(name, obj)
-        for completed in self.checkpoints():
-            directory = self.path(completed).with_suffix("")
-            if directory.is_dir():
-                load_sharded(directory, **objects)
-                return completed
-            try:
-                saved = load(self.path(completed))
-            except (CheckpointError, FileNotFoundError) as error:
-                if not _distributed() or runtime.rank() == 0:
-                    print(f"tandem: skipping unreadable checkpoint {self.path(completed)}: {error}")
-                continue
-            missing = sorted(set(objects) - set(saved["state"]))
-            if missing:
-                raise KeyError(
-                    f"checkpoint {self.path(completed)} has no state for {missing}; it holds "
-                    f"{sorted(saved['state'])}: restore the names you saved"
-                )
-            for name, obj in objects.items():
-                try:
-                    obj.load_state_dict(saved["state"][name])
-                except (RuntimeError, ValueError, KeyError) as error:
-                    # torch names the tensors that differ, not the file they came from.
-                    raise type(error)(
-                        f"checkpoint {self.path(completed)}: its {name!r} does not fit the "
-                        f"{type(obj).__name__} given to restore(); build the same model and "
-                        f"optimizer as the job that saved it, or start from another directory. "
-                        f"{error}") from error
-            return int(saved["completed"])
+    def restore(self, **objects: Any) -> int:
+        """Load the newest checkpoint into `objects`, in whatever layout they now have; return
+        the step to resume at (0: none). A checkpoint that cannot be read is an error that
+        names it (nothing is loaded), never skipped for an older one."""
+        if not objects:
+            raise ValueError("nothing to restore: pass the objects, e.g. restore(model=model)")
+        sharded.check_objects(objects)
+        self.wait()
+        for completed in self.checkpoints()[:1]:
+            path = self.path(completed)
+            if (self.directory / f"{path.name}.pt").exists():  # written by tandem before DCP
+                return self._restore_file(self.directory / f"{path.name}.pt", objects)
+            record = sharded.load_sharded(path, **objects)
+            return int(record.get("completed", completed))
         return 0
+
+    @staticmethod
+    def _restore_file(path: Path, objects: dict[str, Any]) -> int:
+        saved = load(path)
+        missing = sorted(set(objects) - set(saved["state"]))
+        if missing:
+            raise KeyError(f"checkpoint {path} has no state for {missing}; it holds "
+                           f"{sorted(saved['state'])}: restore the names you saved")
+        for name, obj in objects.items():
+            obj.load_state_dict(saved["state"][name])
+        return int(saved["completed"])
