@@ -219,3 +219,55 @@ def test_a_tp_size_that_cannot_hold_the_checkpoint_names_the_valid_sizes(tmp_pat
     errors = run_distributed(restore_at_tp, world_size=4, args=(str(tmp_path),))
     assert all("out_features = 6 is not divisible by tp = 4: choose tp in [1, 2, 3, 6]" in e
                for e in errors), errors
+
+
+def async_round_trip(directory: str) -> float:
+    """Async saves while training goes on; the restored model is the one of the last save."""
+    model, optimizer, _, _ = _build("shard", td.size())
+    checkpointer = td.Checkpointer(directory, every=2, keep=1, async_save=True)
+    for step in range(4):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()  # steps on while the previous save is being written
+        checkpointer.save(step, model=model, optimizer=optimizer)
+    checkpointer.wait()
+    fresh, fresh_optimizer, _, _ = _build("shard", td.size())
+    assert td.Checkpointer(directory).restore(model=fresh, optimizer=fresh_optimizer) == 4
+    got, expected = td.full_state_dict(fresh), _reference(4)
+    return max((got[k] - v).abs().max().item() for k, v in expected.items())
+
+
+@pytest.mark.timeout(120)
+def test_async_saves_restore_the_state_of_their_step(tmp_path):
+    assert max(run_distributed(async_round_trip, world_size=2, args=(str(tmp_path / "ck"),))) < 1e-6
+
+
+_KILLED_DURING_ASYNC_WRITE = """
+import os, signal, sys
+import torch
+import tandem as td
+
+model = torch.nn.Linear(256, 256)
+checkpointer = td.Checkpointer(sys.argv[1], async_save=True)
+checkpointer.save(0, model=model)
+checkpointer.wait()                      # step 1 is on disk
+with torch.no_grad():
+    model.weight.add_(1.0)
+checkpointer.save(1, model=model)        # being written by the background thread ...
+os.kill(os.getpid(), signal.SIGKILL)     # ... when the job dies
+"""
+
+
+def test_a_kill_during_an_async_write_leaves_the_previous_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    result = subprocess.run([sys.executable, "-c", _KILLED_DURING_ASYNC_WRITE, str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=100)
+    assert result.returncode == -9, result.stderr
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    assert td.Checkpointer(tmp_path).restore(model=model) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step-00000001"]

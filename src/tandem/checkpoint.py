@@ -230,6 +230,9 @@ class Checkpointer:
         self.keep = keep
         self.async_save = bool(async_save)
         self._pending: sharded.PendingSave | None = None
+        # Async saves copy into the same host buffers every time (one copy of this rank's
+        # state, as torch's async checkpointing keeps): reused memory copies fast.
+        self._staging: dict | None = {} if self.async_save else None
         # Every rank may create it: rank 0 writes, and on a shared file system this is one dir.
         self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -284,7 +287,8 @@ class Checkpointer:
         self.wait()  # a second save waits for the first
         self.checkpoints()  # refuses a directory without metadata before writing beside it
         self._pending = sharded.start_save(self.path(completed), {"completed": completed},
-                                           background=self.async_save, **objects)
+                                           background=self.async_save, staging=self._staging,
+                                           **objects)
         if not self.async_save:
             self.wait()
         return True

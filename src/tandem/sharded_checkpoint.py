@@ -213,9 +213,12 @@ def _bytes(value: Any) -> io.BytesIO:
     return buffer
 
 
-def _write_items(pieces: dict[str, _Piece], blobs: dict[str, Any]) -> tuple[list[WriteItem], dict]:
+def _write_items(pieces: dict[str, _Piece], blobs: dict[str, Any], staging: dict | None
+                 ) -> tuple[list[WriteItem], dict]:
     """DCP write items and the data behind each, copied to host memory now (so that training
-    can go on changing the tensors while a background thread writes)."""
+    can go on changing the tensors while a background thread writes). `staging`: host buffers
+    kept from the previous save, reused (a fresh allocation's first touch costs more than the
+    copy itself)."""
     items, data = [], {}
     for piece in pieces.values():
         for chunk, local in piece.chunks:
@@ -224,7 +227,12 @@ def _write_items(pieces: dict[str, _Piece], blobs: dict[str, Any]) -> tuple[list
             items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
                 chunk=ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)),
                 properties=TensorProperties(dtype=view.dtype), size=torch.Size(piece.shape))))
-            data[index] = view.to("cpu", copy=True)
+            buffer = None if staging is None else staging.get(index)
+            if buffer is None or buffer.shape != view.shape or buffer.dtype != view.dtype:
+                buffer = torch.empty(view.shape, dtype=view.dtype, device="cpu")
+                if staging is not None:
+                    staging[index] = buffer
+            data[index] = buffer.copy_(view)
     for key, value in blobs.items():
         buffer = _bytes(value)
         index = MetadataIndex(key)
@@ -313,11 +321,12 @@ class PendingSave:
 
 
 def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
-               background: bool = False, **objects: Any) -> PendingSave:
+               background: bool = False, staging: dict | None = None, **objects: Any) -> PendingSave:
     """Plan a save of `objects` at `path` and start writing (collective); `finish()` the result.
 
-    The tensors are copied to host memory before this returns; with `background` the files
-    are written by a thread, and only `finish()` communicates again.
+    The tensors are copied to host memory before this returns (into `staging`'s buffers when
+    given: pass the same dict to every save, after the previous one finished); with
+    `background` the files are written by a thread, and only `finish()` communicates again.
     """
     if not objects:
         raise ValueError("nothing to save: pass the objects, e.g. save_sharded(path, model=model)")
@@ -329,7 +338,7 @@ def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
         pieces, blobs, record = _gather(objects)
         record.update(extra or {})
         blobs[RECORD] = record
-        items, data = _write_items(pieces, blobs)
+        items, data = _write_items(pieces, blobs, staging)
     except (TypeError, ValueError, NotImplementedError) as error:
         problem = f"{type(error).__name__}: {error}"
     _settle(problem, f"cannot save checkpoint {str(path)!r}")
