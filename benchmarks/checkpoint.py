@@ -89,7 +89,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['state_mb']:>6} MB {row['sync_s'] * 1e3:>8.0f} ms {row['async_s'] * 1e3:>8.0f} ms "
               f"{row['async_over_sync']:>11.2f}")
-    print(f"JSON: {write_json({'ranks': args.ranks, 'saves': args.saves, 'rows': rows}, 'results/checkpoint.json')}")
+    out = write_json({"ranks": args.ranks, "saves": args.saves, "rows": rows}, "results/checkpoint.json")
+    print(f"JSON: {out}")
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
 

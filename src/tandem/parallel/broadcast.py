@@ -25,6 +25,7 @@ from tandem.comm.agreement import LayoutMismatchError as LayoutMismatchError  # 
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.comm.tensors import coalesced, each_once, module_tensors
+from tandem.parallel import splits
 
 
 def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -60,17 +61,34 @@ def _broadcaster(root: int, group: Group | None) -> Callable[[torch.Tensor], Non
 
 def broadcast_parameters(
     model_or_state_dict: nn.Module | Mapping[str, Any],
-    root: int = 0,
+    root: int | None = None,
     group: Group | None = None,
 ) -> None:
     """Copy `root`'s parameters and buffers into every rank's, in place.
 
     Takes a module (parameters and buffers) or a state dict (its tensor values; other values
     are left alone). Every rank must pass the same tensors, in the same order: a mismatch is an
-    error that names the first differing tensor and rank.
+    error that names the first differing tensor and rank. `root` defaults to the group's first
+    rank (rank 0 for the world).
+
+    A split model is asked how it is split: `td.fully_shard` shards are left alone (each rank
+    holds its own part, made from one rank's values when the model was sharded), and copying
+    one rank's tensor-parallel slices (or `td.Branches`) onto ranks that hold other slices is
+    refused: pass the group of ranks that hold the same slices, `group=mesh.dp_group`.
     """
     named = _named_tensors(model_or_state_dict)
+    if root is None:
+        root = group_ranks(group)[0]
     _check_root(root, group)
+    named = [(name, t) for name, t in named if splits.kind_of(t) != splits.FULLY_SHARD]
+    mixed = [name for name, t in named if splits.mixes_slices(t, group)]
+    if mixed:
+        raise ValueError(
+            f"broadcast_parameters over ranks {list(group_ranks(group))} would copy rank {root}'s "
+            f"tensor-parallel slice of {mixed[0]!r} onto ranks that hold other slices, "
+            f"corrupting the model: broadcast within the ranks that hold the same slices, "
+            f"td.broadcast_parameters(model, group=mesh.dp_group) (parallelize already made "
+            f"every slice from the one-process layer)")
     if group_size(group) == 1:
         return
     agree_layout("broadcast_parameters", describe_tensors(named), group)

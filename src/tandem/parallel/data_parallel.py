@@ -33,6 +33,7 @@ from tandem import runtime
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.comm.tensors import coalesced
 from tandem.diagnostics import steps, timeline
+from tandem.parallel import splits
 from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
 from tandem.parallel.compression import make_comm_hook
@@ -134,7 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-        if any(hasattr(p, "_tandem_group") for g in optimizer.param_groups for p in g["params"]):
+        if any(splits.kind_of(p) == splits.FULLY_SHARD for g in optimizer.param_groups for p in g["params"]):
             raise TypeError("these parameters are td.fully_shard shards, whose gradients are reduced "
                             "in backward already: give them to the plain torch optimizer, unwrapped")
         if not isinstance(accumulate, int) or accumulate < 1:

@@ -52,6 +52,7 @@ from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
+from tandem.parallel import splits
 from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 from tandem.parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
 from tandem.parallel.join_rounds import JoinRounds
@@ -91,6 +92,14 @@ class Reducer(JoinRounds):
     ) -> None:
         if not named_params:
             raise ValueError(f"{owner}: no parameter requires a gradient; nothing to reduce")
+        mixed = [name for name, p in named_params if splits.mixes_slices(p, group)]
+        if mixed:
+            raise ValueError(
+                f"{owner} over ranks {list(group_ranks(group))} would average different "
+                f"tensor-parallel slices (or branches) of {mixed[0]!r}"
+                f"{f' and {len(mixed) - 1} more' if len(mixed) > 1 else ''}, training another "
+                f"model: reduce over the ranks that hold the same slices, "
+                f"group=mesh.dp_group (mesh = td.mesh(dp=..., tp=...))")
         state = runtime.state()
         self._backend = state.backend
         self._timeout = state.timeout

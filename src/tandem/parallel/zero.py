@@ -50,6 +50,7 @@ from tandem.comm import collectives
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
+from tandem.parallel import splits
 
 
 def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
@@ -75,7 +76,7 @@ class ZeroOptimizer:
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if any(hasattr(p, "_tandem_group") for g in optimizer.param_groups for p in g["params"]):
+        if any(splits.kind_of(p) == splits.FULLY_SHARD for g in optimizer.param_groups for p in g["params"]):
             raise TypeError("these parameters are td.fully_shard shards (optimizer state already 1/N "
                             "per rank): give them to the plain torch optimizer, unwrapped")
         if group is not None and group.rank < 0:

@@ -36,6 +36,7 @@ from torch import nn
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group
+from tandem.parallel import splits
 from tandem.parallel.fully_shard.unit import ATTR, SHARD, Unit
 from tandem.parallel.tensor import plan as tensor_plan
 
@@ -97,9 +98,9 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
-    sharded = [p for p in params if hasattr(p, "_tandem_group")]
-    whole = [p for p in params if not hasattr(p, "_tandem_group")]
-    groups = {id(p._tandem_group): p._tandem_group for p in sharded}
+    sharded = [p for p in params if splits.kind_of(p) == splits.FULLY_SHARD]
+    whole = [p for p in params if splits.kind_of(p) != splits.FULLY_SHARD]
+    groups = {id(s.group): s.group for s in map(splits.split_of, sharded)}
     if len(groups) > 1:
         raise ValueError("clip_grad_norm_: the shards come from different groups; clip each apart")
     device = params[0].grad.device if params else torch.device("cpu")

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from tandem import runtime
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
+from tandem.parallel import splits
 
 ATTR = "_tandem_unit"
 SHARD = "_tandem_shard"
@@ -121,8 +122,9 @@ class Unit:
             lo = self.rank * self.shard_numel
             self.shard = nn.Parameter(flat[lo : lo + self.shard_numel].clone())
         del flat
-        self.shard._tandem_group = group  # clip_grad_norm_ reduces these over the group
-        for owner, attr in self._slots:
+        splits.mark(self.shard, splits.FULLY_SHARD, group)  # clip_grad_norm_ reduces over it
+        for (owner, attr), (_, _, _, old) in zip(self._slots, owned, strict=True):
+            splits.mark(old, splits.REPLACED)  # an optimizer built before fully_shard holds these
             del owner._parameters[attr]
         self._placeholders()
         module.register_parameter(SHARD, self.shard)

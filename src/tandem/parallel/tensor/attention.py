@@ -15,7 +15,7 @@ from torch import nn
 
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_size
-from tandem.parallel.tensor.layers import _gather_rows, shard_range
+from tandem.parallel.tensor.layers import _gather_rows, mark_sliced, shard_range
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
 
@@ -46,6 +46,7 @@ class ParallelSelfAttention(nn.Module):
         layer.out_weight = nn.Parameter(mha.out_proj.weight.detach()[:, rows].clone())
         out_bias = mha.out_proj.bias
         layer.out_bias = None if out_bias is None else nn.Parameter(out_bias.detach().clone())
+        mark_sliced(group, layer.in_proj_weight, layer.in_proj_bias, layer.out_weight)
         return layer
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,

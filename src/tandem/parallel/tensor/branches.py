@@ -21,6 +21,7 @@ from torch import nn
 from tandem.comm import collectives
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.tensor.layers import mark_sliced
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
 
@@ -39,6 +40,7 @@ class Branches(nn.Module):
         rank = group_rank(group)
         first, last = rank * len(branches) // n, (rank + 1) * len(branches) // n
         self.mine = nn.ModuleList(branches[first:last])  # only this rank's branches are kept
+        mark_sliced(group, *self.mine.parameters())  # the ranks of `group` hold different ones
         self.first_branch, self.count = first, len(branches)
         self.group, self.join, self.dim = group, join, dim
 

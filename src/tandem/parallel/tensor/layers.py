@@ -23,6 +23,7 @@ from torch import nn
 from tandem.comm import collectives
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
+from tandem.parallel import splits
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
@@ -38,6 +39,13 @@ def shard_range(size: int, group: Group | None, what: str) -> tuple[int, int]:
         )
     part = size // tp
     return group_rank(group) * part, (group_rank(group) + 1) * part
+
+
+def mark_sliced(group: Group | None, *params: torch.Tensor | None) -> None:
+    """Register the tensors as tensor-parallel slices over `group` (see `parallel/splits.py`)."""
+    for param in params:
+        if param is not None:
+            splits.mark(param, splits.TENSOR_PARALLEL, group)
 
 
 def _slice(tensor: torch.Tensor | None, dim: int, bounds: tuple[int, int]) -> nn.Parameter | None:
@@ -71,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         bounds = shard_range(full.out_features, group, "out_features")
         self.weight = _slice(full.weight, 0, bounds)
         self.bias = _slice(full.bias, 0, bounds)
+        mark_sliced(group, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to(x, self.group), self.weight, self.bias)
@@ -107,6 +116,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = full.in_features, full.out_features
         self.input_is_parallel, self.group = input_is_parallel, group
         self.weight = _slice(full.weight, 1, shard_range(full.in_features, group, "in_features"))
+        mark_sliced(group, self.weight)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,6 +160,7 @@ class VocabParallelEmbedding(nn.Module):
             full.num_embeddings, full.embedding_dim, group)
         self.start, self.end = shard_range(full.num_embeddings, group, "num_embeddings")
         self.weight = _slice(full.weight, 0, (self.start, self.end))
+        mark_sliced(group, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)

@@ -1,0 +1,89 @@
+"""Which tensors are split across ranks, how, and over which group: the registry every model-wide
+call asks (instead of markers set on the tensors).
+
+    splits.mark(shard, "fully_shard", group)      # fully_shard: a flat shard of a unit
+    splits.mark(weight, "tensor parallel", group) # a tensor-parallel slice
+    splits.mark(old, "replaced")                  # a parameter fully_shard took out of the model
+
+`td.clip_grad_norm_` reduces norms over the groups of split gradients, `broadcast_parameters`
+leaves shards alone and refuses to copy one rank's tensor-parallel slices onto the others,
+`DistributedOptimizer` refuses to average different slices, and an optimizer still holding
+parameters that fully_shard replaced is refused at its first step. Weak references: a tensor
+that goes away leaves the registry with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tandem.comm.groups import Group, group_ranks
+
+FULLY_SHARD = "fully_shard"
+TENSOR_PARALLEL = "tensor parallel"
+REPLACED = "replaced"
+
+
+class Split(NamedTuple):
+    kind: str
+    group: Group | None
+
+
+_REGISTRY = WeakIdKeyDictionary()
+
+
+def mark(tensor: torch.Tensor, kind: str, group: Group | None = None) -> None:
+    _REGISTRY[tensor] = Split(kind, group)
+    if kind == REPLACED:
+        _watch_optimizers()
+
+
+_checked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose parameters were checked
+_watching = False
+
+
+def _watch_optimizers() -> None:
+    """From the first fully_shard on: an optimizer's first step checks (once) that it holds no
+    parameter fully_shard took out of the model; it would step tensors the model no longer
+    uses, and the loss would print as usual while nothing trains."""
+    global _watching
+    if not _watching:
+        register_optimizer_step_pre_hook(_refuse_replaced)
+        _watching = True
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer in _checked:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stale = [i for i, p in enumerate(params) if kind_of(p) == REPLACED]
+    if stale:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds {len(stale)} of {len(params)} parameters that "
+            f"td.fully_shard replaced by its shards (parameter #{stale[0]} first): stepping them "
+            f"would train nothing. Build the optimizer after fully_shard: "
+            f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")
+    _checked.add(optimizer)
+
+
+def split_of(tensor: torch.Tensor) -> Split | None:
+    """How `tensor` is split (None: every rank that holds it holds all of it)."""
+    return _REGISTRY.get(tensor)
+
+
+def mixes_slices(tensor: torch.Tensor, group: Group | None) -> bool:
+    """Whether `group` holds several different tensor-parallel slices of `tensor` (averaging or
+    broadcasting over it would mix them)."""
+    split = split_of(tensor)
+    if split is None or split.kind != TENSOR_PARALLEL:
+        return False
+    return len(set(group_ranks(group)) & set(group_ranks(split.group))) > 1
+
+
+def kind_of(tensor: torch.Tensor) -> str | None:
+    split = split_of(tensor)
+    return None if split is None else split.kind

@@ -1,0 +1,84 @@
+"""Every tandem call that touches a split model asks how it is split: never a silent wrong model.
+
+The bugs these guard against (2 ranks, SGD): `broadcast_parameters` after `fully_shard`
+overwrote every rank's shard with rank 0's; after `parallelize` it copied rank 0's slices
+everywhere; a world-wide `DistributedOptimizer` on a tensor-parallel or `Branches` model
+averaged different slices; an optimizer built before `fully_shard` stepped the replaced
+parameters and trained nothing while the loss printed as usual.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import tandem as td
+from tandem.testing import run_distributed
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train(model, optimizer, steps: int, rows: slice) -> None:
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+
+
+def broadcast_after_fully_shard() -> float:
+    model = _net()
+    td.fully_shard(model[0])
+    td.fully_shard(model)
+    td.broadcast_parameters(model)  # step 3 of the five-line change: must leave the shards alone
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, optimizer, 3, slice(4 * td.rank(), 4 * td.rank() + 4))
+    reference = _net()
+    _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), 3, slice(0, 8))
+    got = td.full_state_dict(model)
+    return max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_broadcast_parameters_after_fully_shard_keeps_every_shard(backend):
+    assert max(run_distributed(broadcast_after_fully_shard, world_size=2, backend=backend)) < 1e-6
+
+
+def refusals() -> dict[str, str]:
+    errors = {}
+
+    def attempt(name, call):
+        try:
+            call()
+            errors[name] = "accepted"
+        except ValueError as error:
+            errors[name] = str(error)
+
+    model = td.parallelize(_net(), {"0": "colwise", "2": "rowwise"}, group=td.mesh(dp=1, tp=2).tp_group)
+    attempt("broadcast", lambda: td.broadcast_parameters(model))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    attempt("optimizer", lambda: td.DistributedOptimizer(sgd, named_parameters=model.named_parameters()))
+    branches = td.Branches([nn.Linear(4, 3), nn.Linear(4, 3)], join="cat")
+    attempt("branches", lambda: td.DistributedOptimizer(
+        torch.optim.SGD(branches.parameters(), lr=0.1), named_parameters=branches.named_parameters()))
+    plain = _net()
+    early = torch.optim.SGD(plain.parameters(), lr=0.1)  # built before fully_shard
+    td.fully_shard(plain)
+    plain(torch.ones(2, 4)).sum().backward()
+    attempt("stale optimizer", early.step)
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_calls_that_would_mix_slices_or_step_replaced_parameters_are_refused(backend):
+    for errors in run_distributed(refusals, world_size=2, backend=backend):
+        assert "would copy rank 0's tensor-parallel slice of '0.weight'" in errors["broadcast"], errors
+        assert "group=mesh.dp_group" in errors["broadcast"], errors
+        assert "would average different tensor-parallel slices (or branches)" in errors["optimizer"]
+        assert "group=mesh.dp_group" in errors["optimizer"], errors
+        assert "slices (or branches) of 'mine.0.weight'" in errors["branches"], errors
+        assert "SGD holds 4 of 4 parameters that td.fully_shard replaced" in errors["stale optimizer"]
+        assert "Build the optimizer after fully_shard" in errors["stale optimizer"], errors
