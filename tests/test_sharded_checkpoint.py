@@ -136,7 +136,7 @@ _CRASHING_SAVE = textwrap.dedent("""
     import os, signal, sys
     import torch
     import tandem as td
-    import tandem.sharded_checkpoint as sharded
+    import tandem.dcp_files as sharded
 
     td.init()
     torch.manual_seed(0)

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from tandem import dcp_files as files
 from tandem import runtime
 from tandem import sharded_checkpoint as sharded
 from tandem.comm import collectives
@@ -229,7 +230,7 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self.async_save = bool(async_save)
-        self._pending: sharded.PendingSave | None = None
+        self._pending: files.PendingSave | None = None
         # Async saves copy into the same host buffers every time (one copy of this rank's
         # state, as torch's async checkpointing keeps): reused memory copies fast.
         self._staging: dict | None = {} if self.async_save else None
@@ -247,9 +248,9 @@ class Checkpointer:
             match = _NAME.match(entry.name)
             if not match:
                 continue
-            if entry.is_dir() and not (entry / sharded.METADATA).is_file():
+            if entry.is_dir() and not (entry / files.METADATA).is_file():
                 raise CheckpointError(
-                    f"checkpoint directory {str(entry)!r} has no {sharded.METADATA} (its save did "
+                    f"checkpoint directory {str(entry)!r} has no {files.METADATA} (its save did "
                     f"not complete, or files were removed): move it away or restore its files; "
                     f"tandem neither skips nor overwrites it")
             found.append((int(match.group(1)), entry))
@@ -300,7 +301,7 @@ class Checkpointer:
             return
         pending.finish()
         if not _distributed() or runtime.rank() == 0:
-            sharded.remove_leftovers(pending.path)
+            files.remove_leftovers(pending.path)
             for _, old in self._on_disk()[self.keep:]:
                 if old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)

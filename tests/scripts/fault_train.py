@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import tandem as td
-import tandem.sharded_checkpoint as sharded_checkpoint
+import tandem.dcp_files as dcp_files
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode")
@@ -117,7 +117,7 @@ for step in range(start, args.steps):
                 print(f"failing at {time.time()}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            sharded_checkpoint._before_publish = die
+            dcp_files._before_publish = die
         ckpt.save(step, model=model, optimizer=opt)
     if args.step_seconds:
         time.sleep(args.step_seconds)

@@ -96,10 +96,8 @@ class Reducer(JoinRounds):
         if mixed:
             raise ValueError(
                 f"{owner} over ranks {list(group_ranks(group))} would average different "
-                f"tensor-parallel slices (or branches) of {mixed[0]!r}"
-                f"{f' and {len(mixed) - 1} more' if len(mixed) > 1 else ''}, training another "
-                f"model: reduce over the ranks that hold the same slices, "
-                f"group=mesh.dp_group (mesh = td.mesh(dp=..., tp=...))")
+                f"tensor-parallel slices (or branches) of {mixed[0]!r}, training another model: "
+                f"reduce over the ranks that hold the same slices, group=mesh.dp_group")
         state = runtime.state()
         self._backend = state.backend
         self._timeout = state.timeout
