@@ -174,6 +174,14 @@ def check_names_agree(tmp):
     out["after"] = logger.log(3, loss=float(rank))
     logger.close()
 
+    # progress(disable=...): the user's switch on top of rank 0's.
+    bars = {}
+    for disable in (True, False, None):
+        for kind, stream in (("pipe", io.StringIO()), ("tty", _Terminal())):
+            list(td.progress(range(3), file=stream, desc="bar", disable=disable, mininterval=0,
+                             delay=0, dynamic_ncols=False))
+            bars[f"{disable}-{kind}"] = "bar: 100%" in stream.getvalue()
+    out["bars"] = bars
     return out
 
 
@@ -182,7 +190,7 @@ def test_metric_names_agree_and_empty_ranks_count_for_nothing(tmp_path, backend)
     if backend == "mpi":
         pytest.importorskip("mpi4py")
     results = run_distributed(check_names_agree, world_size=2, backend=backend, args=(str(tmp_path),))
-    for out in results:
+    for rank, out in enumerate(results):
         assert out["logged"] == {"loss": 1.5} and out["after"] == {"loss": 0.5}, out
         assert out["empty_none"] == out["empty_zero"] == {"accuracy": 0.75, "loss": 3.0}, out
         assert out["uneven"] == {"loss": 0.8}, out
@@ -190,6 +198,9 @@ def test_metric_names_agree_and_empty_ranks_count_for_nothing(tmp_path, backend)
         # The agreement takes the place of the all-reduce's own check: 2 messages, as before.
         assert out["logged_ops"] == out["uneven_ops"] == 2, out
         assert out["empty_zero_ops"] == 2 and out["empty_none_ops"] == 4, out  # + who has names
+        expected = {"True-pipe": False, "True-tty": False, "False-pipe": rank == 0,
+                    "False-tty": rank == 0, "None-pipe": False, "None-tty": rank == 0}
+        assert out["bars"] == expected, (rank, out["bars"])
     assert results[0]["swapped"] == results[1]["swapped"]  # one message, on every rank
     with open(tmp_path / "agree" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -56,18 +56,28 @@ class _Lines:
         self._stream.flush()
 
 
-def progress(iterable: Iterable[T], group: Group | None = None, **tqdm_kwargs: Any) -> Iterator[T]:
-    """`iterable` with a tqdm bar on the first rank (of `group`) and none on the others."""
+def progress(iterable: Iterable[T], group: Group | None = None, *, disable: bool | None = False,
+             **tqdm_kwargs: Any) -> Iterator[T]:
+    """`iterable` with a tqdm bar on the first rank (of `group`) and none on the others.
+
+    `disable` is tqdm's, on top of that: True draws no bar on any rank; None (tqdm's "only on
+    a terminal") draws rank 0's bar only when the output reaches a terminal, through
+    `tandem run` or directly. Other keyword arguments go to `tqdm`.
+    """
     first = not runtime.is_initialized() or group_rank(group) == 0
     stream = tqdm_kwargs.pop("file", None) or sys.stderr
     # Under `tandem run` our stderr is the launcher's pipe; it says when that ends on a terminal.
     relayed = stream in (sys.stderr, sys.stdout) and settings.current().terminal
-    if not (relayed or getattr(stream, "isatty", lambda: False)()):
+    terminal = relayed or getattr(stream, "isatty", lambda: False)()
+    if disable is None:  # decided here: tqdm would look at the launcher's pipe, or at _Lines
+        disable = not terminal
+    if not terminal:
         stream = _Lines(stream)
         tqdm_kwargs.setdefault("mininterval", _PIPE_INTERVAL_S)
         tqdm_kwargs.setdefault("delay", _PIPE_INTERVAL_S)
         tqdm_kwargs.setdefault("ascii", True)
-    return iter(tqdm(iterable, file=stream, disable=not first, dynamic_ncols=True, **tqdm_kwargs))
+    tqdm_kwargs.setdefault("dynamic_ncols", True)
+    return iter(tqdm(iterable, file=stream, disable=bool(disable) or not first, **tqdm_kwargs))
 
 
 class Average:
