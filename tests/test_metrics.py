@@ -7,6 +7,7 @@ file back with TensorBoard's own reader and the CSV file with `csv`.
 
 import csv
 import io
+import math
 import os
 import pty
 import select
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 import tandem as td
+from tandem import runtime
 from tandem.testing import run_distributed
 
 
@@ -103,6 +105,139 @@ def test_metric_logger_and_progress(tmp_path):
     assert pipe1 == "" and tty1 == ""  # no bar on rank 1
     assert "\r" not in pipe0 and "pipe: 100%" in pipe0 and pipe0.endswith("\n"), repr(pipe0)
     assert "\r" in tty0 and "tty: 100%" in tty0, repr(tty0)
+
+
+def _issued() -> int:
+    """Operations this rank has issued so far (the watchdog counts every one)."""
+    return sum(runtime.get_backend().watchdog._issued.values())
+
+
+def _measured(call):
+    before = _issued()
+    result = call()
+    return result, _issued() - before
+
+
+def check_names_agree(tmp):
+    rank, out = td.rank(), {}
+    logger = td.MetricLogger(os.path.join(tmp, "agree"), tensorboard=False)
+    # The user's trial: same number of names, different names. A plain sum wrote loss = 50.5.
+    theirs = {"loss": 1.0} if rank == 0 else {"acc": 100.0}
+    out["swapped"] = _raises(td.MetricMismatchError, lambda: logger.log(0, **theirs),
+                             "MetricLogger.log: the ranks passed different metric names",
+                             "rank 0: MetricLogger.log(loss)", "rank 1: MetricLogger.log(acc)",
+                             "'acc' (only on rank 1), 'loss' (only on rank 0)", "same names")
+    # Different numbers of names: named the same way, not "pass the same shape".
+    more = {"loss": 1.0, "acc": 0.5} if rank == 0 else {"loss": 1.0}
+    out["count"] = _raises(td.MetricMismatchError, lambda: logger.log(0, **more),
+                           "rank 0: MetricLogger.log(acc, loss)", "rank 1: MetricLogger.log(loss)",
+                           "'acc' (only on rank 0)")
+    out["logger_silent"] = _raises(td.MetricMismatchError,
+                                   lambda: logger.log(0, **({"loss": 1.0} if rank else {})),
+                                   "rank 0: MetricLogger.log with no names")
+    # Nothing was written or lost: the logger goes on, in two messages as before.
+    out["logged"], out["logged_ops"] = _measured(lambda: logger.log(1, loss=1.0 + rank))
+    logger.close()
+
+    # Average: a rank without samples (no update at all, or update(0, ...)) counts for nothing.
+    for how in ("none", "zero"):
+        average = td.Average()
+        if rank == 1:
+            average.update(4, loss=2.0, accuracy=torch.tensor(0.5))
+            average.update(4, loss=4.0, accuracy=1.0)
+        elif how == "zero":
+            average.update(0, loss=123.0, accuracy=7.0)
+        out[f"empty_{how}"], out[f"empty_{how}_ops"] = _measured(average.compute)
+    out["no_names"] = td.Average().compute()
+    nobody = td.Average()
+    nobody.update(0, loss=1.0)
+    out["no_samples"] = nobody.compute()
+    uneven = td.Average()
+    uneven.update(1 + 3 * rank, loss=float(rank))  # 1 sample of 0.0, 4 samples of 1.0
+    out["uneven"], out["uneven_ops"] = _measured(uneven.compute)
+
+    differ = td.Average()
+    differ.update(2, **({"loss": 1.0} if rank == 0 else {"acc": 1.0}))
+    out["average"] = _raises(td.MetricMismatchError, differ.compute,
+                             "Average.compute: the ranks passed different metric names",
+                             "rank 0: Average.compute(loss)", "rank 1: Average.compute(acc)",
+                             "'acc' (only on rank 1), 'loss' (only on rank 0)", "update(0, ...)")
+    # Different calls meet, and say so; another operation altogether is a DivergedError.
+    logger = td.MetricLogger(os.path.join(tmp, "agree"), tensorboard=False)
+    same = td.Average()
+    same.update(1, loss=1.0)
+    out["calls"] = _raises(td.MetricMismatchError, lambda: logger.log(2, loss=1.0) if rank == 0
+                           else same.compute(), "ranks are in different metric reductions",
+                           "rank 0: MetricLogger.log(loss)", "rank 1: Average.compute(loss)")
+    out["diverged"] = _raises(td.DivergedError, lambda: logger.log(2, loss=1.0) if rank == 0
+                              else td.allreduce(torch.ones(3)), "MetricLogger.log", "rank 1")
+    out["after"] = logger.log(3, loss=float(rank))
+    logger.close()
+
+    # progress(disable=...): the user's switch on top of rank 0's.
+    bars = {}
+    for disable in (True, False, None):
+        for kind, stream in (("pipe", io.StringIO()), ("tty", _Terminal())):
+            list(td.progress(range(3), file=stream, desc="bar", disable=disable, mininterval=0,
+                             delay=0, dynamic_ncols=False))
+            bars[f"{disable}-{kind}"] = "bar: 100%" in stream.getvalue()
+    out["bars"] = bars
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_metric_names_agree_and_empty_ranks_count_for_nothing(tmp_path, backend):
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    results = run_distributed(check_names_agree, world_size=2, backend=backend, args=(str(tmp_path),))
+    for rank, out in enumerate(results):
+        assert out["logged"] == {"loss": 1.5} and out["after"] == {"loss": 0.5}, out
+        assert out["empty_none"] == out["empty_zero"] == {"accuracy": 0.75, "loss": 3.0}, out
+        assert out["uneven"] == {"loss": 0.8}, out
+        assert out["no_names"] == {} and math.isnan(out["no_samples"]["loss"]), out
+        # The agreement takes the place of the all-reduce's own check: 2 messages, as before.
+        assert out["logged_ops"] == out["uneven_ops"] == 2, out
+        assert out["empty_zero_ops"] == 2 and out["empty_none_ops"] == 4, out  # + who has names
+        expected = {"True-pipe": False, "True-tty": False, "False-pipe": rank == 0,
+                    "False-tty": rank == 0, "None-pipe": False, "None-tty": rank == 0}
+        assert out["bars"] == expected, (rank, out["bars"])
+    assert results[0]["swapped"] == results[1]["swapped"]  # one message, on every rank
+    with open(tmp_path / "agree" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], float(r["loss"])) for r in rows] == [("1", 1.5), ("3", 0.5)], rows  # no 50.5
+
+
+def check_three_ranks(tmp):
+    """Rank 0 without samples; ranks 1 and 2 agree, then disagree; the logger names ranks."""
+    rank, out = td.rank(), {}
+    names = [{}, {"loss": 1.0}, {"loss": 3.0}]
+    average = td.Average()
+    if names[rank]:
+        average.update(2, **names[rank])
+    out["agree"] = average.compute()
+    names = [{}, {"loss": 1.0}, {"acc": 3.0}]
+    average = td.Average()
+    if names[rank]:
+        average.update(2, **names[rank])
+    out["differ"] = _raises(td.MetricMismatchError, average.compute,
+                            "rank 0: Average.compute with no names (no samples",
+                            "rank 1: Average.compute(loss)", "rank 2: Average.compute(acc)",
+                            "'acc' (only on rank 2), 'loss' (only on rank 1)")
+    logger = td.MetricLogger(os.path.join(tmp, "three"), tensorboard=False)
+    out["logger"] = _raises(td.MetricMismatchError,
+                            lambda: logger.log(0, **({"acc": 1.0} if rank == 1 else {"loss": 1.0})),
+                            "'acc' (only on rank 1), 'loss' (only on ranks 0, 2)")
+    logger.close()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_metric_names_on_three_ranks_one_without_samples(tmp_path, backend):
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    results = run_distributed(check_three_ranks, world_size=3, backend=backend, args=(str(tmp_path),))
+    assert all(out["agree"] == {"loss": 2.0} for out in results), results
+    assert len({out["differ"] for out in results}) == 1, results  # the same error on every rank
 
 
 def test_metric_logger_without_tensorboard_writes_csv(tmp_path):

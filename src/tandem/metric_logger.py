@@ -7,11 +7,13 @@
             logger.log(step, loss=loss.item(), timing=True)   # collective: every rank logs
     logger.close()
 
-Each `log()` is one all-reduce (through `Average`), so rank 0 writes the mean over the ranks;
-the other ranks write nothing. With `timing=True` it also logs the steps since the previous
-`log()` as `tandem scale` measures them (`diagnostics.steps`): ``samples_per_s`` (the whole
-job's), and the mean step's ``time/compute_s``, ``time/comm_s`` (exposed communication) and
-``time/data_s``, in the same reduction. A CSV file (``metrics.csv``: step, wall_time, one
+Each `log()` is one reduction (`means`: the ranks agree on the names, then sum), so rank 0
+writes the mean over the ranks; the other ranks write nothing. Ranks that pass different names
+(rank 0 `loss`, rank 1 `acc`) get a `MetricMismatchError` on every rank that names each rank's
+names, instead of a row that mixes them. With `timing=True` it also logs the steps since the
+previous `log()` as `tandem scale` measures them (`diagnostics.steps`): ``samples_per_s`` (the
+whole job's), and the mean step's ``time/compute_s``, ``time/comm_s`` (exposed communication)
+and ``time/data_s``, in the same reduction. A CSV file (``metrics.csv``: step, wall_time, one
 column per name) is always written; TensorBoard event files are written through
 `torch.utils.tensorboard` when the `tensorboard` package is installed
 (``pip install tandem[tensorboard]``).
@@ -36,7 +38,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_rank
 from tandem.diagnostics import steps
-from tandem.metrics import Average
+from tandem.means import reduce_means
 
 CSV_NAME = "metrics.csv"
 _FIXED = ("step", "wall_time")
@@ -113,17 +115,17 @@ class MetricLogger:
     def log(self, step: int, *, timing: bool = False, **values: Any) -> dict[str, float]:
         """Average `values` over the ranks and write them at `step`; return the averages.
 
-        Collective: every rank calls it with the same names. With `timing=True`, also logs
-        samples_per_s and the mean step's compute/comm/data seconds since the previous call.
+        Collective: every rank calls it with the same names (else `MetricMismatchError` on
+        every rank, naming them). With `timing=True`, also logs samples_per_s and the mean
+        step's compute/comm/data seconds since the previous call.
         """
         if not isinstance(step, numbers.Integral) or isinstance(step, bool):
             raise TypeError(f"MetricLogger.log: step={step!r} must be an int (the training step)")
         numbers_ = {name: _number(name, value) for name, value in values.items()}
         if timing:
             numbers_.update(self._timing())
-        average = Average(self.group)
-        average.update(1, **numbers_)
-        means = average.compute()  # the one reduction
+        # Every rank weighs 1: the mean over the ranks, in one reduction.
+        means = reduce_means("MetricLogger.log", numbers_, 1, self.group, may_be_empty=False)
         if self._writes:
             self._write(int(step), means)
         return means

@@ -11,7 +11,12 @@
         print(f"epoch {epoch}: loss {summary['loss']:.4f} accuracy {summary['accuracy']:.4f}")
 
 Averages are weighted by sample counts, so ranks with different numbers of samples (an
-uneven last batch) still give the mean over all samples.
+uneven last batch) still give the mean over all samples, and a rank that saw none (it never
+called `update()`, or called `update(0, ...)`) counts for nothing. `compute()` is two small
+messages (`means`: the ranks agree on the names, then sum): ranks that updated different
+names get a `MetricMismatchError` that names each rank's names, on every rank, instead of a
+number that mixes them. A name no sample reached (every rank's count 0) averages to NaN; with
+no names on any rank, `compute()` returns {}.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from tandem import runtime, settings
-from tandem.comm import collectives
 from tandem.comm.groups import Group, group_rank
+from tandem.means import reduce_means
 
 T = TypeVar("T")
 
@@ -51,18 +56,28 @@ class _Lines:
         self._stream.flush()
 
 
-def progress(iterable: Iterable[T], group: Group | None = None, **tqdm_kwargs: Any) -> Iterator[T]:
-    """`iterable` with a tqdm bar on the first rank (of `group`) and none on the others."""
+def progress(iterable: Iterable[T], group: Group | None = None, *, disable: bool | None = False,
+             **tqdm_kwargs: Any) -> Iterator[T]:
+    """`iterable` with a tqdm bar on the first rank (of `group`) and none on the others.
+
+    `disable` is tqdm's, on top of that: True draws no bar on any rank; None (tqdm's "only on
+    a terminal") draws rank 0's bar only when the output reaches a terminal, through
+    `tandem run` or directly. Other keyword arguments go to `tqdm`.
+    """
     first = not runtime.is_initialized() or group_rank(group) == 0
     stream = tqdm_kwargs.pop("file", None) or sys.stderr
     # Under `tandem run` our stderr is the launcher's pipe; it says when that ends on a terminal.
     relayed = stream in (sys.stderr, sys.stdout) and settings.current().terminal
-    if not (relayed or getattr(stream, "isatty", lambda: False)()):
+    terminal = relayed or getattr(stream, "isatty", lambda: False)()
+    if disable is None:  # decided here: tqdm would look at the launcher's pipe, or at _Lines
+        disable = not terminal
+    if not terminal:
         stream = _Lines(stream)
         tqdm_kwargs.setdefault("mininterval", _PIPE_INTERVAL_S)
         tqdm_kwargs.setdefault("delay", _PIPE_INTERVAL_S)
         tqdm_kwargs.setdefault("ascii", True)
-    return iter(tqdm(iterable, file=stream, disable=not first, dynamic_ncols=True, **tqdm_kwargs))
+    tqdm_kwargs.setdefault("dynamic_ncols", True)
+    return iter(tqdm(iterable, file=stream, disable=bool(disable) or not first, **tqdm_kwargs))
 
 
 class Average:
@@ -96,11 +111,10 @@ class Average:
         return self._count
 
     def compute(self) -> dict[str, float]:
-        """The means over every rank's samples (one all-reduce; every rank must call it)."""
-        names = sorted(self._sums)
-        totals = torch.tensor([self._sums[n] for n in names] + [float(self._count)],
-                              dtype=torch.float64)
-        if runtime.is_initialized() and runtime.size() > 1:
-            totals = collectives.allreduce(totals, op="sum", group=self.group)
-        count = totals[-1].item()
-        return {n: (totals[i].item() / count if count else float("nan")) for i, n in enumerate(names)}
+        """The means over every rank's samples, by name in sorted order.
+
+        Collective: every rank of the group calls it, also one that saw no samples (it counts
+        for nothing). Ranks that updated different names raise `MetricMismatchError` on every
+        rank. A name with no samples on any rank is NaN; no names anywhere give {}.
+        """
+        return reduce_means("Average.compute", self._sums, self._count, self.group, may_be_empty=True)
