@@ -82,3 +82,77 @@ def test_calls_that_would_mix_slices_or_step_replaced_parameters_are_refused(bac
         assert "slices (or branches) of 'mine.0.weight'" in errors["branches"], errors
         assert "SGD holds 4 of 4 parameters that td.fully_shard replaced" in errors["stale optimizer"]
         assert "Build the optimizer after fully_shard" in errors["stale optimizer"], errors
+
+
+def _clipped_reference(steps: int, max_norm: float) -> dict[str, torch.Tensor]:
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+    return model.state_dict()
+
+
+def clipping(layout: str, clip: str) -> float:
+    """10 steps with a small max_norm (every step clips) in `layout`, clipped by `clip`."""
+    model = _net()
+    rows = slice(0, 8)
+    if layout == "fully_shard":
+        td.fully_shard(model[0])
+        td.fully_shard(model)
+        rows = slice(4 * td.rank(), 4 * td.rank() + 4)
+    elif layout == "tp":
+        td.parallelize(model, {"0": "colwise", "2": "rowwise"}, group=td.mesh(dp=1, tp=2).tp_group)
+    elif layout == "pp":
+        model = td.Pipeline(model, chunks=2, balance=[2, 1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    clip_fn = torch.nn.utils.clip_grad_norm_ if clip == "torch" else td.clip_grad_norm_
+    for step in range(10):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+        optimizer.zero_grad()
+        if layout == "pp":
+            model.train_step(x, y, nn.functional.mse_loss)
+        else:
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if clip == "torch":
+            clip_fn(model.parameters(), 0.05)
+        else:
+            clip_fn(model, 0.05)
+        optimizer.step()
+    if layout == "pp":
+        got = {}
+        for part in td.allgather_object({k: v.clone() for k, v in model.state_dict().items()}):
+            got.update(part)
+    else:
+        got = td.full_state_dict(model)
+    return max((got[k] - v).abs().max().item() for k, v in _clipped_reference(10, 0.05).items())
+
+
+@pytest.mark.parametrize("layout,clip,backend", [
+    ("fully_shard", "torch", "gloo"), ("fully_shard", "torch", "mpi"), ("fully_shard", "td", "gloo"),
+    ("tp", "torch", "gloo"), ("tp", "td", "mpi"), ("pp", "td", "gloo"), ("pp", "td", "mpi")])
+def test_clipping_a_split_model_uses_the_global_norm(layout, clip, backend):
+    """PyTorch's FSDP2 example keeps `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`:
+    ported to td.fully_shard it must clip by the global norm, as FSDP2's DTensors do."""
+    assert max(run_distributed(clipping, world_size=2, backend=backend, args=(layout, clip))) < 1e-6
+
+
+def torch_clip_of_a_pipeline_stage() -> str:
+    pipe = td.Pipeline(_net(), chunks=2, balance=[2, 1])
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    try:
+        torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1.0)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_torch_clip_of_a_pipeline_stage_is_refused_with_the_fix():
+    for message in run_distributed(torch_clip_of_a_pipeline_stage, world_size=2):
+        assert "clip a td.Pipeline with td.clip_grad_norm_(pipe, max_norm)" in message, message

@@ -25,6 +25,7 @@ from tandem.comm.groups import Group, group_ranks
 
 FULLY_SHARD = "fully_shard"
 TENSOR_PARALLEL = "tensor parallel"
+PIPELINE = "pipeline"  # a stage's own parameters; the group is the pipeline's
 REPLACED = "replaced"
 
 

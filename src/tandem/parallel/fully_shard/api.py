@@ -29,13 +29,14 @@ sharded checkpoints that load on any world size are `td.save_sharded`/`td.load_s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.comm.groups import Group
+from tandem.comm.groups import Group, group_ranks
 from tandem.parallel import splits
 from tandem.parallel.fully_shard.unit import ATTR, SHARD, Unit
 from tandem.parallel.tensor import plan as tensor_plan
@@ -84,30 +85,27 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
         unit.requires_gradient_sync = bool(requires_sync)
 
 
-def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
+def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor | Any,
                     max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm, as `nn.utils.clip_grad_norm_` does in one process.
 
-    Works on fully sharded models (the norm is a reduction over the ranks' shards) and on any
-    other parameters (whose gradients every rank holds whole, as after DDP's backward).
-    Returns the total norm. Collective when any parameter is a shard.
+    Asks each gradient how its parameter is split (`parallel/splits.py`): a fully_shard shard,
+    a tensor-parallel slice or branch, a pipeline stage's parameter adds its partial norm over
+    the group that holds the pieces; a replicated parameter (as after DDP's backward) counts
+    once. Takes a module, a `td.Pipeline`, or parameters. Returns the total norm. Collective
+    over those groups when any parameter is split: every rank calls it.
     """
-    if isinstance(parameters, nn.Module):
+    if isinstance(parameters, nn.Module) or hasattr(parameters, "stage"):  # a module or Pipeline
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
-    sharded = [p for p in params if splits.kind_of(p) == splits.FULLY_SHARD]
-    whole = [p for p in params if splits.kind_of(p) != splits.FULLY_SHARD]
-    groups = {id(s.group): s.group for s in map(splits.split_of, sharded)}
-    if len(groups) > 1:
-        raise ValueError("clip_grad_norm_: the shards come from different groups; clip each apart")
     device = params[0].grad.device if params else torch.device("cpu")
     inf = norm_type == float("inf")
 
     def partial(tensors: list[torch.Tensor]) -> torch.Tensor:
-        values = [p.grad.detach().float() for p in tensors]
+        values = [p.grad.detach().as_subclass(torch.Tensor).float() for p in tensors]
         if not values:
             return torch.zeros(1, device=device)
         if inf:
@@ -115,14 +113,23 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
             return torch.stack(peaks).max().reshape(1)
         return sum(v.abs().pow(norm_type).sum() for v in values).reshape(1)
 
-    total = partial(sharded)
-    if sharded and runtime.is_initialized() and runtime.size() > 1:
-        total = collectives.allreduce(total, op="max" if inf else "sum", group=next(iter(groups.values())))
-    rest = partial(whole)
-    if inf:
-        total = torch.maximum(total, rest)[0]
-    else:
-        total = (total + rest)[0].pow(1.0 / norm_type)
+    by_group: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}
+    whole = []
+    for p in params:
+        split = splits.split_of(p)
+        if split is None or split.kind == splits.REPLACED:
+            whole.append(p)
+        else:  # one reduction per kind and group, in the same order on every rank
+            key = (split.kind, tuple(group_ranks(split.group)))
+            by_group.setdefault(key, (split.group, []))[1].append(p)
+    total = partial(whole)
+    distributed = runtime.is_initialized() and runtime.size() > 1
+    for _, (group, tensors) in sorted(by_group.items(), key=lambda item: item[0][0]):
+        mine = partial(tensors)
+        if distributed:
+            mine = collectives.allreduce(mine, op="max" if inf else "sum", group=group)
+        total = torch.maximum(total, mine) if inf else total + mine
+    total = total[0] if inf else total[0].pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         p.grad.detach().mul_(coefficient.to(p.grad.dtype))

@@ -35,6 +35,7 @@ from tandem import runtime
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.parallel import splits
+from tandem.parallel.split_grads import as_split_grad
 
 ATTR = "_tandem_unit"
 SHARD = "_tandem_shard"
@@ -224,8 +225,8 @@ class Unit:
         s = self.shard_numel
         shard_grad = out[:s].div_(self.size)
         shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
-        if self.shard.grad is None:
-            self.shard.grad = shard_grad
+        if self.shard.grad is None:  # torch's norms of it are the unit's global norm
+            self.shard.grad = as_split_grad(shard_grad, splits.split_of(self.shard))
         else:
             self.shard.grad.add_(shard_grad)
 

@@ -50,6 +50,7 @@ from tandem.comm.agreement import DivergedError
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks
 from tandem.diagnostics import timeline
+from tandem.parallel import split_grads, splits
 from tandem.parallel.pipeline import balance as balancing
 from tandem.parallel.pipeline import build as building
 from tandem.parallel.pipeline.edges import HEADER_TAG, Link
@@ -111,6 +112,11 @@ class Pipeline:
         building.settle(error, group, self._ranks, "could not build its stage")
         building.free(others)
         self.stage, self._prefix = stage, prefix
+        if self.num_stages > 1:  # the stage's own tensors: norms and clipping reduce over stages
+            for param in stage.parameters():
+                if splits.split_of(param) is None:
+                    splits.mark(param, splits.PIPELINE, group)
+                    split_grads.mark_grads(param)
         self.stage.to(self.device)
         self.balance = counts
         # A stage that starts with an in-place op (ReLU(inplace=True)) would write into the

@@ -23,7 +23,7 @@ from torch import nn
 from tandem.comm import collectives
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
-from tandem.parallel import splits
+from tandem.parallel import split_grads, splits
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
@@ -46,6 +46,7 @@ def mark_sliced(group: Group | None, *params: torch.Tensor | None) -> None:
     for param in params:
         if param is not None:
             splits.mark(param, splits.TENSOR_PARALLEL, group)
+            split_grads.mark_grads(param)
 
 
 def _slice(tensor: torch.Tensor | None, dim: int, bounds: tuple[int, int]) -> nn.Parameter | None:
