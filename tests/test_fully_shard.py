@@ -73,15 +73,15 @@ def _optimizer(kind: str, model: nn.Module):
 def _difference(sharded: nn.Module, reference: nn.Module) -> float:
     full = td.full_state_dict(sharded)
     assert full.keys() == reference.state_dict().keys(), sorted(full)
-    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return max((full[k].cpu() - v.cpu()).abs().max().item() for k, v in reference.state_dict().items())
 
 
-def _case(kind: str, transformer: bool, clip: bool, accumulate: int) -> float:
-    reference = _Block() if transformer else _mlp()
+def _case(kind: str, transformer: bool, clip: bool, accumulate: int, device: str = "cpu") -> float:
+    reference = (_Block() if transformer else _mlp()).to(device)
     model = _shard(reference)
     plain, sharded = _optimizer(kind, reference), _optimizer(kind, model)
     for step in range(STEPS):
-        x, y = _data(step, transformer)
+        x, y = (t.to(device) for t in _data(step, transformer))
         plain.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         if clip:
@@ -101,8 +101,8 @@ def _case(kind: str, transformer: bool, clip: bool, accumulate: int) -> float:
     full = td.full_optimizer_state_dict(model, sharded)
     for name, param in reference.named_parameters():
         for key, value in plain.state[param].items():
-            got = full["state"][name][key]
-            difference = max(difference, (torch.as_tensor(got) - value).abs().max().item())
+            got, value = torch.as_tensor(full["state"][name][key]), torch.as_tensor(value)
+            difference = max(difference, (got.cpu() - value.cpu()).abs().max().item())
     return difference
 
 
@@ -110,8 +110,9 @@ def _case(kind: str, transformer: bool, clip: bool, accumulate: int) -> float:
 CASES = [("sgd", False, False, 1), ("adam", True, False, 2), ("adam", False, True, 1), ("sgd", True, True, 2)]
 
 
-def check_equivalence(cases):
-    return {case: _case(*case) for case in cases}
+def check_equivalence(cases, device: str = "cpu"):
+    """Each case on this rank, with models and data on `device` (test_cuda_parallel.py: the GPU)."""
+    return {case: _case(*case, device=device) for case in cases}
 
 
 def check_sharding():

@@ -95,7 +95,7 @@ def compare(label, pipe, ref_model, ref_loss, loss, problems):
         if name not in ref:
             problems.append(f"{label}: unknown parameter name {name}")
             continue
-        err = (param.grad - ref[name].grad).abs().max().item()
+        err = (param.grad.cpu() - ref[name].grad).abs().max().item()  # stages may be on a GPU
         if err > TOL:
             problems.append(f"{label}: {name}.grad differs by {err:.2e}")
     if pipe.is_last and abs(float(loss) - ref_loss) > TOL:
@@ -114,7 +114,7 @@ def run_config(build, schedule, chunks, batch, problems, **kwargs):
     compare(label, pipe, ref_model, ref_loss, loss, problems)
     stats = pipe.stats
     out = pipe.forward(x if first else None)
-    if last and (out - ref_out).abs().max().item() > TOL:
+    if last and (out.cpu() - ref_out).abs().max().item() > TOL:
         problems.append(f"{label}: forward output differs")
     if not last and out is not None:
         problems.append(f"{label}: forward returned output on stage {pipe.stage_index}")

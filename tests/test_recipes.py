@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -171,7 +171,7 @@ def fp32_scaler_step(run: Run, x, y, w) -> None:
 def fp16_scaler_step(run: Run, x, y, w) -> None:
     """fp16 autocast + GradScaler + clipping; on OVERFLOW_STEP rank 0's gradients are inf."""
     run.opt.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(x.device.type, dtype=torch.float16):
         loss = (F.cross_entropy(run.model(x), y, reduction="none") * w).mean()
     run.scaler.scale(loss).backward()
     run.scaler.unscale_(run.opt)
@@ -183,7 +183,7 @@ def fp16_scaler_step(run: Run, x, y, w) -> None:
 
 def bf16_step(run: Run, x, y, w) -> None:
     run.opt.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss = F.cross_entropy(run.model(x), y)
     loss.backward()
     run.log["norm"].append(float(nn.utils.clip_grad_norm_(run.model.parameters(), MAX_NORM)))
@@ -259,7 +259,8 @@ def horovod(passes: int = 1) -> Callable:
 
 def with_scaler(**kwargs) -> Callable[[Run], None]:
     def setup(run: Run) -> None:
-        run.scaler = torch.amp.GradScaler("cpu", **kwargs)
+        device = next(run.model.parameters()).device.type
+        run.scaler = torch.amp.GradScaler(device, **kwargs)
     return setup
 
 
@@ -300,10 +301,11 @@ RECIPES = {
 }
 
 
-def train_side_by_side(recipe: Recipe) -> dict:
-    """The recipe on the reference (full batch) and on this rank's shard, step by step."""
+def train_side_by_side(recipe: Recipe, device: str = "cpu") -> dict:
+    """The recipe on the reference (full batch) and on this rank's shard, step by step, with
+    models and data on `device` (test_cuda_parallel.py runs them on the GPU)."""
     rank, k = td.rank(), td.size()
-    reference, model = mlp(), mlp()
+    reference, model = mlp().to(device), mlp().to(device)
     ref = Run(reference, recipe.optimizer(reference.parameters()))
     mine = Run(model, recipe.wrap(recipe.optimizer(model.parameters()), model))
     with warnings.catch_warnings(record=True) as caught:
@@ -311,7 +313,7 @@ def train_side_by_side(recipe: Recipe) -> dict:
         recipe.setup(ref)
         recipe.setup(mine)
         for step in range(STEPS):
-            x, y, w = data(step, k)
+            x, y, w = (t.to(device) for t in data(step, k))
             for run, args in ((ref, (x, y, w)), (mine, [shard(t, rank, k) for t in (x, y, w)])):
                 run.step = step
                 before = [p.detach().clone() for p in run.model.parameters()]
@@ -322,19 +324,12 @@ def train_side_by_side(recipe: Recipe) -> dict:
             "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 
-def check_recipes() -> dict:
-    return {name: train_side_by_side(recipe) for name, recipe in RECIPES.items()}
+def check_recipes(names: Sequence[str] | None = None, device: str = "cpu") -> dict:
+    return {name: train_side_by_side(RECIPES[name], device) for name in names or RECIPES}
 
 
-def _skip_without_mpi(backend: str) -> None:
-    if backend == "mpi":
-        pytest.importorskip("mpi4py")
-
-
-@pytest.mark.parametrize("backend, k", CONFIGS)
-def test_recipes_give_the_one_process_result(backend, k):
-    _skip_without_mpi(backend)
-    results = run_distributed(check_recipes, world_size=k, backend=backend, timeout=200, env=ENV)
+def recipe_failures(results: list[dict]) -> list[str]:
+    """What differs from one process in each rank's results of `check_recipes`."""
     failures = []
     for rank, per_recipe in enumerate(results):
         for name, result in per_recipe.items():
@@ -359,6 +354,19 @@ def test_recipes_give_the_one_process_result(backend, k):
                 if result[side]["moved"] != expected_moves:
                     failures.append(f"{where}: {side} parameters moved {result[side]['moved']}, "
                                     f"expected {expected_moves}")
+    return failures
+
+
+def _skip_without_mpi(backend: str) -> None:
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+
+
+@pytest.mark.parametrize("backend, k", CONFIGS)
+def test_recipes_give_the_one_process_result(backend, k):
+    _skip_without_mpi(backend)
+    results = run_distributed(check_recipes, world_size=k, backend=backend, timeout=200, env=ENV)
+    failures = recipe_failures(results)
     assert not failures, "\n".join(failures)
     rank0 = results[0]
     # The recipes really did what they are named for.

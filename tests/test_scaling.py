@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,19 @@ def test_plot_is_written_from_a_report(tmp_path):
     path = plots.plot_scaling(report, str(tmp_path / "scaling.png"))
     assert os.path.getsize(path) > 10_000
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_table_and_json_stay(tmp_path, monkeypatch):
+    """A machine without matplotlib (a GPU box with its own torch) still gets the analysis."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(scaling, "measure", lambda config, n: scaling.summarize(
+        n, [_rank_file(r, [1, 0.1 * n, 0.1 * n]) for r in range(n)], 1))
+    said = []
+    config = scaling.ScaleConfig(nps=(1, 2), program="t.py", backend="gloo", out=str(tmp_path))
+    report = scaling.run(config, echo=said.append)
+    assert [row["np"] for row in json.loads((tmp_path / "scaling.json").read_text())["rows"]] == [1, 2]
+    assert [row["np"] for row in report["rows"]] == [1, 2] and not (tmp_path / "scaling.png").exists()
+    assert "scaling.png not drawn" in said[-1] and "pip install matplotlib" in said[-1], said
 
 
 # --- real runs --------------------------------------------------------------------------------

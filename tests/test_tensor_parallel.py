@@ -32,8 +32,8 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False, is_causal=True,
-                          attn_mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))[0]
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        x = x + self.attn(h, h, h, need_weights=False, is_causal=True, attn_mask=mask)[0]
         return x + self.mlp(self.ln2(x))
 
 
@@ -48,9 +48,9 @@ class TinyLM(nn.Module):
         return self.head(self.block(self.embed(ids)))
 
 
-def _batch(step: int, rows: int = 4, first: int = 0):
+def _batch(step: int, rows: int = 4, first: int = 0, device: str = "cpu"):
     generator = torch.Generator().manual_seed(500 + step)
-    ids = torch.randint(0, VOCAB, (8, SEQ + 1), generator=generator)[first : first + rows]
+    ids = torch.randint(0, VOCAB, (8, SEQ + 1), generator=generator)[first : first + rows].to(device)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -70,22 +70,24 @@ def _grads_as_full(model) -> dict:
 def _differences(name, got: dict, expected: dict, tol=1e-5) -> list[str]:
     errors = [f"{name}: keys {sorted(set(got) ^ set(expected))}"] if set(got) != set(expected) else []
     for key in sorted(set(got) & set(expected)):
-        if not torch.allclose(got[key], expected[key], rtol=tol, atol=tol):
-            worst = (got[key] - expected[key]).abs().max().item()
+        a, b = got[key].cpu(), expected[key].cpu()
+        if not torch.allclose(a, b, rtol=tol, atol=tol):
+            worst = (a - b).abs().max().item()
             errors.append(f"rank {td.rank()} {name} {key}: max difference {worst:.3g}")
     return errors
 
 
-def check_transformer_matches_one_process():
+def check_transformer_matches_one_process(device: str = "cpu"):
+    """Models and data on `device` (test_cuda_parallel.py runs this on the GPU)."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM().to(device)
     reference = copy.deepcopy(model)
     td.parallelize(model, PLAN)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     errors = []
     for step in range(10):
-        ids, target = _batch(step)
+        ids, target = _batch(step, device=device)
         loss = td.vocab_parallel_cross_entropy(model(ids), target)
         ref_loss = F.cross_entropy(reference(ids).reshape(-1, VOCAB), target.reshape(-1))
         loss.backward()

@@ -112,7 +112,7 @@ def _bench_allreduce(args: argparse.Namespace) -> int:
     backends = [name.strip().lower() for name in args.backends.split(",") if name.strip()]
     try:
         results = allreduce.run(np=args.np, sizes=sizes or [args.min_size], budget_s=args.budget,
-                                backends=backends)
+                                backends=backends, device=args.device)
     except (ValueError, RuntimeError) as error:
         print(f"tandem bench allreduce: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1

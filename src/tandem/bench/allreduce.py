@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py                     # 2 ranks, 4 KB ... 256 MB
     python benchmarks/allreduce.py --max-size 16MB --budget 1 --out results/ar.json
+    python benchmarks/allreduce.py --device cuda --backends gloo,mpi,nccl   # CUDA tensors
 
 Two process sets measure the same float32 in-place sum: `np` Gloo ranks (started like
 `td.spawn`, the store hosted here) time raw `torch.distributed.all_reduce` and tandem's
@@ -9,6 +10,11 @@ Two process sets measure the same float32 in-place sum: `np` Gloo ranks (started
 `mpiexec`) time raw mpi4py `comm.Allreduce` on NumPy and tandem on the MPI backend, checks on
 and off. For each, "hot" is the engine call tandem's gradient reducer makes
 (`get_backend().allreduce(t, "sum", None).wait()`), without the user-facing layer.
+
+`--device cuda` puts the buffers on the GPU (ranks on one GPU share it) and adds NCCL: raw
+`all_reduce` against tandem, on min(np, GPUs) ranks, since NCCL takes one GPU per rank (on one
+GPU: a world of one, whose bus bandwidth is undefined, its time per call still the overhead).
+What each engine's ranks run is in `tandem.bench.allreduce_ranks`.
 
 Within one message size the variants take turns, batch after batch, so a machine whose load
 drifts hurts them alike. Each batch is `k` back-to-back calls after a barrier
@@ -26,31 +32,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where it is used: `tandem bench --help` needs none
-    import torch
-
+# torch is imported where it is used: `tandem bench --help` needs none
 from tandem.bench.results import write_json
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(9))  # 4 KB ... 256 MB
-BATCH_S = 0.01  # one timed batch of back-to-back calls lasts about this long
-MIN_BATCHES, MAX_BATCHES = 3, 25
 GLOO_VARIANTS = ("gloo_raw", "gloo_hot", "gloo_tandem", "gloo_tandem_checks")
 MPI_VARIANTS = ("mpi_raw", "mpi_hot", "mpi_tandem", "mpi_tandem_checks")
+NCCL_VARIANTS = ("nccl_raw", "nccl_hot", "nccl_tandem", "nccl_tandem_checks")
 LABELS = {
     "gloo_raw": "Gloo raw", "gloo_hot": "td-Gloo hot", "gloo_tandem": "td-Gloo",
     "gloo_tandem_checks": "td-Gloo+chk",
     "mpi_raw": "mpi4py raw", "mpi_hot": "td-MPI hot", "mpi_tandem": "td-MPI",
     "mpi_tandem_checks": "td-MPI+chk",
+    "nccl_raw": "NCCL raw", "nccl_hot": "td-NCCL hot", "nccl_tandem": "td-NCCL",
+    "nccl_tandem_checks": "td-NCCL+chk",
 }
+BACKENDS = ("gloo", "mpi", "nccl")
 
 
 def bus_bandwidth(nbytes: int, seconds: float, ranks: int) -> float:
@@ -58,138 +61,14 @@ def bus_bandwidth(nbytes: int, seconds: float, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / seconds / 1e9 if ranks > 1 else float("nan")
 
 
-def _measure(
-    variants: dict[str, tuple[Callable[[], None], Callable[[torch.Tensor], None]]],
-    barrier: Callable[[], None],
-    agree: Callable[[int], int],
-    sizes: Sequence[int],
-    budget_s: float,
-) -> dict[str, list[float]]:
-    """Seconds per call for each variant and size; the same code runs on every rank.
-
-    `variants` maps a name to (setup, call); `agree(v)` returns rank 0's `v` on every rank,
-    so all ranks run the same number of calls.
-    """
-    import torch
-
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    first = next(iter(variants))
-    for nbytes in sizes:
-        buffer = torch.zeros(nbytes // 4)  # zeros: repeated in-place sums stay finite
-        for setup, call in variants.values():
-            setup()
-            for _ in range(3):
-                call(buffer)
-        setup, call = variants[first]
-        setup()
-        barrier()
-        start = time.perf_counter()
-        call(buffer)
-        one = time.perf_counter() - start
-        calls = agree(max(1, int(BATCH_S / max(one, 1e-7))))
-        per_round = len(variants) * calls * max(one, 1e-7)
-        batches = agree(max(MIN_BATCHES, min(MAX_BATCHES, int(budget_s / per_round))))
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(batches):
-            for name, (setup, call) in variants.items():
-                setup()
-                barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call(buffer)
-                samples[name].append((time.perf_counter() - start) / calls)
-        for name in variants:
-            times[name].append(statistics.median(samples[name]))
-    return times
-
-
-def _tandem_variants(prefix: str):
-    import tandem as td
-    from tandem import runtime
-
-    def checks(flag: bool) -> Callable[[], None]:
-        def setup() -> None:
-            runtime.state().checks = flag
-
-        return setup
-
-    def call(buffer: torch.Tensor) -> None:
-        td.allreduce(buffer, op="sum", inplace=True)
-
-    backend = runtime.get_backend()
-
-    def hot(buffer: torch.Tensor) -> None:
-        # What tandem's own hot paths (the gradient reducer) do: the engine, nothing else.
-        backend.allreduce(buffer, "sum", None).wait()
-
-    return {
-        f"{prefix}_hot": (checks(False), hot),
-        f"{prefix}_tandem": (checks(False), call),
-        f"{prefix}_tandem_checks": (checks(True), call),
-    }
-
-
-def _nothing() -> None:
-    return None
-
-
-def gloo_worker(sizes: Sequence[int], budget_s: float) -> dict[str, list[float]]:
-    """One Gloo rank (run through `td.spawn`): raw torch.distributed, then tandem."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-
-    def agree(value: int) -> int:
-        box = torch.tensor([value])
-        dist.broadcast(box, 0)
-        return int(box.item())
-
-    variants = {"gloo_raw": (_nothing, lambda buffer: dist.all_reduce(buffer))}
-    variants.update(_tandem_variants("gloo"))
-    return _measure(variants, dist.barrier, agree, sizes, budget_s)
-
-
-def mpi_worker(sizes: Sequence[int], budget_s: float, result: Path) -> None:
-    """One MPI rank (run under mpiexec): raw mpi4py on NumPy, then tandem's MPI backend.
-
-    Rank 0 writes the times to `result` as JSON.
-    """
-    import torch
-
-    import tandem as td
-
-    torch.set_num_threads(1)
-    td.init(backend="mpi")
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    arrays: dict[int, object] = {}
-
-    def raw(buffer: torch.Tensor) -> None:
-        array = arrays.get(id(buffer))
-        if array is None:
-            arrays.clear()
-            array = arrays[id(buffer)] = buffer.numpy()
-        comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
-
-    variants = {"mpi_raw": (_nothing, raw)}
-    variants.update(_tandem_variants("mpi"))
-    try:
-        times = _measure(variants, comm.Barrier, lambda v: comm.bcast(v, root=0), sizes, budget_s)
-        if td.rank() == 0:
-            result.write_text(json.dumps(times))
-    finally:
-        td.shutdown()
-
-
-def _run_gloo(np: int, sizes: Sequence[int], budget_s: float) -> dict[str, list[float]]:
+def _run_torch(backend: str, np: int, sizes: Sequence[int], budget_s: float, device: str) -> dict:
+    from tandem.bench.allreduce_ranks import torch_worker
     from tandem.spawning import spawn
 
-    return spawn(gloo_worker, np, args=(list(sizes), budget_s), backend="gloo")[0]
+    return spawn(torch_worker, np, args=(backend, list(sizes), budget_s, device), backend=backend)[0]
 
 
-def _run_mpi(np: int, sizes: Sequence[int], budget_s: float, timeout: float) -> dict:
+def _run_mpi(np: int, sizes: Sequence[int], budget_s: float, timeout: float, device: str) -> dict:
     from tandem.launch.mpiexec import find_mpiexec, start_flags
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
@@ -200,7 +79,7 @@ def _run_mpi(np: int, sizes: Sequence[int], budget_s: float, timeout: float) -> 
         command = [
             mpiexec, *start_flags(mpiexec), "-n", str(np), sys.executable, "-m", "tandem.bench.allreduce",
             "--mpi-worker", str(result), "--sizes", ",".join(map(str, sizes)),
-            "--budget", str(budget_s),
+            "--budget", str(budget_s), "--device", device,
         ]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not result.exists():
@@ -211,41 +90,69 @@ def _run_mpi(np: int, sizes: Sequence[int], budget_s: float, timeout: float) -> 
         return json.loads(result.read_text())
 
 
+def _check_device(device: str, backends: Sequence[str]) -> int:
+    """How many GPUs the run may use (0 on the CPU); a ValueError for what cannot run."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: choose cpu or cuda")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}: choose from {', '.join(BACKENDS)}")
+    if device == "cpu":
+        if "nccl" in backends:
+            raise ValueError("NCCL moves CUDA tensors only: add --device cuda, or leave nccl out")
+        return 0
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible on this machine "
+                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    return torch.cuda.device_count()
+
+
 def run(
     np: int = 2,
     sizes: Sequence[int] = DEFAULT_SIZES,
     budget_s: float = 2.0,
     backends: Sequence[str] = ("gloo", "mpi"),
     timeout: float = 900.0,
+    device: str = "cpu",
 ) -> dict:
-    """Measure every variant of `backends` at `np` ranks; return the JSON-ready results."""
+    """Measure every variant of `backends` at `np` ranks (NCCL: one per GPU, at most `np`) with
+    buffers on `device` ("cpu" or "cuda"); return the JSON-ready results."""
     import torch
 
     if np < 2:
         raise ValueError(f"an all-reduce benchmark needs at least 2 ranks, got np={np}")
+    gpus = _check_device(device, backends)
     times: dict[str, list[float]] = {}
+    ranks: dict[str, int] = {}
     skipped: dict[str, str] = {}
     for backend in backends:
-        if backend == "gloo":
-            times.update(_run_gloo(np, sizes, budget_s))
-        elif backend == "mpi":
+        if backend == "mpi":
             from tandem.runtime import mpi4py_available
 
             if not mpi4py_available():
                 skipped["mpi"] = "mpi4py is not installed (pip install mpi4py mpich)"
                 continue
-            times.update(_run_mpi(np, sizes, budget_s, timeout))
+            found = _run_mpi(np, sizes, budget_s, timeout, device)
         else:
-            raise ValueError(f"unknown backend {backend!r}: choose gloo and/or mpi")
+            ranks[backend] = min(np, gpus) if backend == "nccl" else np
+            found = _run_torch(backend, ranks[backend], sizes, budget_s, device)
+        ranks.setdefault(backend, np)
+        times.update(found)
     return {
         "np": np,
+        "ranks": ranks,
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
         "sizes": list(sizes),
         "budget_s": budget_s,
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch": torch.__version__,
         "time_us": {name: [t * 1e6 for t in values] for name, values in times.items()},
         "busbw_gbps": {
-            name: [bus_bandwidth(n, t, np) for n, t in zip(sizes, values, strict=True)]
+            name: [bus_bandwidth(n, t, ranks[name.split("_")[0]])
+                   for n, t in zip(sizes, values, strict=True)]
             for name, values in times.items()
         },
         "ratios": ratios(times),
@@ -271,6 +178,9 @@ def ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
         "mpi_checks_over_nochecks_time": over("mpi_tandem_checks", "mpi_tandem"),
         # Bus bandwidth of tandem on MPI over tandem on Gloo (checks off): > 1 means MPI wins.
         "mpi_over_gloo_bw": over("gloo_tandem", "mpi_tandem"),
+        # NCCL: tandem's call and its hot path against the raw one (> 1 is slower).
+        "nccl_tandem_over_raw_time": over("nccl_tandem", "nccl_raw"),
+        "nccl_hot_over_raw_time": over("nccl_hot", "nccl_raw"),
     }
     return {name: values for name, values in found.items() if values is not None}
 
@@ -284,9 +194,16 @@ def _size(nbytes: int) -> str:
 
 def format_report(results: dict) -> str:
     """The merged table of times and bus bandwidths, then the ratios."""
-    names = [n for n in (*GLOO_VARIANTS, *MPI_VARIANTS) if n in results["time_us"]]
+    names = [n for n in (*GLOO_VARIANTS, *MPI_VARIANTS, *NCCL_VARIANTS) if n in results["time_us"]]
     sizes = results["sizes"]
-    lines = [f"all-reduce, float32 sum in place, {results['np']} ranks ({results['cores']} cores)"]
+    where = results.get("device", "cpu")
+    if results.get("gpu"):
+        where += f" ({results['gpu']})"
+    ranks = results.get("ranks", {})
+    lines = [f"all-reduce, float32 sum in place, {results['np']} ranks ({results['cores']} cores), "
+             f"tensors on {where}"]
+    if ranks.get("nccl", results["np"]) != results["np"]:
+        lines.append(f"NCCL on {ranks['nccl']} rank(s): one per GPU")
     for key, title, digits in (("time_us", "median time per call (us)", 1),
                                ("busbw_gbps", "bus bandwidth (GB/s)", 3)):
         header = f"{title:<27}" + "".join(f"{LABELS[n]:>12}" for n in names)
@@ -301,6 +218,8 @@ def format_report(results: dict) -> str:
         "mpi_hot_over_raw_bw": "td-MPI hot path/mpi4py bandwidth",
         "mpi_checks_over_nochecks_time": "td-MPI checks on/off time",
         "mpi_over_gloo_bw": "MPI/Gloo bus bandwidth, tandem (target >=3 64KB-16MB)",
+        "nccl_tandem_over_raw_time": "td-NCCL/raw time",
+        "nccl_hot_over_raw_time": "td-NCCL hot path/raw time",
     }
     present = [k for k in ratio_labels if k in results["ratios"]]
     if present:
@@ -339,7 +258,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", type=parse_size, default=DEFAULT_SIZES[-1])
     parser.add_argument("--budget", type=float, default=2.0,
                         help="seconds of timed calls per size and backend (2)")
-    parser.add_argument("--backends", default="gloo,mpi", help="gloo,mpi (default both)")
+    parser.add_argument("--backends", default="gloo,mpi",
+                        help="gloo,mpi (default both); nccl too with --device cuda")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the buffers live (cpu)")
     parser.add_argument("--out", default="results/allreduce.json", help="JSON output file")
 
 
@@ -351,7 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mpi_worker:
-        mpi_worker([int(s) for s in args.sizes.split(",")], args.budget, Path(args.mpi_worker))
+        from tandem.bench.allreduce_ranks import mpi_worker
+
+        mpi_worker([int(s) for s in args.sizes.split(",")], args.budget, Path(args.mpi_worker),
+                   args.device)
         return 0
     return report(args)
 
@@ -362,7 +287,12 @@ def report(args: argparse.Namespace) -> int:
     if not sizes:
         sizes = [args.min_size]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    results = run(np=args.np, sizes=sizes, budget_s=args.budget, backends=backends)
+    try:
+        results = run(np=args.np, sizes=sizes, budget_s=args.budget, backends=backends,
+                      device=args.device)
+    except ValueError as error:
+        print(f"allreduce: error: {error}", file=sys.stderr)
+        return 2
     print(format_report(results))
     print(f"\nwrote {write_json(results, args.out)}")
     return 0

@@ -248,7 +248,13 @@ def run(config: ScaleConfig, echo=print) -> dict:
         json.dump(report, file, indent=2)
     from tandem.bench import plots
 
-    png_path = plots.plot_scaling(report, os.path.join(config.out, "scaling.png"))
+    try:
+        png_path = plots.plot_scaling(report, os.path.join(config.out, "scaling.png"))
+    except ImportError as error:
+        # matplotlib is a declared dependency, yet a machine with its own torch and no package
+        # index (a GPU box) may lack it: the table and the JSON are the analysis, keep them.
+        echo(f"wrote {json_path}; scaling.png not drawn ({error}; pip install matplotlib)")
+        return report
     echo(f"wrote {json_path} and {png_path}")
     return report
 

@@ -1,0 +1,63 @@
+"""The recipes, fully_shard, tensor parallelism and pipeline stages with everything on a GPU.
+
+Each test runs the CPU suite's own check on the GPU (the check takes a device, or builds on
+`td.device()`), in a world of two Gloo ranks that share one GPU (MPI too for the recipes): the
+same comparisons with one process, the same tolerances. Skipped, with the reason, without a
+GPU; `scripts/gpu-check.sh` runs them on a GPU machine.
+"""
+
+import pytest
+import torch
+from test_cuda import requires_cuda
+from test_fully_shard import CASES, _assert_equivalent
+from test_fully_shard import check_equivalence as check_fully_shard
+from test_pipeline import check_equivalence as check_pipeline
+from test_recipes import ENV, check_recipes, recipe_failures
+from test_tensor_parallel import check_transformer_matches_one_process
+
+import tandem as td
+from tandem.testing import run_distributed
+
+
+@requires_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_recipes_on_the_gpu(backend):
+    """fp16 GradScaler, bf16 autocast, clipping, accumulation, schedulers: CUDA autocast and the
+    CUDA GradScaler on 2 ranks give the one-process result."""
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    results = run_distributed(check_recipes, world_size=2, backend=backend, timeout=240, env=ENV,
+                              args=(None, "cuda"))
+    failures = recipe_failures(results)
+    assert not failures, "\n".join(failures)
+
+
+@requires_cuda
+@pytest.mark.timeout(300)
+def test_fully_shard_on_the_gpu():
+    _assert_equivalent(run_distributed(check_fully_shard, world_size=2, args=(CASES, "cuda"), timeout=240))
+
+
+@requires_cuda
+def test_tensor_parallel_on_the_gpu():
+    for errors in run_distributed(check_transformer_matches_one_process, world_size=2, args=("cuda",)):
+        assert not errors, "\n".join(errors)
+
+
+def check_pipeline_on_the_gpu():
+    """The CPU suite's pipeline equivalence: its stages are built on `td.device()`, the GPU here."""
+    pipe = td.Pipeline(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), chunks=2)
+    devices = {str(p.device) for p in pipe.parameters()}
+    problems, balance = check_pipeline()
+    return devices, problems, balance
+
+
+@requires_cuda
+@pytest.mark.timeout(300)
+def test_pipeline_stages_on_the_gpu():
+    results = run_distributed(check_pipeline_on_the_gpu, world_size=2, timeout=240)
+    for rank, (devices, problems, _) in enumerate(results):
+        assert devices == {"cuda:0"}, (rank, devices)  # both ranks share the one GPU
+        assert not problems, "\n".join(problems)
+    assert results[0][2] == results[1][2]
