@@ -16,8 +16,8 @@ from torch import nn
 
 import tandem as td
 from tandem.checkpoint import CheckpointError
+from tandem.comm.agreement import LayoutMismatchError
 from tandem.diagnostics.replicas import ReplicaMismatchError
-from tandem.parallel.broadcast import LayoutMismatchError
 from tandem.testing import run_distributed
 
 

@@ -12,7 +12,6 @@ from tandem import environments, settings
 from tandem.comm import context
 from tandem.comm.backend import Backend
 from tandem.environments import JobEnvironment
-from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S  # noqa: F401 - their old home
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import sys
 import torch
 
 from tandem.comm import agreement, context, fingerprints
-from tandem.comm.agreement import CollectiveMismatchError as CollectiveMismatchError  # its old home
 from tandem.comm.groups import group_ranks, group_size
 
 _SHAPE_SLOTS = 12

@@ -21,7 +21,6 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.comm.agreement import LayoutMismatchError as LayoutMismatchError  # its old home
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.comm.tensors import coalesced, each_once, module_tensors
