@@ -156,3 +156,30 @@ def torch_clip_of_a_pipeline_stage() -> str:
 def test_torch_clip_of_a_pipeline_stage_is_refused_with_the_fix():
     for message in run_distributed(torch_clip_of_a_pipeline_stage, world_size=2):
         assert "clip a td.Pipeline with td.clip_grad_norm_(pipe, max_norm)" in message, message
+
+
+def torch_state_dict_idioms(layout: str) -> float:
+    """`model.state_dict()` of a split model is the one-process state dict (every rank calls
+    it), and `model.load_state_dict(one_process_dict)` puts each rank's piece in place."""
+    model = _net()
+    if layout == "fully_shard":
+        td.fully_shard(model[0])
+        td.fully_shard(model)
+    else:
+        td.parallelize(model, {"0": "colwise", "2": "rowwise"}, group=td.mesh(dp=1, tp=2).tp_group)
+    reference = _net().state_dict()
+    got = model.state_dict()
+    assert list(got) == list(reference) or set(got) == set(reference), sorted(got)
+    worst = max((got[k] - v).abs().max().item() for k, v in reference.items())
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).state_dict()
+    model.load_state_dict(other)
+    again = model.state_dict()
+    return max(worst, max((again[k] - v).abs().max().item() for k, v in other.items()))
+
+
+@pytest.mark.parametrize("layout,backend", [("fully_shard", "gloo"), ("fully_shard", "mpi"),
+                                            ("tp", "gloo"), ("tp", "mpi")])
+def test_model_state_dict_of_a_split_model_is_the_one_process_state_dict(layout, backend):
+    assert max(run_distributed(torch_state_dict_idioms, world_size=2, backend=backend,
+                               args=(layout,))) == 0.0

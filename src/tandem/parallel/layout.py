@@ -208,21 +208,61 @@ def held(model: Any) -> list[Held]:
     return _module_held(model, "")
 
 
+def own_held(module: nn.Module, prefix: str) -> list[Held]:
+    """The local tensors that `module` itself splits (its fully_shard unit's shard, or its
+    tensor-parallel slices), under one-process names starting with `prefix`."""
+    out = []
+    unit = getattr(module, ATTR, None)
+    if unit is not None and unit.shard is not None:
+        out.append(_unit(unit, prefix, module))
+    layout = _TENSOR_PARALLEL.get(type(module))
+    if layout is not None:
+        out.extend(layout(module, prefix))
+    return out
+
+
+def own_full(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The one-process tensors that `module` itself splits, gathered (collective over its group)."""
+    from tandem.comm import collectives
+
+    unit = getattr(module, ATTR, None)
+    if unit is not None and unit.shard is not None:
+        shard = unit.shard.detach()
+        flat = collectives.allgather(shard, group=unit.group) if unit.size > 1 else shard
+        out, offset = {}, 0
+        for name, shape in zip(unit.names, unit.shapes, strict=True):
+            n = math.prod(shape)
+            out[prefix + name] = flat[offset : offset + n].view(shape).clone()
+            offset += n
+        return out
+    if type(module) in _TENSOR_PARALLEL:
+        return {prefix + name: value for name, value in module.full_weights().items()}
+    return {}
+
+
+def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What `model.state_dict(keep_vars=True)` holds before tandem's hooks make it the
+    one-process state dict: the parameters and persistent buffers this rank keeps."""
+    out = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, param in module._parameters.items():
+            if param is not None:
+                out[prefix + key] = param
+        for key, buffer in module._buffers.items():
+            if buffer is not None and key not in module._non_persistent_buffers_set:
+                out[prefix + key] = buffer
+    return out
+
+
 def _module_held(model: nn.Module, base: str) -> list[Held]:
     out: list[Held] = []
     special: set[int] = set()
     for name, module in model.named_modules():
-        prefix = f"{base}{name}." if name else base
-        unit = getattr(module, ATTR, None)
-        if unit is not None and unit.shard is not None:
-            out.append(_unit(unit, prefix, module))
-            special.add(id(unit.shard))
-        layout = _TENSOR_PARALLEL.get(type(module))
-        if layout is not None:
-            pieces = layout(module, prefix)
-            out.extend(pieces)
-            special.update(id(h.tensor) for h in pieces)
-    for key, tensor in model.state_dict(keep_vars=True).items():
+        pieces = own_held(module, f"{base}{name}." if name else base)
+        out.extend(pieces)
+        special.update(id(h.tensor) for h in pieces)
+    for key, tensor in local_state(model).items():
         if id(tensor) in special or key.split(".")[-1] == SHARD:
             continue
         out.append(Held(tensor, (whole(base + key, tensor),)))

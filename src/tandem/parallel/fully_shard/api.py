@@ -37,9 +37,8 @@ from torch import nn
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks
-from tandem.parallel import splits
-from tandem.parallel.fully_shard.unit import ATTR, SHARD, Unit
-from tandem.parallel.tensor import plan as tensor_plan
+from tandem.parallel import splits, state_hooks
+from tandem.parallel.fully_shard.unit import ATTR, Unit
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
@@ -64,6 +63,8 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     for sub in inner:
         sub.is_root = False
     setattr(module, ATTR, unit)
+    if unit.shard is not None:  # model.state_dict() / load_state_dict() speak the unsharded model
+        state_hooks.install(module)
     return module
 
 
@@ -137,50 +138,22 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The ordinary state dict of the unsharded model, on every rank (collective): a model
-    sharded by `fully_shard` or split by `td.parallelize` (tensor parallelism)."""
-    if tensor_plan.is_parallelized(model):
-        if any(True for _ in units(model)):
-            raise NotImplementedError("full_state_dict of a model both fully sharded and tensor "
-                                      "parallel: not supported yet")
-        return tensor_plan.full_state_dict(model)
-    out: dict[str, torch.Tensor] = {}
-    gathered = {}
-    for prefix, unit in units(model):
-        flat = collectives.allgather(unit.shard.detach(), group=unit.group) if unit.size > 1 \
-            else unit.shard.detach()
-        gathered[prefix] = (unit, flat)
-    for key, value in model.state_dict().items():
-        if key.split(".")[-1] != SHARD:
-            out[key] = value
-    for prefix, (unit, flat) in gathered.items():
-        offset = 0
-        for name, shape in zip(unit.names, unit.shapes, strict=True):
-            n = int(torch.Size(shape).numel())
-            out[f"{prefix}.{name}" if prefix else name] = flat[offset : offset + n].view(shape).clone()
-            offset += n
-    return out
+    """The ordinary state dict of the unsplit model, on every rank (collective): a model sharded
+    by `fully_shard` or split by `td.parallelize`. The same as `model.state_dict()`, whose
+    hooks gather the shards and slices (`parallel/state_hooks.py`), with tensors of its own."""
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load an ordinary (unsharded) state dict: each rank keeps its shard of every unit.
+    """Load an ordinary (unsplit) state dict: each rank keeps its shard or slice of it.
 
     A dict for another model is an error listing the missing and unexpected names with shapes.
     """
-    expected = {}
-    for prefix, unit in units(model):
-        for name, shape in zip(unit.names, unit.shapes, strict=True):
-            expected[f"{prefix}.{name}" if prefix else name] = shape
-    others = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.split(".")[-1] != SHARD}
-    expected.update(others)
+    from tandem.parallel import layout
+
+    expected = {p.name: p.shape for held in layout.held(model) for p in held.placements}
     check_names(expected, {k: tuple(v.shape) for k, v in state.items()}, "the state dict")
-    with torch.no_grad():
-        for prefix, unit in units(model):
-            flat = torch.cat([state[f"{prefix}.{n}" if prefix else n].reshape(-1) for n in unit.names])
-            lo, hi = unit.my_range()
-            unit.shard.zero_()
-            unit.shard[: hi - lo].copy_(flat[lo:hi])
-    model.load_state_dict({k: state[k] for k in others}, strict=False)
+    model.load_state_dict(state)
 
 
 def check_names(expected: dict[str, tuple], found: dict[str, tuple], what: str) -> None:

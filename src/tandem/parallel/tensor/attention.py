@@ -15,6 +15,7 @@ from torch import nn
 
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_size
+from tandem.parallel import state_hooks
 from tandem.parallel.tensor.layers import _gather_rows, mark_sliced, shard_range
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
@@ -47,6 +48,7 @@ class ParallelSelfAttention(nn.Module):
         out_bias = mha.out_proj.bias
         layer.out_bias = None if out_bias is None else nn.Parameter(out_bias.detach().clone())
         mark_sliced(group, layer.in_proj_weight, layer.in_proj_bias, layer.out_weight)
+        state_hooks.install(layer)
         return layer
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,

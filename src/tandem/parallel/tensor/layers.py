@@ -23,7 +23,7 @@ from torch import nn
 from tandem.comm import collectives
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
-from tandem.parallel import split_grads, splits
+from tandem.parallel import split_grads, splits, state_hooks
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
@@ -81,6 +81,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _slice(full.weight, 0, bounds)
         self.bias = _slice(full.bias, 0, bounds)
         mark_sliced(group, self.weight, self.bias)
+        state_hooks.install(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to(x, self.group), self.weight, self.bias)
@@ -118,6 +119,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.group = input_is_parallel, group
         self.weight = _slice(full.weight, 1, shard_range(full.in_features, group, "in_features"))
         mark_sliced(group, self.weight)
+        state_hooks.install(self)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +164,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end = shard_range(full.num_embeddings, group, "num_embeddings")
         self.weight = _slice(full.weight, 0, (self.start, self.end))
         mark_sliced(group, self.weight)
+        state_hooks.install(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)

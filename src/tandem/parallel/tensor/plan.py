@@ -97,13 +97,6 @@ def is_parallelized(model: nn.Module) -> bool:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The one-process state dict of a model converted by `parallelize` (every rank calls it)."""
-    state = {}
-    parallel = {name: m for name, m in model.named_modules() if isinstance(m, _PARALLEL)}
-    for key, value in model.state_dict().items():
-        if not any(key.startswith(f"{name}.") for name in parallel):
-            state[key] = value.detach().clone()
-    for name, module in parallel.items():
-        for key, value in module.full_weights().items():
-            state[f"{name}.{key}"] = value
-    return state
+    """The one-process state dict of a model converted by `parallelize` (every rank calls it):
+    `model.state_dict()`, whose hooks gather the slices, with tensors of its own."""
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
