@@ -46,6 +46,16 @@ def model(config: dict) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(width, 10))
 
 
+# The README's table: bytes per rank kept between steps, fp32 parameters with Adam (two moments),
+# P parameters over N ranks. The benchmark prints measured / predicted (target within 10 %).
+PREDICTED = {
+    "ddp": lambda p, n: 16 * p,                 # parameters 4P, gradients 4P, Adam 8P
+    "zero": lambda p, n: 8 * p + 8 * p / n,     # parameters and gradients whole, Adam sharded
+    "fully_shard": lambda p, n: 16 * p / n,     # everything sharded (+ padding to a multiple of N)
+    "fsdp2": lambda p, n: 16 * p / n,
+}
+
+
 def _bytes(tensors) -> int:
     total = 0
     for t in tensors:
@@ -153,8 +163,9 @@ def main() -> None:
     config = {"blocks": args.blocks, "width": args.width, "steps": args.steps, "warmup": args.warmup}
     results = {"config": config, "torch": torch.__version__, "worlds": {}}
     print(f"{args.blocks} blocks of Linear({args.width}, {args.width}) + head, Adam, per-rank batch {BATCH}")
-    print(f"{'ranks':>5} {'method':<12} {'state MB/rank':>13} {'peak MB/rank':>12} {'vs ddp':>7} "
-          f"{'step ms':>8} {'time/ddp':>9} {'time/fsdp2':>10}")
+    print(f"{'ranks':>5} {'method':<12} {'state MB/rank':>13} {'predicted':>9} {'meas/pred':>9} "
+          f"{'peak MB/rank':>12} {'vs ddp':>7} {'step ms':>8} {'time/ddp':>9} {'time/fsdp2':>10}")
+    parameters = sum(p.numel() for p in model(config).parameters())
     for n in (int(r) for r in args.ranks.split(",")):
         everyone = td.spawn(worker, nprocs=n, args=(config,), backend="gloo")[0]
         rank0 = everyone[0]
@@ -168,10 +179,13 @@ def main() -> None:
                            "memory": [r["methods"][name]["memory"] for r in everyone]}
         for name, row in table.items():
             row["memory_over_ddp"] = row["peak_mb"] / table["ddp"]["peak_mb"]
+            row["predicted_mb"] = PREDICTED[name](parameters, n) / 2**20
+            row["measured_over_predicted"] = row["state_mb"] / row["predicted_mb"]
             row["time_over_ddp"] = row["step_ms"] / table["ddp"]["step_ms"]
             if "fsdp2" in table:
                 row["time_over_fsdp2"] = row["step_ms"] / table["fsdp2"]["step_ms"]
-            print(f"{n:>5} {name:<12} {row['state_mb']:>13.2f} {row['peak_mb']:>12.2f} "
+            print(f"{n:>5} {name:<12} {row['state_mb']:>13.2f} {row['predicted_mb']:>9.2f} "
+                  f"{row['measured_over_predicted']:>9.3f} {row['peak_mb']:>12.2f} "
                   f"{row['memory_over_ddp']:>7.2f} {row['step_ms']:>8.1f} {row['time_over_ddp']:>9.2f} "
                   f"{row.get('time_over_fsdp2', float('nan')):>10.2f}")
         for name, error in rank0["errors"].items():
