@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from tandem.comm import agreement, context, fingerprints
 from tandem.comm.backend import Group as Group  # where it is defined; imported from here too
-from tandem.comm.members import group_rank as group_rank  # their old home: imported from here
+
+# The queries on a group are public from here; they live in `members`, below the agreement.
+from tandem.comm.members import group_rank as group_rank
 from tandem.comm.members import group_ranks as group_ranks
 from tandem.comm.members import group_size as group_size
 
