@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import traceback
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import tandem as td
+from tandem.rendezvous import roll_call
 
 DEADLINE_S = 120.0
 # What a launcher sets; none of it may reach the children, which must be placed by arguments only.
@@ -195,3 +197,155 @@ def test_missing_rendezvous_is_an_error_before_any_communication(no_launcher):
     with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT are not set"):
         td.init(rank=1, world_size=2)
     assert not td.is_initialized()
+
+
+# -- the roll call: numbering mistakes are named, within the timeout -----------------------------
+
+def _entry(rank, size, pid):
+    return {"rank": rank, "size": size, "pid": pid, "host": "h"}
+
+
+def test_the_roll_call_verdict_is_a_pure_function_of_who_came():
+    verdict = roll_call._verdict
+    came = {1: _entry(0, 2, 10), 2: _entry(1, 2, 11)}
+    assert verdict(came, 2, 5, "a:1", late=False) == {
+        "tickets": [1, 2], "ranks": {"0": "pid 10 on h", "1": "pid 11 on h"}}
+    assert verdict({1: _entry(0, 3, 10)}, 3, 5, "a:1", late=False) is None  # wait on
+    missing = verdict({1: _entry(0, 3, 10), 2: _entry(2, 3, 12)}, 3, 5, "a:1", late=True)
+    assert missing["error"].startswith("ranks [1] of 3 did not join within 5 s (rank 0 hosts the "
+                                       "rendezvous at a:1; joined: rank 0 (pid 10 on h)")
+    sizes = verdict({1: _entry(0, 2, 10), 2: _entry(1, 3, 11)}, 2, 5, "a:1", late=False)
+    assert "rank 0 (pid 10 on h) world_size=2; rank 1 (pid 11 on h) world_size=3" in sizes["error"]
+    twice = verdict({1: _entry(0, 3, 10), 2: _entry(1, 3, 11), 3: _entry(1, 3, 12)}, 3, 5, "a:1",
+                    late=False)
+    assert "rank 1 by pid 11 on h and pid 12 on h" in twice["error"]
+
+
+def test_a_process_that_comes_after_the_job_started_is_told_so():
+    from tandem import rendezvous
+
+    server = rendezvous.StoreServer("127.0.0.1", 0)
+    stores = [rendezvous.StoreClient("127.0.0.1", server.port, server.key, 10.0) for _ in range(3)]
+    try:
+        address = f"127.0.0.1:{server.port}"
+        rank_1 = threading.Thread(target=roll_call.answer, args=(stores[1], 1, 2, 10.0, address))
+        rank_1.start()
+        roll_call.answer(stores[0], 0, 2, 10.0, address)  # returns: the job is complete
+        rank_1.join(10)
+        with pytest.raises(roll_call.RendezvousError,
+                           match=rf"rank 1 of 2: the job at {address} started without this "
+                                 r"process \(its rank 1 is pid \d+ on \S+\): two processes were "
+                                 "given rank 1, or a previous job still runs at that address"):
+            roll_call.answer(stores[2], 1, 2, 10.0, address)
+    finally:
+        for store in stores:
+            store.close()
+        server.close()
+
+
+def roll_call_rank(rank: int, n: int, results, slot: int) -> None:
+    """One process of a mis-numbered template: report how its init ended."""
+    try:
+        td.init(rank=rank, world_size=n)
+        total = td.allreduce(torch.ones(1), op="sum").item()
+        results.put((slot, "ok", total))
+    except BaseException as error:
+        results.put((slot, type(error).__name__, str(error)))
+    finally:
+        td.shutdown()
+
+
+def _run_numbered(specs: list[tuple[int, int]], timeout_s: int = 3) -> list[tuple[str, str]]:
+    """Start one process per (rank, world_size) with TANDEM_TIMEOUT=timeout_s; how each ended."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=roll_call_rank, args=(rank, n, results, slot),
+                                 daemon=True) for slot, (rank, n) in enumerate(specs)]
+    reports: dict[int, tuple[str, str]] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    os.environ["TANDEM_TIMEOUT"] = str(timeout_s)  # the children read it; the fixture restores
+    try:
+        for process in processes:
+            process.start()
+        while len(reports) < len(specs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"processes {sorted(set(range(len(specs))) - set(reports))} did not "
+                            f"report within {DEADLINE_S:.0f} s: a hang")
+            try:
+                slot, kind, text = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            reports[slot] = (kind, text)
+    finally:
+        del os.environ["TANDEM_TIMEOUT"]
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        results.close()
+    return [reports[slot] for slot in range(len(specs))]
+
+
+@pytest.fixture
+def template_env(no_launcher):
+    port = _free_port()
+    no_launcher.setenv("MASTER_ADDR", "127.0.0.1")
+    no_launcher.setenv("MASTER_PORT", str(port))
+    return f"127.0.0.1:{port}"
+
+
+def _no_raw_store_errors(reports):
+    for kind, text in reports:
+        assert kind == "RendezvousError", (kind, text)
+        assert "DistStoreError" not in text and "wait timeout" not in text, text
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_given_rank_0_are_named(template_env):
+    first, second = _run_numbered([(0, 2), (0, 2)])
+    _no_raw_store_errors([first, second])
+    taken = (f"rank 0 of 2: another process already hosts rank 0's rendezvous at {template_env}: "
+             "two processes were given rank 0, or a previous job still runs")
+    missing = "rank 0 of 2: ranks [1] of 2 did not join within 3 s"
+    # Whichever started first hosts the rendezvous and waits for rank 1; the other cannot host.
+    texts = sorted([first[1], second[1]], key=lambda text: not text.startswith(taken))
+    assert texts[0].startswith(taken) and texts[1].startswith(missing), texts
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_rank_is_named_on_every_rank_that_came(template_env):
+    reports = _run_numbered([(0, 3), (2, 3)])
+    _no_raw_store_errors(reports)
+    for rank, (_, text) in zip((0, 2), reports, strict=True):
+        assert text.startswith(f"rank {rank} of 3: ranks [1] of 3 did not join within 3 s "
+                               f"(rank 0 hosts the rendezvous at {template_env}"), text
+        assert "td.init(rank=r, world_size=3) for r = 0..2" in text
+
+
+@pytest.mark.timeout(120)
+def test_different_world_sizes_are_named_per_rank(template_env):
+    reports = _run_numbered([(0, 2), (1, 3)], timeout_s=30)  # named at once, not at the timeout
+    _no_raw_store_errors(reports)
+    for (_, text), prefix in zip(reports, ("rank 0 of 2", "rank 1 of 3"), strict=True):
+        assert text.startswith(f"{prefix}: the processes were given different world sizes"), text
+        assert re.search(r"rank 0 \(pid \d+ on [^)]+\) world_size=2; "
+                         r"rank 1 \(pid \d+ on [^)]+\) world_size=3", text), text
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_given_twice_is_named(template_env):
+    reports = _run_numbered([(0, 3), (1, 3), (1, 3)], timeout_s=30)
+    _no_raw_store_errors(reports)
+    for _, text in reports:
+        assert re.search(r"two processes were given one rank: rank 1 by pid \d+ on \S+ and "
+                         r"pid \d+ on \S+", text), text
+
+
+@pytest.mark.timeout(120)
+def test_a_job_without_rank_0_is_named(template_env):
+    [(kind, text)] = _run_numbered([(1, 2)])
+    assert kind == "RendezvousError"
+    assert text.startswith(f"rank 1 of 2: nobody hosts the rendezvous at {template_env} (rank 0 "
+                           "does) within 3 s"), text

@@ -34,7 +34,7 @@ import torch
 
 from tandem.comm import context, exchange
 from tandem.comm.backend import Group, Work, on_wire
-from tandem.comm.groups import group_ranks, group_size
+from tandem.comm.members import group_ranks, group_size
 
 Explain = Callable[[tuple[int, ...], list[Any]], str | BaseException]
 

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from tandem.comm import agreement, context, fingerprints
-from tandem.comm.groups import group_ranks, group_size
+from tandem.comm.members import group_ranks, group_size
 
 _SHAPE_SLOTS = 12
 _HEADER = ("collective", "op", "dtype", "ndim", "root", "device", "seq", "site")

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from tandem.comm import checks, context, exchange
-from tandem.comm.backend import Work, on_wire
-from tandem.comm.groups import Group, group_ranks, group_size
+from tandem.comm.backend import Group, Work, on_wire
+from tandem.comm.members import group_ranks, group_size
 
 OPS = ("sum", "mean", "min", "max", "product")
 Array = torch.Tensor | np.ndarray

@@ -14,7 +14,7 @@ import torch
 
 from tandem.comm import context
 from tandem.comm.backend import Group, on_wire
-from tandem.comm.groups import group_size
+from tandem.comm.members import group_size
 
 _MAX_OBJECT = 1 << 34  # 16 GiB: more is another operation's data read as a length
 

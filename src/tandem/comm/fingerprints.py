@@ -84,16 +84,21 @@ def entry_point(frame: FrameType | None) -> str | None:
     relative = entry.f_code.co_filename[len(PACKAGE_DIR):]
     module = relative.removesuffix(".py").replace(os.sep, ".")
     name = entry.f_code.co_name
-    if module == "comm.collectives":
+    if module in ("comm.collectives", "comm.groups"):  # the public names of these functions
         return f"td.{name}"
     return f"tandem.{module}.{name}"
 
 
+_CHECKS = (("agree", os.path.join("comm", "checks.py")),  # a collective's arguments
+           ("_agree_on", os.path.join("comm", "groups.py")))  # a group's creation
+
+
 def in_argument_check(frame: FrameType | None) -> bool:
-    """Whether a waiting frame is inside the argument check (`checks.agree`) of a collective."""
+    """Whether a waiting frame is inside the argument check of a collective (`checks.agree`)
+    or of a group's creation (`groups._agree_on`)."""
     while frame is not None and is_tandem_frame(frame):
         code = frame.f_code
-        if code.co_name == "agree" and code.co_filename.endswith(os.path.join("comm", "checks.py")):
+        if any(code.co_name == name and code.co_filename.endswith(file) for name, file in _CHECKS):
             return True
         frame = frame.f_back
     return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tandem.comm import collectives
-from tandem.comm.groups import Group
+from tandem.comm.backend import Group
 
 
 def all_finite(*tensors: torch.Tensor, group: Group | None = None) -> bool:

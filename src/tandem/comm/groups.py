@@ -1,19 +1,94 @@
-"""Sub-groups of ranks, and the named 2-D layout (`mesh`) hybrid jobs use."""
+"""Sub-groups of ranks, and the named 3-D layout (`mesh`) hybrid jobs use.
+
+Creating a group is collective over the whole world, on every engine: every rank calls
+`new_group` (or `mesh`) with the same arguments, in the same order, members or not. Ranks
+that do not (one builds `mesh(dp=2)` where another builds `mesh(tp=2)`) would leave the
+engine waiting inside its own group set-up, outside the watchdog: torch's `dist.new_group`
+waits on its store for ranks that create another group. So the ranks first agree on the call,
+with the one agreement primitive (`agreement.agree`: one message of the standard size on the
+world, a watched all-reduce): a difference is a `GroupMismatchError` on every rank within
+seconds, naming each rank's call; a rank that never gets there is named by the watchdog
+(its timeout, or a desync it can prove), never a hang. Only then does the engine create the
+group. One agreement per `mesh`, not per group: equal sizes make equal groups.
+"""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.comm import context
+from tandem.comm import agreement, context, fingerprints
 from tandem.comm.backend import Group as Group  # where it is defined; imported from here too
+
+# The queries on a group are public from here; they live in `members`, below the agreement.
+from tandem.comm.members import group_rank as group_rank
+from tandem.comm.members import group_ranks as group_ranks
+from tandem.comm.members import group_size as group_size
+
+
+class GroupMismatchError(agreement.CollectiveMismatchError):
+    """Ranks created groups differently: other `new_group` ranks or other `mesh` sizes."""
+
+
+_ADVICE = (
+    "Every rank must make the same td.new_group / td.mesh calls, with the same arguments and "
+    "in the same order, members of the group or not (the engines create a group on the whole "
+    "world together). Compute the sizes once, from the same configuration on every rank "
+    "(not from the rank), and create every group before branching on the rank.")
+
+
+def _explain(ranks: tuple[int, ...], calls: list[str]) -> str:
+    lines = "\n".join(f"  rank {r}: {call}" for r, call in zip(ranks, calls, strict=True))
+    return (f"td.new_group / td.mesh: the ranks created different groups (nothing was "
+            f"created):\n{lines}\n{_ADVICE}")
+
+
+def _agree_on(call: str, engine: context.Context) -> None:
+    """Raise `GroupMismatchError` on every rank unless every rank of the world makes `call`.
+
+    Always on (checks or not): creating a group is rare, and this is what stands between a
+    mismatch and a hang inside the engine. The call site is shown, not compared: code that
+    branches on the rank may create one group from two lines.
+    """
+    agreement.agree(f"{call} at {fingerprints.call_site()}", None, explain=_explain,
+                    codes=[agreement.checksum(call)], error=GroupMismatchError, engine=engine)
+
+
+def _members(ranks: Sequence[int]) -> tuple[tuple[int, ...] | None, str]:
+    """The ranks as ints and the call as text; None when they are not a sequence of ints
+    (the error is raised after the agreement, so that the other ranks do not wait for it)."""
+    try:
+        members = tuple(operator.index(r) for r in ranks)
+    except (TypeError, ValueError):
+        return None, f"td.new_group({ranks!r})"
+    return members, f"td.new_group({list(members)})"
 
 
 def new_group(ranks: Sequence[int]) -> Group:
-    """A group of the given global ranks. Every rank of the world must call it, in the same order."""
+    """A group of the given global ranks, in that order.
+
+    Every rank of the world must call it, with the same ranks, in the same order of calls,
+    members or not; ranks that pass other ranks get a `GroupMismatchError` (every rank, the
+    same message) instead of a hang.
+
+    Args:
+        ranks: the global ranks of the group; its first is group rank 0.
+
+    Returns:
+        The `Group`; on a rank outside it, a `Group` whose `rank` is -1 (it cannot be used there).
+    """
     engine = context.current()
+    members, call = _members(ranks)
+    _agree_on(call, engine)
+    if members is None:
+        raise TypeError(f"{call}: ranks must be a sequence of ints (global ranks)")
+    return _create(members, engine)
+
+
+def _create(members: tuple[int, ...], engine: context.Context) -> Group:
+    """The engine's group of `members` (every rank of the world calls it, already agreed)."""
     world = engine.world
-    members = tuple(int(r) for r in ranks)
     if not members:
         raise ValueError("new_group needs at least one rank")
     if len(set(members)) != len(members):
@@ -24,18 +99,6 @@ def new_group(ranks: Sequence[int]) -> Group:
     handle = engine.backend.new_group(members)
     my_index = members.index(world.rank) if world.rank in members else -1
     return Group(members, handle, my_index)
-
-
-def group_size(group: Group | None) -> int:
-    return context.current().world.size if group is None else group.size
-
-
-def group_rank(group: Group | None) -> int:
-    return context.current().world.rank if group is None else group.rank
-
-
-def group_ranks(group: Group | None) -> tuple[int, ...]:
-    return tuple(range(context.current().world.size)) if group is None else group.ranks
 
 
 @dataclass(frozen=True)
@@ -62,8 +125,17 @@ class Mesh:
 
 
 def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
-    """Split the world into `dp` × `pp` × `tp`. Every rank must call it, with the same sizes."""
-    world = context.current().world
+    """Split the world into `dp` × `pp` × `tp`.
+
+    Every rank must call it with the same sizes (and make the same `new_group` calls before
+    it); ranks that pass other sizes get a `GroupMismatchError` naming each rank's call, on
+    every rank, instead of a hang. Sizes that do not fit the world are a `ValueError`.
+    """
+    engine = context.current()
+    world = engine.world
+    # Agreed before the sizes are checked: a rank whose sizes are wrong alone is named as the
+    # odd one out, where raising on it alone would leave the others waiting for it.
+    _agree_on(f"td.mesh(dp={dp!r}, pp={pp!r}, tp={tp!r})", engine)
     if dp < 1 or pp < 1 or tp < 1:
         raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
     if dp * pp * tp != world.size:
@@ -79,7 +151,7 @@ def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
 
     def mine(members: list[int]) -> Group | None:
         # Every rank creates every group (the engines require it), keeping its own.
-        group = new_group(members)
+        group = _create(tuple(members), engine)
         return group if world.rank in members else None
 
     dp_groups = [mine([rank_of(d, p, t) for d in range(dp)]) for p in range(pp) for t in range(tp)]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tandem import rendezvous, settings
 from tandem.comm.backend import Backend, CompletedWork, Work
 from tandem.environments import JobEnvironment
+from tandem.rendezvous import roll_call
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -80,9 +81,33 @@ def _make_store(job: JobEnvironment, timeout: float) -> dist.Store:
             "and MASTER_PORT, or start it with `tandem run`"
         )
     addr = job.master_addr or "127.0.0.1"
+    if job.source == "manual":
+        return _manual_store(job, addr, timeout)
     if job.store_hosted or job.rank != 0:
         return rendezvous.connect_store(addr, job.master_port, timeout, job.store_key)
     return rendezvous.host_store(addr, job.master_port, timeout, job.store_key)
+
+
+def _manual_store(job: JobEnvironment, addr: str, timeout: float) -> dist.Store:
+    """The store of ranks numbered by hand (`td.init(rank=, world_size=)`): rank 0 hosts it and
+    calls the roll, so that the user's numbering is checked before the engine connects, and
+    every failure to meet names the ranks (`rendezvous.roll_call`)."""
+    address = f"{addr}:{job.master_port}"
+    if job.rank == 0:
+        try:
+            store = rendezvous.host_store(addr, job.master_port, timeout, job.store_key)
+        except rendezvous.PortInUseError:
+            raise roll_call.port_taken(address, job.size) from None
+    else:
+        roll_call.reach(addr, job.master_port, job.rank, job.size, timeout)
+        try:
+            store = rendezvous.connect_store(addr, job.master_port, timeout, job.store_key)
+        except rendezvous.AuthenticationFailed:
+            raise
+        except ConnectionError:
+            raise roll_call.host_unreachable(job.rank, job.size, address, timeout) from None
+    roll_call.answer(store, job.rank, job.size, timeout, address)
+    return store
 
 
 class TorchBackend(Backend):

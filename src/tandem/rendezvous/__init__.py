@@ -12,7 +12,9 @@ as `TANDEM_STORE_KEY`. Ranks connect with `connect_store`, which gives torch a
 Where tandem did not start the job, rank 0 hosts the store (`host_store`): an authenticated
 one when the ranks share a key (`TANDEM_STORE_KEY`; under a plain `mpiexec` rank 0 sends a new
 one over MPI), else torch's `TCPStore`, which is also what ranks use to join a store that
-another launcher hosts (torchrun's agent).
+another launcher hosts (torchrun's agent). Ranks numbered by hand (`td.init(rank=,
+world_size=)`) first answer a roll call there (`roll_call`), so that a missing rank, a rank
+given twice or another world size is named before any engine connects.
 
 The server and its client are plain Python (no torch), so `tandem run`'s parent never loads
 torch; `connect_store`/`host_store` load it, for the ranks.
@@ -25,14 +27,15 @@ from typing import TYPE_CHECKING
 
 from tandem.rendezvous.auth import AuthenticationFailed, derive_key, new_secret
 from tandem.rendezvous.client import StoreClient, StoreTimeout
+from tandem.rendezvous.roll_call import RendezvousError
 from tandem.rendezvous.server import PortInUseError, StoreServer, listen
 from tandem.settings import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["AuthenticationFailed", "PortInUseError", "StoreClient", "StoreServer", "StoreTimeout",
-           "connect_store", "host_store", "new_key", "store_key"]
+__all__ = ["AuthenticationFailed", "PortInUseError", "RendezvousError", "StoreClient",
+           "StoreServer", "StoreTimeout", "connect_store", "host_store", "new_key", "store_key"]
 
 
 def new_key() -> str:
