@@ -14,183 +14,46 @@ tensor. One description covers every layout:
                                              the few boxes that are contiguous in row-major order
     owned by a stage (Pipeline)              the whole tensor on its stage, nothing elsewhere
 
-`held(model)` lists a model's local tensors with their placements, whatever wraps it;
-`optimizer_held(optimizer, model)` does the same for per-element optimizer state, which
-follows its parameter's layout. The distributed checkpoint (`tandem.sharded_checkpoint`)
-writes and reads exactly these boxes, so a checkpoint saved in one layout loads into any
-other: each rank reads, from whichever files hold them, the boxes it now owns.
+Each module that tandem splits implements the protocol of `parallel/pieces.py`
+(`local_pieces(prefix)`, `full_tensors(prefix)`): a tensor-parallel layer itself, a fully_shard
+unit through `UnitPieces`; `split_of_module` finds it, and a `td.Pipeline` is its stage under
+the whole model's names. `held(model)` lists a model's local tensors with their placements,
+whatever wraps it; `optimizer_params(optimizer, models)` does the same for per-element
+optimizer state, which follows its parameter's layout (ZeroOptimizer's flat shards too).
+`parallel/splits.py` records, per tensor, how it is split and over which group, for the calls
+that reduce or broadcast (clipping, `broadcast_parameters`, the reducer).
+
+The distributed checkpoint (`tandem.sharded_checkpoint`) writes and reads exactly these
+boxes, so a checkpoint saved in one layout loads into any other: each rank reads, from
+whichever files hold them, the boxes it now owns.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from tandem.comm.groups import Group, group_rank, group_size
+from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import ATTR, SHARD
-from tandem.parallel.tensor.attention import ParallelSelfAttention
-from tandem.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tandem.parallel.pieces import Chunk, Held, Placement, flat_placements, whole
+
+__all__ = ["Chunk", "Held", "Placement", "flat_placements", "held", "innermost_optimizer",
+           "iter_chunks", "local_state", "optimizer_params", "own_held", "per_element",
+           "split_kinds", "split_of_module", "whole"]
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """A box of a one-process tensor, held contiguously from element `start` of a local tensor."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    start: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-    def view(self, local: torch.Tensor) -> torch.Tensor:
-        """The box inside `local` (a view: writing to it writes the local tensor)."""
-        return local.reshape(-1)[self.start : self.start + self.numel].view(self.sizes)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What this rank holds of the one-process tensor `name` (of `shape`)."""
-
-    name: str
-    shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
-
-    def renamed(self, name: str) -> Placement:
-        return Placement(name, self.shape, self.chunks)
-
-
-class Held(NamedTuple):
-    """One local tensor and the pieces of one-process tensors it holds."""
-
-    tensor: torch.Tensor
-    placements: tuple[Placement, ...]
-
-
-def whole(name: str, tensor: torch.Tensor) -> Placement:
-    """A tensor this rank holds entirely (replicated, or owned by this pipeline stage)."""
-    shape = tuple(tensor.shape)
-    return Placement(name, shape, (Chunk((0,) * len(shape), shape, 0),))
-
-
-def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The boxes (offsets, sizes) that make up elements [lo, hi) of a row-major `shape`, each
-    contiguous in that order: at most two partial rows per dimension plus one block of rows."""
-    if lo >= hi:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    rest = tuple(shape[1:])
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    if lo % inner:  # a partial first row
-        row = lo // inner
-        end = min(hi, (row + 1) * inner)
-        boxes += [((row, *o), (1, *s)) for o, s in flat_boxes(lo - row * inner, end - row * inner, rest)]
-        lo = end
-    rows = (hi - lo) // inner
-    if rows:
-        boxes.append(((lo // inner, *(0,) * len(rest)), (rows, *rest)))
-        lo += rows * inner
-    if lo < hi:  # a partial last row
-        row = lo // inner
-        boxes += [((row, *o), (1, *s)) for o, s in flat_boxes(0, hi - row * inner, rest)]
-    return boxes
-
-
-def flat_placements(names: Iterable[str], shapes: Iterable[tuple[int, ...]], lo: int, hi: int,
-                    base: int = 0) -> tuple[Placement, ...]:
-    """Placements of tensors laid end to end in a flat space (from element `base`), of which a
-    local tensor holds elements [lo, hi) (fully_shard's units, ZeroOptimizer's shards)."""
-    out = []
-    offset = base
-    for name, shape in zip(names, shapes, strict=True):
-        n = math.prod(shape)
-        a, b = max(lo, offset), min(hi, offset + n)
-        chunks = []
-        start = a - lo
-        for offsets, sizes in flat_boxes(a - offset, b - offset, tuple(shape)):
-            chunks.append(Chunk(offsets, sizes, start))
-            start += math.prod(sizes)
-        out.append(Placement(name, tuple(shape), tuple(chunks)))
-        offset += n
-    return tuple(out)
-
-
-# -- the layouts of tandem's wrappers -----------------------------------------------------------
-
-
-def _rows(name: str, local: torch.Tensor, full: tuple[int, ...], first: int, dim: int = 0) -> Placement:
-    """A local tensor that is the slice [first, first + its size) of dimension `dim`."""
-    offsets = [0] * len(full)
-    offsets[dim] = first
-    return Placement(name, full, (Chunk(tuple(offsets), tuple(local.shape), 0),))
-
-
-def _column(layer: ColumnParallelLinear, prefix: str) -> list[Held]:
-    first = layer.weight.shape[0] * group_rank(layer.group)
-    out = [Held(layer.weight, (_rows(prefix + "weight", layer.weight,
-                                     (layer.out_features, layer.in_features), first),))]
-    if layer.bias is not None:
-        out.append(Held(layer.bias, (_rows(prefix + "bias", layer.bias, (layer.out_features,), first),)))
-    return out
-
-
-def _row(layer: RowParallelLinear, prefix: str) -> list[Held]:
-    first = layer.weight.shape[1] * group_rank(layer.group)
-    out = [Held(layer.weight, (_rows(prefix + "weight", layer.weight,
-                                     (layer.out_features, layer.in_features), first, dim=1),))]
-    if layer.bias is not None:
-        out.append(Held(layer.bias, (whole(prefix + "bias", layer.bias),)))
-    return out
-
-
-def _embedding(layer: VocabParallelEmbedding, prefix: str) -> list[Held]:
-    full = (layer.num_embeddings, layer.embedding_dim)
-    return [Held(layer.weight, (_rows(prefix + "weight", layer.weight, full, layer.start),))]
-
-
-def _attention(layer: ParallelSelfAttention, prefix: str) -> list[Held]:
-    """nn.MultiheadAttention's names; in_proj holds this rank's rows of q, k and v, stacked."""
-    e, part = layer.embed_dim, layer.local_heads * layer.head_dim
-    first = part * group_rank(layer.group)
-
-    def stacked(name: str, local: torch.Tensor) -> Held:
-        inner = math.prod(local.shape[1:])
-        chunks = tuple(Chunk((i * e + first, *(0,) * (local.dim() - 1)), (part, *local.shape[1:]),
-                             i * part * inner) for i in range(3))
-        return Held(local, (Placement(prefix + name, (3 * e, *local.shape[1:]), chunks),))
-
-    out = [stacked("in_proj_weight", layer.in_proj_weight)]
-    if layer.in_proj_bias is not None:
-        out.append(stacked("in_proj_bias", layer.in_proj_bias))
-    out.append(Held(layer.out_weight, (_rows(prefix + "out_proj.weight", layer.out_weight, (e, e),
-                                             first, dim=1),)))
-    if layer.out_bias is not None:
-        out.append(Held(layer.out_bias, (whole(prefix + "out_proj.bias", layer.out_bias),)))
-    return out
-
-
-_TENSOR_PARALLEL = {ColumnParallelLinear: _column, RowParallelLinear: _row,
-                    VocabParallelEmbedding: _embedding, ParallelSelfAttention: _attention}
-
-
-def _unit(unit: Any, prefix: str, module: nn.Module) -> Held:
-    parallel = [type(m).__name__ for m in module.modules() if type(m) in _TENSOR_PARALLEL]
-    if parallel:
-        raise NotImplementedError(
-            f"fully_shard of a tensor-parallel module ({prefix or 'the root'} holds "
-            f"{parallel[0]}): its shards would mix the ranks' slices. Shard across the dp "
-            f"group of a td.mesh and keep tensor-parallel layers outside fully_shard units")
-    lo, hi = unit.my_range()
-    names = [prefix + n for n in unit.names]
-    return Held(unit.shard, flat_placements(names, unit.shapes, lo, hi))
+def split_of_module(module: nn.Module) -> Any:
+    """The object that implements the layout protocol (`local_pieces`, `full_tensors`) for what
+    `module` itself splits: its fully_shard unit, or the module (a tensor-parallel layer)."""
+    unit = getattr(module, ATTR, None)
+    if unit is not None and unit.shard is not None:
+        return UnitPieces(unit)
+    if hasattr(module, "local_pieces") and hasattr(module, "full_tensors"):
+        return module
+    return None
 
 
 def held(model: Any) -> list[Held]:
@@ -209,35 +72,9 @@ def held(model: Any) -> list[Held]:
 
 
 def own_held(module: nn.Module, prefix: str) -> list[Held]:
-    """The local tensors that `module` itself splits (its fully_shard unit's shard, or its
-    tensor-parallel slices), under one-process names starting with `prefix`."""
-    out = []
-    unit = getattr(module, ATTR, None)
-    if unit is not None and unit.shard is not None:
-        out.append(_unit(unit, prefix, module))
-    layout = _TENSOR_PARALLEL.get(type(module))
-    if layout is not None:
-        out.extend(layout(module, prefix))
-    return out
-
-
-def own_full(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """The one-process tensors that `module` itself splits, gathered (collective over its group)."""
-    from tandem.comm import collectives
-
-    unit = getattr(module, ATTR, None)
-    if unit is not None and unit.shard is not None:
-        shard = unit.shard.detach()
-        flat = collectives.allgather(shard, group=unit.group) if unit.size > 1 else shard
-        out, offset = {}, 0
-        for name, shape in zip(unit.names, unit.shapes, strict=True):
-            n = math.prod(shape)
-            out[prefix + name] = flat[offset : offset + n].view(shape).clone()
-            offset += n
-        return out
-    if type(module) in _TENSOR_PARALLEL:
-        return {prefix + name: value for name, value in module.full_weights().items()}
-    return {}
+    """The local tensors that `module` itself splits, under one-process names after `prefix`."""
+    split = split_of_module(module)
+    return [] if split is None else split.local_pieces(prefix)
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -280,19 +117,9 @@ def split_kinds(model: Any) -> set[str]:
         for module in model.modules():
             if getattr(module, ATTR, None) is not None:
                 kinds.add("fully_shard")
-            if type(module) in _TENSOR_PARALLEL:
+            elif split_of_module(module) is not None:
                 kinds.add("tensor parallel")
     return kinds
-
-
-def tensor_parallel_groups(model: nn.Module) -> list[Group | None]:
-    """The groups over which `model`'s tensor-parallel layers are split (distinct, in order)."""
-    groups: list[Group | None] = []
-    for module in model.modules():
-        if type(module) in _TENSOR_PARALLEL and group_size(module.group) > 1:
-            if all(module.group is not g for g in groups):
-                groups.append(module.group)
-    return groups
 
 
 # -- optimizer state ------------------------------------------------------------------------------

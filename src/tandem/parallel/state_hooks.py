@@ -25,28 +25,28 @@ import torch
 from torch import nn
 
 
-def install(module: nn.Module) -> None:
-    """Give `module` (a fully_shard unit's module or a tensor-parallel layer) the two hooks."""
-    module.register_state_dict_post_hook(_to_full)
-    module.register_load_state_dict_pre_hook(_to_local)
+def install(module: nn.Module, split: Any = None) -> None:
+    """Give `module` the two hooks; `split` (default: the module) implements the layout
+    protocol of `parallel/pieces.py` (`local_pieces`, `full_tensors`) for what it splits."""
+    split = module if split is None else split
+    module.register_state_dict_post_hook(
+        lambda module, state, prefix, metadata: _to_full(module, split, state, prefix))
+    module.register_load_state_dict_pre_hook(
+        lambda module, state, prefix, *rest: _to_local(module, split, state, prefix))
 
 
 def _local_key(module: nn.Module, tensor: torch.Tensor) -> str:
     return next(name for name, p in module._parameters.items() if p is tensor)
 
 
-def _to_full(module: nn.Module, state: dict, prefix: str, metadata: Any) -> None:
-    from tandem.parallel import layout
-
-    for held in layout.own_held(module, prefix):
+def _to_full(module: nn.Module, split: Any, state: dict, prefix: str) -> None:
+    for held in split.local_pieces(prefix):
         state.pop(prefix + _local_key(module, held.tensor), None)
-    state.update(layout.own_full(module, prefix))
+    state.update(split.full_tensors(prefix))
 
 
-def _to_local(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-    from tandem.parallel import layout
-
-    for held in layout.own_held(module, prefix):
+def _to_local(module: nn.Module, split: Any, state: dict, prefix: str) -> None:
+    for held in split.local_pieces(prefix):
         names = [p.name for p in held.placements]
         if not all(name in state for name in names):
             continue  # local entries, or a partial dict: torch's own checks report it

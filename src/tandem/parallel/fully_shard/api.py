@@ -37,7 +37,8 @@ from torch import nn
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks
-from tandem.parallel import splits, state_hooks
+from tandem.parallel import layout, splits, state_hooks
+from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import ATTR, Unit
 
 
@@ -59,12 +60,19 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
                                         and param_dtype.is_floating_point):
         raise ValueError(f"param_dtype={param_dtype!r}: give a floating torch dtype, e.g. torch.bfloat16")
     inner = [getattr(m, ATTR) for m in module.modules() if getattr(m, ATTR, None) is not None]
+    sliced = [name for name, m in module.named_modules() if hasattr(m, "local_pieces")]
+    if sliced:
+        raise ValueError(
+            f"fully_shard: {type(module).__name__} holds tensor-parallel layers "
+            f"({sliced[0] or 'itself'}): flattening their slices into one rank's shard would mix "
+            f"the ranks' slices. Keep tensor parallelism across mesh.tp_group and shard only "
+            f"modules without tensor-parallel layers (fully_shard(..., group=mesh.dp_group))")
     unit = Unit(module, group, param_dtype, reshard_after_forward, has_inner=bool(inner))
     for sub in inner:
         sub.is_root = False
     setattr(module, ATTR, unit)
     if unit.shard is not None:  # model.state_dict() / load_state_dict() speak the unsharded model
-        state_hooks.install(module)
+        state_hooks.install(module, UnitPieces(unit))
     return module
 
 
@@ -149,8 +157,6 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
     A dict for another model is an error listing the missing and unexpected names with shapes.
     """
-    from tandem.parallel import layout
-
     expected = {p.name: p.shape for held in layout.held(model) for p in held.placements}
     check_names(expected, {k: tuple(v.shape) for k, v in state.items()}, "the state dict")
     model.load_state_dict(state)

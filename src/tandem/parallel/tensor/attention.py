@@ -9,13 +9,16 @@ self-attention, so a model that calls `self.attn(x, x, x, need_weights=False)` r
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.comm.backend import Group
-from tandem.comm.groups import group_size
+from tandem.comm.groups import group_rank, group_size
 from tandem.parallel import state_hooks
+from tandem.parallel.pieces import Chunk, Held, Placement, sliced, whole
 from tandem.parallel.tensor.layers import _gather_rows, mark_sliced, shard_range
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
@@ -74,6 +77,30 @@ class ParallelSelfAttention(nn.Module):
         if self.out_bias is not None:
             out = out + self.out_bias
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def local_pieces(self, prefix: str) -> list[Held]:
+        """nn.MultiheadAttention's names; in_proj holds this rank's rows of q, k and v, stacked
+        (three boxes of one local tensor, `parallel/pieces.py`)."""
+        e, part = self.embed_dim, self.local_heads * self.head_dim
+        first = part * group_rank(self.group)
+
+        def stacked(name: str, local: torch.Tensor) -> Held:
+            inner = math.prod(local.shape[1:])
+            chunks = tuple(Chunk((i * e + first, *(0,) * (local.dim() - 1)), (part, *local.shape[1:]),
+                                 i * part * inner) for i in range(3))
+            return Held(local, (Placement(prefix + name, (3 * e, *local.shape[1:]), chunks),))
+
+        out = [stacked("in_proj_weight", self.in_proj_weight)]
+        if self.in_proj_bias is not None:
+            out.append(stacked("in_proj_bias", self.in_proj_bias))
+        out.append(Held(self.out_weight, (sliced(prefix + "out_proj.weight", self.out_weight, (e, e),
+                                                 first, dim=1),)))
+        if self.out_bias is not None:
+            out.append(Held(self.out_bias, (whole(prefix + "out_proj.bias", self.out_bias),)))
+        return out
+
+    def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + name: value for name, value in self.full_weights().items()}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """`nn.MultiheadAttention`'s state (in_proj_weight, ..., out_proj.bias), gathered."""

@@ -24,6 +24,7 @@ from tandem.comm import collectives
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel import split_grads, splits, state_hooks
+from tandem.parallel.pieces import Held, sliced, whole
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
@@ -91,6 +92,18 @@ class ColumnParallelLinear(nn.Module):
         """The one-process `weight` and `bias`, gathered (for a consolidated checkpoint)."""
         return {name: _gather_rows(p, self.group) for name, p in self.named_parameters()}
 
+    def local_pieces(self, prefix: str) -> list[Held]:
+        """Rows of the one-process weight and bias (the layout protocol, `parallel/pieces.py`)."""
+        first = self.weight.shape[0] * group_rank(self.group)
+        out = [Held(self.weight, (sliced(prefix + "weight", self.weight,
+                                         (self.out_features, self.in_features), first),))]
+        if self.bias is not None:
+            out.append(Held(self.bias, (sliced(prefix + "bias", self.bias, (self.out_features,), first),)))
+        return out
+
+    def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + name: value for name, value in self.full_weights().items()}
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(this rank: {self.weight.shape[0]}), gather_output={self.gather_output}")
@@ -134,6 +147,18 @@ class RowParallelLinear(nn.Module):
             full["bias"] = self.bias.detach().clone()
         return full
 
+    def local_pieces(self, prefix: str) -> list[Held]:
+        """Columns of the one-process weight; the bias whole (`parallel/pieces.py`)."""
+        first = self.weight.shape[1] * group_rank(self.group)
+        out = [Held(self.weight, (sliced(prefix + "weight", self.weight,
+                                         (self.out_features, self.in_features), first, dim=1),))]
+        if self.bias is not None:
+            out.append(Held(self.bias, (whole(prefix + "bias", self.bias),)))
+        return out
+
+    def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + name: value for name, value in self.full_weights().items()}
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
                 f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
@@ -174,6 +199,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         return {"weight": _gather_rows(self.weight, self.group)}
+
+    def local_pieces(self, prefix: str) -> list[Held]:
+        """Rows (vocabulary entries) of the one-process weight (`parallel/pieces.py`)."""
+        full = (self.num_embeddings, self.embedding_dim)
+        return [Held(self.weight, (sliced(prefix + "weight", self.weight, full, self.start),))]
+
+    def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + name: value for name, value in self.full_weights().items()}
 
 
 def _gather_rows(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
