@@ -171,20 +171,21 @@ def optimizer_params(optimizer: Any, models: Iterable[Any]) -> tuple[Any, Params
 
 def _zero_params(zero: Any, placements: dict[int, tuple[Placement, ...]]) -> list:
     """ZeroOptimizer steps one view of its flat shard per param group: each view holds a range
-    of the flat space in which the model's parameters lie end to end."""
+    of the flat space (`zero.space`) in which the model's parameters lie end to end."""
     out = []
-    for views, params, (start, _) in zip(zero._views, zero._params, zero._group_ranges, strict=True):
+    for index, (views, params, (start, _)) in enumerate(
+            zip(zero._views, zero._params, zero._group_ranges, strict=True)):
         view = views[0]
         names, shapes = [], []
         for p in params:
-            whole_piece = placements.get(id(p))
-            if whole_piece is None or len(whole_piece) != 1 or whole_piece[0].chunks[0].numel != p.numel():
+            piece = placements.get(id(p))
+            if piece is None or len(piece) != 1 or piece[0].chunks[0].numel != p.numel():
                 raise ValueError("ZeroOptimizer over parameters that are themselves split (a "
                                  "shard or a tensor-parallel slice) cannot be checkpointed")
-            names.append(whole_piece[0].name)
-            shapes.append(whole_piece[0].shape)
-        lo = zero._lo + zero._view_starts[len(out)]
-        out.append((view, flat_placements(names, shapes, lo, lo + view.numel(), base=start)))
+            names.append(piece[0].name)
+            shapes.append(piece[0].shape)
+        lo = zero.space.start + zero._view_starts[index]
+        out.append((view, zero.space.placements(names, shapes, lo, lo + view.numel(), base=start)))
     return out
 
 

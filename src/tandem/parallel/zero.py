@@ -51,6 +51,7 @@ from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.parallel import splits
+from tandem.parallel.flat_shard import FlatShard
 
 
 def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
@@ -116,9 +117,10 @@ class ZeroOptimizer:
                 self._offsets[-1].append(offset)
                 offset += p.numel()
             self._group_ranges.append((start, offset))
+        self.space = FlatShard(offset, self._size, self._rank)
         self.numel = offset
-        self.shard_numel = -(-offset // self._size)
-        self._lo = self._rank * self.shard_numel
+        self.shard_numel = self.space.shard_numel
+        self._lo = self.space.start
         self._hi = self._lo + self.shard_numel
         self._shard = torch.zeros(self.shard_numel, dtype=self._dtype, device=self._device)
         self._shard_grad = torch.zeros_like(self._shard)

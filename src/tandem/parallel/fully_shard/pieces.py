@@ -6,7 +6,7 @@ import torch
 
 from tandem.comm import collectives
 from tandem.parallel.fully_shard.unit import Unit
-from tandem.parallel.pieces import Held, flat_placements
+from tandem.parallel.pieces import Held
 
 
 class UnitPieces:
@@ -18,8 +18,7 @@ class UnitPieces:
 
     def local_pieces(self, prefix: str) -> list[Held]:
         unit = self.unit
-        lo, hi = unit.my_range()
-        return [Held(unit.shard, flat_placements([prefix + n for n in unit.names], unit.shapes, lo, hi))]
+        return [Held(unit.shard, unit.space.placements([prefix + n for n in unit.names], unit.shapes))]
 
     def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         unit = self.unit

@@ -35,6 +35,7 @@ from tandem import runtime
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.parallel import splits
+from tandem.parallel.flat_shard import FlatShard
 from tandem.parallel.split_grads import as_split_grad
 
 ATTR = "_tandem_unit"
@@ -90,7 +91,8 @@ class Unit:
         self.shapes = [tuple(p.shape) for _, _, _, p in owned]
         self._slots = [(owner, attr) for _, owner, attr, _ in owned]
         self.numel = sum(p.numel() for _, _, _, p in owned)
-        self.shard_numel = -(-self.numel // self.size)
+        self.space = FlatShard(self.numel, self.size, self.rank)  # ZeroOptimizer's arithmetic too
+        self.shard_numel = self.space.shard_numel
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
         self.is_root = True  # until an outer fully_shard takes this module in
@@ -133,8 +135,7 @@ class Unit:
     # -- the unit's range in the flat space ------------------------------------------------------
     def my_range(self) -> tuple[int, int]:
         """[lo, hi) of this rank's shard, clipped to the real (unpadded) elements."""
-        lo = min(self.rank * self.shard_numel, self.numel)
-        return lo, min(lo + self.shard_numel, self.numel)
+        return self.space.my_range()
 
     def _placeholders(self) -> None:
         """Shape-only stand-ins between forwards: using one outside forward fails clearly."""
