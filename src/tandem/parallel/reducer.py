@@ -71,6 +71,7 @@ def live_reducers() -> list[Reducer]:
     return sorted((r for r in _live if not r._closed), key=lambda r: r._serial)
 
 
+
 class Reducer(JoinRounds):
     """Buckets, hooks and the launch/wait protocol for one set of parameters."""
 
@@ -156,7 +157,7 @@ class Reducer(JoinRounds):
         self._closed = False
         self._handles = []
         for i, p in enumerate(self._params):
-            other = getattr(p, "_tandem_reducer", lambda: None)()
+            other = splits.reducer_of(p)
             if other is not None and not other._closed:
                 raise ValueError(
                     f"{owner}: parameter {self._names[i]!r} is already reduced by another "
@@ -164,7 +165,7 @@ class Reducer(JoinRounds):
                 )
         me = weakref.ref(self)
         for i, p in enumerate(self._params):
-            p._tandem_reducer = me
+            splits.set_reducer(p, me)
             self._handles.append(p.register_post_accumulate_grad_hook(_make_hook(me, i)))
         weakref.finalize(self, _remove_hooks, list(self._handles))
         Reducer._serials += 1

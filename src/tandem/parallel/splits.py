@@ -88,3 +88,18 @@ def mixes_slices(tensor: torch.Tensor, group: Group | None) -> bool:
 def kind_of(tensor: torch.Tensor) -> str | None:
     split = split_of(tensor)
     return None if split is None else split.kind
+
+
+# parameter -> weak reference to the reducer that averages its gradient: one reducer per
+# parameter, and the pipeline finds the reducers over a stage here.
+_REDUCERS = WeakIdKeyDictionary()
+
+
+def set_reducer(param: torch.Tensor, reducer_ref: weakref.ref) -> None:
+    _REDUCERS[param] = reducer_ref
+
+
+def reducer_of(param: torch.Tensor):
+    """The live reducer that averages `param`'s gradient, if any."""
+    ref = _REDUCERS.get(param)
+    return ref() if ref is not None else None

@@ -26,6 +26,7 @@ from tandem.parallel.pipeline.edges import (
     spec_tag,
 )
 from tandem.parallel.pipeline.schedules import Action, ActionKind
+from tandem.parallel.splits import reducer_of
 
 
 @dataclass(frozen=True)
@@ -321,8 +322,7 @@ def _reducers_of(stage: torch.nn.Module) -> list:
     """The live gradient reducers over `stage`'s parameters that reduce every backward pass."""
     found = []
     for param in stage.parameters():
-        ref = getattr(param, "_tandem_reducer", None)
-        reducer = ref() if ref is not None else None
+        reducer = reducer_of(param)
         if reducer is not None and not reducer.closed and reducer.accumulate == 1:
             if reducer not in found:
                 found.append(reducer)
