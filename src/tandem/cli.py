@@ -149,7 +149,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     from tandem import doctor
 
-    return doctor.main()
+    return doctor.main(clean_first=args.clean)
 
 
 def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -160,6 +160,9 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Print one line per check (with the fix when something is missing); "
         "always exits 0.",
     )
+    parser.add_argument("--clean", action="store_true",
+                        help="first remove the shared-memory segments in /dev/shm that killed "
+                        "MPI jobs left behind (only those no running process uses)")
     parser.set_defaults(handler=_doctor)
 
 

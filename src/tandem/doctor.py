@@ -8,7 +8,9 @@
 
 Every check is a small function returning `Check(name, ok, detail, fix)`; none of them
 communicates, starts MPI or changes anything, so it is safe to run anywhere, any time. The
-command always exits 0: it reports, it does not judge.
+command always exits 0: it reports, it does not judge. `tandem doctor --clean` changes one
+thing first: it removes the MPI shared-memory segments in /dev/shm that killed jobs left
+(`launch.shm.remove_stale`: only those no process maps or holds open).
 """
 
 from __future__ import annotations
@@ -193,8 +195,18 @@ def run_checks() -> list[Check]:
     return results
 
 
-def main() -> int:
-    """Print one line per check; always 0."""
+def clean() -> str:
+    """Remove stale MPI segments; say what went."""
+    from tandem.launch import shm
+
+    names, size = shm.remove_stale()
+    return shm.describe_removed(names, size) if names else f"nothing stale in {shm.SHM_DIR}"
+
+
+def main(clean_first: bool = False) -> int:
+    """Print one line per check (after `clean()` when asked); always 0."""
+    if clean_first:
+        print(Check("clean", True, clean()).line(), flush=True)
     for check in run_checks():
         print(check.line(), flush=True)
     return 0

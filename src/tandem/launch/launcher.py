@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import sys
 
 from tandem import settings
-from tandem.launch import mpiexec
+from tandem.launch import mpiexec, shm
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
 from tandem.launch.supervisor import LocalJob
 
@@ -81,9 +82,13 @@ def launch(config: LaunchConfig) -> int:
             "--master {}:{} is for jobs of several nodes (--nnodes N) or with restarts: a "
             "1-node job hosts its rendezvous on 127.0.0.1 at a free port itself. Drop --master "
             "(or unset TANDEM_MASTER)".format(*config.master))
+    check_program(config)
+    # What a killed `tandem run` could not remove (a job that ends removes its own).
+    removed, size = shm.remove_stale()
+    if removed:
+        print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
     if config.backend == "mpi":
         return mpiexec.launch(config)
-    check_program(config)
     if config.max_restarts or config.nnodes > 1 or config.remote_hosts:
         from tandem.launch import multinode  # restarts, several agents, ssh
 

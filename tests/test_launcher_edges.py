@@ -1,0 +1,172 @@
+"""`tandem run` at its edges: strangers on its ports, programs it cannot run, Ctrl-C while the
+ranks are still importing, and the /dev/shm leftovers of a launcher that was SIGKILLed.
+
+Jobs run through `python -m tandem run` as a user types it; without `--backend` that is MPI on
+this machine (mpiexec comes with mpi4py's mpich), and each communication edge runs on Gloo too.
+Nothing here is timed: a job that idle connections held up would fail (the old launch port
+gave up on them after 41 s), one that they hang runs into the test's deadline.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import mmap
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.launch import shm
+from tandem.testing import still_running
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+JOB_TIMEOUT_S = 90
+CPU_DEFAULT = "mpi" if importlib.util.find_spec("mpi4py") else "gloo"
+BACKENDS = [pytest.param((), id=CPU_DEFAULT), pytest.param(("--backend", "gloo"), id="gloo")]
+needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="no mpi4py")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tandem", "run", *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(agent: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return agent.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+
+
+def _read_until(stream, pattern: str, seen: list[str]) -> None:
+    """Read `stream` line by line (into `seen`) until a line matches `pattern`."""
+    while not any(re.search(pattern, line) for line in seen):
+        line = stream.readline()
+        assert line, f"the job ended before {pattern!r}:\n" + "".join(seen)
+        seen.append(line)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as file:
+        return int(file.read().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    try:
+        for _ in range(4):  # supervisor -> mpiexec(.gforker) -> tandem run
+            pid = _parent(pid)
+            if pid == ancestor:
+                return True
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _pids_of(agent: subprocess.Popen, script: str) -> list[int]:
+    """The ranks: processes of our job running `script` under Python (`python -u script`)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] == [b"-u", script.encode()] and _descends_from(int(pid), agent.pid):
+            found.append(int(pid))
+    return found
+
+
+# --- /dev/shm after a SIGKILLed launcher ---------------------------------------------------
+
+
+def _hold_shared_memory() -> tuple[subprocess.Popen, set[str], list[int]]:
+    """An MPI job whose ranks map their segments and wait: (launcher, segments, rank pids)."""
+    script = str(SCRIPTS / "mpi_shm_hold.py")
+    agent = _start("-np", "2", "--backend", "mpi", script)
+    seen: list[str] = []
+    try:
+        _read_until(agent.stdout, r"^\[0\] rank 0 maps", seen)
+        _read_until(agent.stdout, r"^\[1\] rank 1 maps", seen)
+        names = {name for line in seen for name in line.split(" maps ", 1)[-1].split()}
+        segments = {name for name in names
+                    if any(fnmatch.fnmatch(name, pattern) for pattern in shm.PATTERNS)}
+        assert segments, seen  # the ranks use shared memory that outlives MPI's init
+        return agent, segments, _pids_of(agent, script)
+    except BaseException:
+        agent.kill()
+        agent.communicate()
+        raise
+
+
+def _kill_launcher(agent: subprocess.Popen, ranks: list[int]) -> str:
+    """SIGKILL `tandem run` itself (it can clean nothing up); its stderr."""
+    agent.kill()
+    _, err = agent.communicate(timeout=JOB_TIMEOUT_S)
+    assert not still_running(ranks), ranks  # the supervisors end the ranks with their agent
+    return err
+
+
+def _present(names: set[str]) -> set[str]:
+    return {name for name in names if (shm.SHM_DIR / name).exists()}
+
+
+def _doctor_clean() -> str:
+    done = subprocess.run([sys.executable, "-m", "tandem", "doctor", "--clean"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(180)
+@needs_mpi
+@pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_a_killed_launchers_shared_memory_goes_with_the_next_run_and_doctor_clean():
+    first, first_segments, first_ranks = _hold_shared_memory()
+    _kill_launcher(first, first_ranks)
+    assert _present(first_segments) == first_segments  # left behind: nobody could remove them
+
+    # The next `tandem run` removes them as it starts; its own, in use, stay while it runs,
+    # and `tandem doctor --clean` leaves them alone too.
+    second, second_segments, second_ranks = _hold_shared_memory()
+    try:
+        assert not _present(first_segments)
+        said = _doctor_clean()
+        assert _present(second_segments) == second_segments, said
+    finally:
+        err = _kill_launcher(second, second_ranks)
+    assert f"tandem run: removed {len(first_segments)} stale MPI segment(s) from /dev/shm" in err
+    assert all(name in err for name in first_segments), err
+    assert _present(second_segments) == second_segments
+
+    said = _doctor_clean()
+    assert not _present(second_segments), said
+    line = said.splitlines()[0]
+    assert line.startswith("clean") and f"removed {len(second_segments)} stale" in line, said
+    assert all(name in line for name in second_segments), line
+    assert "shm        no stale MPI segments" in said, said  # the check that follows agrees
+
+
+def test_only_segments_no_process_uses_are_stale(tmp_path):
+    stale_file = tmp_path / "mpich_shm_0badf00d"
+    live_file = tmp_path / "mpich_shm_1badf00d"
+    open_file = tmp_path / "sm_segment.host.0.1"
+    for path in (stale_file, live_file, open_file):
+        path.write_bytes(b"\0" * 4096)
+    (tmp_path / "not_mpi").write_bytes(b"x")
+    with open(live_file, "r+b") as handle, mmap.mmap(handle.fileno(), 4096), \
+            open(open_file, "rb"):
+        removed, size = shm.remove_stale(tmp_path)
+    assert removed == [stale_file.name] and size == 4096
+    assert live_file.exists() and open_file.exists() and (tmp_path / "not_mpi").exists()
