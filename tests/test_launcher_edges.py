@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.launch import shm
+from tandem.cli import main
+from tandem.launch import LaunchConfig, LaunchError, shm
+from tandem.launch.config import check_program
+from tandem.launch.programs import python_target
 from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +89,81 @@ def _pids_of(agent: subprocess.Popen, script: str) -> list[int]:
         if argv[1:3] == [b"-u", script.encode()] and _descends_from(int(pid), agent.pid):
             found.append(int(pid))
     return found
+
+
+# --- programs tandem run cannot run --------------------------------------------------------
+
+
+def _file(path: Path, text: bytes, executable: bool) -> str:
+    path.write_bytes(text)
+    path.chmod(0o755 if executable else 0o644)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["python"], "`python` with no script to run: each rank would start Python on an empty"),
+    (["python", "-u", "-X", "dev"], "Name the script: `tandem run -np 2 python train.py`"),
+    (["-m", "launch_touch.py"], "did you mean `-m launch_touch`?"),
+    (["-m", "tests/scripts/launch_touch.py"], "did you mean `-m tests.scripts.launch_touch`?"),
+    (["python", "-m", "launch_touch.py"], "did you mean `-m launch_touch`?"),
+    (["python", "no_such_script.py"], "the script 'no_such_script.py' does not exist"),
+], ids=["python", "python-flags", "-m-file", "-m-path", "python-m-file", "python-missing"])
+def test_a_command_with_nothing_sensible_to_run_is_a_usage_error(argv, message, tmp_path,
+                                                                  capsys):
+    code = main(["run", "-np", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.startswith("usage: tandem run")  # a usage error: the usage, then the cause
+
+
+@pytest.mark.parametrize("name, text, executable, message", [
+    ("nosb", b"echo hi\n", True, "is executable but has no #! line, so the system cannot run it"
+     " as a command (only a shell would guess `sh`). Name its interpreter: `tandem run -np 2 sh "),
+    ("pynosb", b"print('hi')\n", True, "`tandem run -np 2 python {path}` (it compiles as Python)"),
+    ("badsb", b"#!/no/such/interpreter\necho hi\n", True,
+     "its first line `#!/no/such/interpreter` names /no/such/interpreter, which does not exist"),
+    ("shell", b"echo hi\n", False, "is not a Python file (Python cannot compile it: invalid "
+     "syntax at line 1), it is not executable and it has no #! line"),
+    ("bashscript", b"#!/bin/bash\necho hi\n", False, "is a `#!/bin/bash` script, not Python, and"
+     " it is not executable: `chmod +x {path}`, or name its interpreter: `tandem run -np 2 "
+     "/bin/bash {path}`"),
+    ("program", b"\x7fELF\x02\x01\x01" + b"\0" * 64, False,
+     "is a program (ELF) but it is not executable: `chmod +x {path}`"),
+], ids=["sh-no-shebang", "python-no-shebang", "missing-interpreter", "shell-not-executable",
+        "bash-not-executable", "elf-not-executable"])
+def test_a_file_that_cannot_run_is_named_with_the_cause(name, text, executable, message,
+                                                        tmp_path, capsys):
+    path = _file(tmp_path / name, text, executable)
+    marker = tmp_path / "started"
+    code = main(["run", "-np", "2", path, str(marker)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(path=path) in err, err
+    assert not marker.exists()
+
+
+def test_files_python_can_run_are_run_by_it_as_torchrun_does(tmp_path):
+    """Not executable, yet Python: a script without .py, a `#!python` one, a directory."""
+    plain = _file(tmp_path / "train", b"import os\nprint(os.sep)\n", False)
+    shebang = _file(tmp_path / "tool", b"#!/usr/bin/env python3\nprint(1)\n", False)
+    folder = tmp_path / "app"
+    folder.mkdir()
+    (folder / "__main__.py").write_text("print(1)\n")
+    for program in (plain, shebang, str(folder), str(SCRIPTS / "launch_touch.py")):
+        check_program(LaunchConfig(np=2, program=program))  # nothing to say
+    with pytest.raises(LaunchError, match="is a directory without __main__.py"):
+        check_program(LaunchConfig(np=2, program=str(tmp_path)))
+
+
+@pytest.mark.parametrize("args, target", [
+    ((), None), (("-",), None), (("-u", "-B"), None), (("-X", "dev", "-W", "error"), None),
+    (("-Wignore", "-u"), None), (("--check-hash-based-pycs", "never"), None),
+    (("train.py", "--lr", "1"), ("script", "train.py")), (("-u", "-m", "pkg.x"), ("-m", "pkg.x")),
+    (("-mpkg.x",), ("-m", "pkg.x")), (("-uc", "print(1)"), ("-c", "print(1)")),
+    (("-X", "dev", "t.py"), ("script", "t.py")), (("--version",), ("option", "--version")),
+])
+def test_what_a_python_command_line_runs(args, target):
+    assert python_target(args) == target
 
 
 # --- /dev/shm after a SIGKILLed launcher ---------------------------------------------------

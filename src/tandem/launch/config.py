@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.launch.hosts import Host, parse_hosts, read_hostfile, total_slots
+from tandem.launch.programs import file_problem, is_command, shape_problem
 from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
 
 
 class LaunchError(ValueError):
     """The job cannot be launched as asked; the message says what to change."""
+
+
+class StartError(LaunchError):
+    """A rank's program could not be started (the system refused it); `code` is the exit code
+    a shell gives for that: 127 when it is not found, 126 when it cannot be executed."""
+
+    def __init__(self, message: str, code: int = 126) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _integer(text: str) -> int:
@@ -140,6 +149,9 @@ class LaunchConfig:
         if self.module and self.executable:
             raise LaunchError(f"-m {self.program}: a module runs under this Python; to run it "
                               f"under another, give `/path/to/python -m {self.program}`")
+        problem = shape_problem(self.program, self.args, self.module, self.executable, self.np)
+        if problem:
+            raise LaunchError(problem)
         if self.backend is not None and self.backend not in BACKENDS:
             raise LaunchError(f"unknown backend {self.backend!r}: choose one of "
                               f"{', '.join(BACKENDS)}")
@@ -256,20 +268,6 @@ def config_from_args(
     )
 
 
-def is_command(program: str) -> bool:
-    """Whether `program` is a command to run as given (mpiexec's and horovodrun's form:
-    `python train.py`, `/abs/python -m pkg`, `./a.out`) rather than a Python script.
-
-    A `.py` file, or a file that is not executable, is a script (run by this Python); an
-    executable file, or a name found on PATH that is no file here, is a command.
-    """
-    if program.endswith(".py"):
-        return False
-    if os.path.isfile(program):
-        return os.access(program, os.X_OK)
-    return os.sep not in program and shutil.which(program) is not None
-
-
 def _check_writable(path: str) -> None:
     """--timeline FILE: a file this process can create, checked before any rank starts."""
     full = os.path.abspath(path)
@@ -286,13 +284,18 @@ def _check_writable(path: str) -> None:
 
 
 def check_program(config: LaunchConfig) -> None:
-    """A missing script is our error (nothing starts); a missing module is each rank's."""
-    if config.module or config.executable:
+    """A missing script, or a file the ranks could not run (`programs.file_problem`), is our
+    error (nothing starts); a missing module is each rank's."""
+    if config.module:
         return  # importable only in the ranks' environment, so let them say so
-    if not os.path.isfile(config.program):
+    if not config.executable and not os.path.exists(config.program):
         where = os.path.abspath(config.program)
         hint = ""
         dotted = all(part.isidentifier() for part in config.program.split("."))
         if dotted and not config.program.endswith(".py"):
             hint = f"; if it is a module, run it with -m {config.program}"
         raise LaunchError(f"the script {config.program!r} does not exist ({where}){hint}")
+    problem = file_problem(config.program, config.args, config.module, config.executable,
+                           config.np)
+    if problem:
+        raise LaunchError(problem)
