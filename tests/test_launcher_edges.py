@@ -14,8 +14,11 @@ import importlib.util
 import mmap
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,6 +94,92 @@ def _pids_of(agent: subprocess.Popen, script: str) -> list[int]:
     return found
 
 
+# --- strangers on the launcher's ports -----------------------------------------------------
+
+
+def _ports_in_argv(agent: int) -> set[int]:
+    """What `ps` shows any local user: the ports on our job's supervisors' command lines."""
+    ports = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "tandem.launch.mpi_rank" in argv and _descends_from(int(pid), agent):
+            for flag in ("--connect", "--store"):
+                if flag in argv:
+                    ports.add(int(argv[argv.index(flag) + 1].rsplit(":", 1)[1]))
+    return ports
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """What `ss -ltnp` shows: the TCP ports this process listens on."""
+    try:
+        links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:
+        return set()
+    ports = set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        if fields[3] == "0A" and f"socket:[{fields[9]}]" in links:
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+class Strangers:
+    """A local attacker: opens idle and junk connections to every port of the job it finds."""
+
+    # Four idle ones (the user trial's: they failed the job after 41 s), then some nonsense.
+    JUNK = (b"",) * 4 + (b"GET / HTTP/1.0\r\n\r\n", b"0" * 32 + b" 0 control\n", b"\xff" * 300)
+
+    def __init__(self, agent: subprocess.Popen) -> None:
+        self.agent = agent
+        self.sockets: list[socket.socket] = []
+        self.attacked: set[int] = set()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set() and self.agent.poll() is None:
+            found = _ports_in_argv(self.agent.pid) | _listening_ports(self.agent.pid)
+            for port in found - self.attacked:
+                self.attacked.add(port)
+                for junk in self.JUNK:
+                    try:
+                        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                        sock.sendall(junk)
+                    except OSError:
+                        continue  # closed already: the job is past its start
+                    self.sockets.append(sock)
+            self.done.wait(0.002)  # poll /proc as an attacker would
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("flags", BACKENDS)
+def test_idle_and_junk_connections_neither_delay_nor_fail_the_job(flags):
+    agent = _start("-np", "2", *flags, str(SCRIPTS / "launch_env.py"))
+    strangers = Strangers(agent)
+    try:
+        out, err = _finish(agent)
+    finally:
+        strangers.close()
+    assert agent.returncode == 0, err
+    backend = "gloo" if flags else CPU_DEFAULT
+    for rank in (0, 1):
+        assert f"[{rank}] allreduce=3 backend={backend}" in out, out + err
+    # The attack happened: every port the job showed got idle and junk connections, while it
+    # was still taking connections (the launch port closes once every rank is connected).
+    assert len(strangers.sockets) >= len(Strangers.JUNK), strangers.attacked
+    assert len(strangers.attacked) >= (2 if backend == "mpi" else 1), strangers.attacked
+
+
 # --- programs tandem run cannot run --------------------------------------------------------
 
 
@@ -164,6 +253,59 @@ def test_files_python_can_run_are_run_by_it_as_torchrun_does(tmp_path):
 ])
 def test_what_a_python_command_line_runs(args, target):
     assert python_target(args) == target
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", BACKENDS)
+def test_a_program_the_system_refuses_is_named_without_the_usage(flags, tmp_path):
+    # Executable, neither ELF nor `#!` nor text: the system has the last word, and says no.
+    program = _file(tmp_path / "blob", b"\0\1\2 not a program", True)
+    agent = _start("-np", "2", *flags, program)
+    out, err = _finish(agent)
+    assert agent.returncode == 126, err  # as a shell says it: found, but cannot be executed
+    assert re.search(rf"could not start {re.escape(program)}: Exec format error$", err, re.M), err
+    assert "usage:" not in err and "[]" not in err and "Traceback" not in err, err
+
+
+# --- Ctrl-C during start-up ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", BACKENDS)
+def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(flags):
+    script = str(SCRIPTS / "launch_importing.py")
+    agent = _start("-np", "2", *flags, script)
+    seen: list[str] = []
+    try:
+        _read_until(agent.stderr, r"^\[0\] importing", seen)
+        _read_until(agent.stderr, r"^\[1\] importing", seen)
+        ranks = _pids_of(agent, script)
+        agent.send_signal(signal.SIGINT)
+    finally:
+        out, err = _finish(agent)
+    assert agent.returncode == 130, err
+    assert err == "tandem run: interrupted during start-up (SIGINT); stopped 2 rank(s)\n", err
+    assert out == "", out
+    assert len(ranks) == 2 and not still_running(ranks), ranks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", BACKENDS)
+def test_ctrl_c_reaches_started_ranks_and_spares_importing_ones_a_traceback(flags):
+    """Rank 0 runs its code (it may catch KeyboardInterrupt); rank 1 is still importing."""
+    script = str(SCRIPTS / "launch_importing.py")
+    agent = _start("-np", "2", *flags, script, "rank0-ready")
+    seen: list[str] = []
+    try:
+        _read_until(agent.stdout, r"^\[0\] ready", [])
+        _read_until(agent.stderr, r"^\[1\] importing", seen)
+        agent.send_signal(signal.SIGINT)
+    finally:
+        _, err = _finish(agent)
+    assert agent.returncode == 130, err
+    assert "tandem run: received SIGINT; stopping all ranks" in err, err
+    assert "[0] KeyboardInterrupt" in err, err  # rank 0 got the SIGINT itself
+    assert not [line for line in err.splitlines() if line.startswith("[1]")], err
 
 
 # --- /dev/shm after a SIGKILLed launcher ---------------------------------------------------

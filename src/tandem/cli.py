@@ -16,15 +16,19 @@ imports this module.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tandem.launch import LaunchError, config_from_args, launch
+    from tandem.launch import LaunchError, StartError, config_from_args, launch
 
     try:
         return launch(config_from_args(args))
+    except StartError as error:  # the command line was fine; the system refused the program
+        print(f"tandem run: error: {error}", file=sys.stderr)
+        return error.code
     except LaunchError as error:
         args.parser.print_usage(sys.stderr)
         print(f"tandem run: error: {error}", file=sys.stderr)
@@ -208,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse reports usage errors and --help this way
         code = exit_.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except KeyboardInterrupt:  # Ctrl-C before a command set its own handler: one line
+        print("tandem: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -75,7 +75,14 @@ From Python
 launch(LaunchConfig(np=2, program="train.py")) runs a job and returns its exit code.
 """
 
-from tandem.launch.config import LaunchConfig, LaunchError, add_run_arguments, config_from_args
+from tandem.launch.config import (
+    LaunchConfig,
+    LaunchError,
+    StartError,
+    add_run_arguments,
+    config_from_args,
+)
 from tandem.launch.launcher import launch
 
-__all__ = ["LaunchConfig", "LaunchError", "add_run_arguments", "config_from_args", "launch"]
+__all__ = ["LaunchConfig", "LaunchError", "StartError", "add_run_arguments", "config_from_args",
+           "launch"]

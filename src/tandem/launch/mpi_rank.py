@@ -18,18 +18,21 @@ that read `TANDEM_RANK` work as under Gloo, while `td.init()` still picks the MP
 
 It runs in a session of its own, so the agent stops it (and whatever it started) by process
 group, exactly like a locally started rank, and reads its output as it reads a local rank's
-pipes. On the control socket the supervisor says `pid <pid>` when the child started and
-`exit <code>` when it ended (a negative code: killed by that signal); past the environment the
-agent never writes there, so end of file means the agent is gone, and the supervisor then kills
-the child's group (the rank's watchdog in turn ends the rank if the supervisor vanishes). It
-exits 0 itself either way: deciding what a failure means (stop the others, the summary, the
+pipes. Each of the three connections first proves the job's launch token (`launch_port`, the
+rendezvous store's handshake). On the control socket the supervisor says `pid <pid>` when the
+child started (`error <code> <why>` when the system refused to start it) and `exit <code>` when
+it ended (a negative code: killed by that signal); past the environment the agent never writes
+there, so end of file means the agent is gone, and the supervisor then kills the child's group
+(the rank's watchdog in turn ends the rank if the supervisor vanishes). It exits 0 itself
+either way: deciding what a failure means (stop the others, the summary, the
 job's exit code) is the agent's job, not mpiexec's. So it ignores mpiexec's own ways of
 ending a job after one rank left without MPI_Finalize: Hydra's SIGUSR1 (with
 -disable-auto-cleanup), and with `--forker` gforker's SIGINT then SIGQUIT a second later,
 which no flag turns off.
 
-It imports `tandem.environments` and `tandem.settings`, which need no torch (the `tandem`
-package loads its names lazily), so starting a rank's supervisor stays cheap.
+It imports `tandem.environments`, `tandem.settings` and `tandem.launch` (with the rendezvous
+store's handshake), which need no torch (the `tandem` package loads its names lazily), so
+starting a rank's supervisor stays cheap.
 """
 
 from __future__ import annotations
@@ -45,18 +48,14 @@ import sys
 import threading
 
 from tandem import environments, settings
+from tandem.launch import launch_port
+from tandem.launch.processes import start_failure_code
+from tandem.rendezvous.auth import AuthenticationFailed
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORKER_KILLS = (signal.SIGINT, signal.SIGQUIT)  # gforker's MPIE_KillWorld, on an abnormal exit
 CONNECT_TIMEOUT_S = 30.0
 _ENV_HEADER_BYTES = 64
-
-
-def _connect(address: tuple[str, int], header: bytes) -> socket.socket:
-    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
-    sock.settimeout(None)
-    sock.sendall(header)
-    return sock
 
 
 def _receive_environment(control: socket.socket) -> dict[str, str]:
@@ -154,19 +153,32 @@ def main(argv: list[str] | None = None) -> int:
         job = dataclasses.replace(job, local_rank=job.rank, local_size=job.size)
     token = settings.current().launch_token or ""
     address = _address(args.connect)
-    streams = {kind: _connect(address, f"{token} {job.rank} {kind}\n".encode())
-               for kind in ("control", "stdout", "stderr")}
+    try:
+        streams = {kind: launch_port.connect(address, token, job.rank, kind, CONNECT_TIMEOUT_S)
+                   for kind in launch_port.KINDS}
+    except (OSError, AuthenticationFailed) as error:
+        raise SystemExit(f"mpi_rank.py: rank {job.rank} cannot reach its tandem run agent at "
+                         f"{args.connect}: {error}") from None
     # The job's environment, then what mpiexec set (PMI_FD, PMI_RANK...: os.environ holds
     # what mpiexec was given, a part of the job's, plus those).
     base = {**_receive_environment(streams["control"]), **os.environ}
     env = _child_environment(job, _address(args.store), base)
-    child = subprocess.Popen(
-        command, env=env, stdin=subprocess.DEVNULL, stdout=streams["stdout"].fileno(),
-        stderr=streams["stderr"].fileno(), close_fds=False, start_new_session=True,
-    )
+    control = streams["control"]
+    try:
+        child = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=streams["stdout"].fileno(),
+            stderr=streams["stderr"].fileno(), close_fds=False, start_new_session=True,
+        )
+    except OSError as error:  # the agent names the cause; nothing to stop
+        why = error.strerror or str(error)
+        try:
+            control.sendall(f"error {start_failure_code(error)} {why}\n".encode())
+        except OSError:
+            pass  # the agent is gone: nobody to tell
+        control.close()
+        return 0
     streams["stdout"].close()  # the child holds them now: end of file when it is gone
     streams["stderr"].close()
-    control = streams["control"]
 
     def forward(signum: int, frame: object) -> None:
         try:

@@ -19,9 +19,11 @@ the job's rendezvous store, and every rank gets it (`TANDEM_MASTER_ADDR/PORT` an
 ask every rank where it is.
 
 Ranks run on this machine only (as with the local launcher); the agent's sockets listen on
-127.0.0.1 and ranks authenticate with a per-job token. The job's environment reaches every
-rank's supervisor over its control connection rather than through mpiexec (gforker refuses an
-environment of more than 193 variables; it gets the few its supervisors need to start).
+127.0.0.1, and each supervisor proves a per-job token before it is heard (`launch_port`):
+idle or junk connections to the port, which `ps` shows, neither delay nor fail the job. The
+job's environment reaches every rank's supervisor over its control connection rather than
+through mpiexec (gforker refuses an environment of more than 193 variables; it gets the few
+its supervisors need to start).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -40,19 +43,19 @@ import time
 from pathlib import Path
 
 from tandem.launch import shm
-from tandem.launch.config import LaunchConfig, LaunchError, check_program
+from tandem.launch.config import LaunchConfig, LaunchError, StartError, check_program
+from tandem.launch.launch_port import KINDS, LaunchPort
 from tandem.launch.output import block_agent_signals
 from tandem.launch.processes import signal_group
 from tandem.launch.ranks import LocalRanks, Placement, job_environment, rank_command
-from tandem.launch.supervisor import LocalJob
+from tandem.launch.supervisor import LocalJob, StartInterrupted
 
 START_TIMEOUT_S = 120.0  # for mpiexec to start every rank's program (imports included)
 MPIEXEC_EXIT_S = 10.0  # for mpiexec to exit once every rank is gone
 # gforker has nothing left to do once every rank is gone, but after a failure it sleeps 1 s
 # per supervisor that left (MPIE_KillWorld, in its SIGCHLD handler) before it exits.
 FORKER_EXIT_S = 0.2
-_HEADER_BYTES = 256
-_KINDS = ("control", "stdout", "stderr")
+_LINE_BYTES = 4096  # a supervisor's `pid`, `exit` or `error` line
 
 
 def find_mpiexec() -> str:
@@ -174,13 +177,16 @@ class MPIExecRanks(LocalRanks):
         self._segments_before: set[str] | None = None
         self._environment = b""  # the ranks' environment, sent to each supervisor (JSON)
         self._exit_wait = MPIEXEC_EXIT_S
+        self._arrived: dict[int, dict] = {}  # rank -> its streams (and pid) as they connect
+        self._quiet = False  # set when the start is abandoned: mpiexec's words are noise then
 
     def start(self, placement: Placement) -> None:
         # MPI ranks find each other through mpiexec; `placement.store`, the agent's rendezvous
         # store, is for the watchdog's cross-rank reports (each supervisor hands it to its rank).
         token = secrets.token_hex(16)
+        self.store_port = placement.store[1]
         self._segments_before = shm.segments()  # what is not ours to remove (see close)
-        listener = socket.create_server(("127.0.0.1", 0), backlog=3 * self.config.np)
+        port = LaunchPort(token, self.config.np, self._events)
         try:
             env = job_environment(self.config, os.environ)
             # A failed rank exits (we stop the others) rather than MPI_Abort'ing the job.
@@ -209,7 +215,7 @@ class MPIExecRanks(LocalRanks):
             command = [
                 starter, *flags, "-n", str(self.config.np),
                 sys.executable, "-u", "-m", "tandem.launch.mpi_rank", *extra,
-                "--connect", f"127.0.0.1:{listener.getsockname()[1]}",
+                "--connect", f"127.0.0.1:{port.port}",
                 "--store", "{}:{}".format(*placement.store), "--",
                 *rank_command(self.config),
             ]
@@ -219,21 +225,37 @@ class MPIExecRanks(LocalRanks):
             )
             threading.Thread(target=self._relay_mpiexec, name="tandem-mpiexec-output",
                              daemon=True).start()
-            ranks = self._accept(listener, token)
+            ranks = self._accept()
+        except BaseException:
+            # Not started after all (a signal, a program the system refused): mpiexec and the
+            # supervisors go without a word (their complaints about a vanished agent would only
+            # bury the reason), the programs that did start with their groups (`reap`).
+            self._quiet = True
+            if self._mpiexec is not None:
+                signal_group(self._mpiexec.pid, signal.SIGKILL)
+            for streams in self._arrived.values():
+                for kind in KINDS:
+                    if kind in streams:
+                        streams[kind].close()
+            raise
         finally:
-            listener.close()
+            port.close()
         for rank in range(self.config.np):
             streams = ranks[rank]
             self.watch(rank, streams["pid"], streams["stdout"].makefile("rb"),
                        streams["stderr"].makefile("rb"),
                        functools.partial(_remote_exit, streams["control"], streams["lines"]))
 
-    def _accept(self, listener: socket.socket, token: str) -> dict[int, dict]:
-        """Every rank's three connections and pid, or a `LaunchError` saying what went wrong."""
+    def _accept(self) -> dict[int, dict]:
+        """Every rank's three connections and pid, or a `LaunchError` saying what went wrong.
+
+        The launch port posts each supervisor's authenticated connections on our event queue,
+        where signals arrive too: a signal while supervisors are still starting ends the wait
+        (`StartInterrupted`) instead of waiting for them.
+        """
         np = self.config.np
-        ranks: dict[int, dict] = {}
+        ranks = self._arrived
         deadline = time.monotonic() + START_TIMEOUT_S
-        listener.settimeout(0.2)  # to notice an mpiexec that died between connections
         while len(ranks) < np or not all("pid" in r and len(r) == 5 for r in ranks.values()):
             if time.monotonic() > deadline:
                 raise LaunchError(
@@ -246,20 +268,26 @@ class MPIExecRanks(LocalRanks):
                     "started; its output is above"
                 )
             try:
-                connection, _ = listener.accept()
-            except TimeoutError:
+                # A short wait, to notice an mpiexec that died between connections.
+                event = self._events.get(timeout=0.2)
+            except queue.Empty:
                 continue
-            rank, kind = self._greeting(connection, token)
-            if rank is None or not 0 <= rank < np:
+            if event[0] == "signal":
+                raise StartInterrupted(event[1])
+            if event[0] != "launch":
+                continue
+            _, rank, kind, connection = event
+            entry = ranks.setdefault(rank, {})
+            if kind in entry:  # the token holder connected twice: keep the first
                 connection.close()
                 continue
-            entry = ranks.setdefault(rank, {})
             entry[kind] = connection
             if kind == "control":
                 self._send_environment(connection, deadline)
                 # One buffered reader for the connection's whole life: the pid, later the exit.
                 entry["lines"] = connection.makefile("rb")
-                entry["pid"] = self._read_pid(connection, entry["lines"], deadline)
+                entry["pid"] = self._read_pid(rank, connection, entry["lines"], deadline)
+                self.pids[rank] = entry["pid"]  # reaped (its group killed) whatever happens
         return ranks
 
     def _send_environment(self, connection: socket.socket, deadline: float) -> None:
@@ -273,38 +301,23 @@ class MPIExecRanks(LocalRanks):
                               f"{error}") from None
         connection.settimeout(None)
 
-    @staticmethod
-    def _greeting(connection: socket.socket, token: str) -> tuple[int | None, str]:
-        """`<token> <rank> <kind>`: who this connection is (None for a stranger)."""
-        connection.settimeout(10.0)
-        try:
-            header = b""
-            while not header.endswith(b"\n") and len(header) < _HEADER_BYTES:
-                chunk = connection.recv(1)
-                if not chunk:
-                    break
-                header += chunk
-        except OSError:
-            return None, ""
-        connection.settimeout(None)
-        parts = header.decode(errors="replace").split()
-        if len(parts) != 3 or not secrets.compare_digest(parts[0], token):
-            return None, ""
-        if parts[2] not in _KINDS or not parts[1].isdigit():
-            return None, ""
-        return int(parts[1]), parts[2]
-
-    @staticmethod
-    def _read_pid(connection: socket.socket, lines, deadline: float) -> int:
+    def _read_pid(self, rank: int, connection: socket.socket, lines, deadline: float) -> int:
+        """`pid <pid>` once the program started; `error <why>` when it could not be started."""
         connection.settimeout(max(0.1, deadline - time.monotonic()))
         try:
-            line = lines.readline(_HEADER_BYTES).decode(errors="replace").split()
+            line = lines.readline(_LINE_BYTES).decode(errors="replace").rstrip("\n")
         except OSError:
-            line = []
+            line = ""
         connection.settimeout(None)
-        if len(line) != 2 or line[0] != "pid":
-            raise LaunchError(f"a rank's supervisor could not start the program: {line}")
-        return int(line[1])
+        word, _, rest = line.partition(" ")
+        if word == "pid" and rest.isdigit():
+            return int(rest)
+        code, _, why = rest.partition(" ")
+        if word == "error" and code.isdigit():  # the supervisor's Popen failed: `error 126 why`
+            raise StartError(f"rank {rank} could not start {rank_command(self.config)[0]}: {why}",
+                             code=int(code))
+        raise StartError(f"rank {rank}'s supervisor (launch/mpi_rank.py) ended before it "
+                         "started the program; mpiexec's output above says why")
 
     def _relay_mpiexec(self) -> None:
         """mpiexec's own words (launch errors, its cleanup banner) as agent messages."""
@@ -312,7 +325,7 @@ class MPIExecRanks(LocalRanks):
         with self._mpiexec.stdout as pipe:
             for line in pipe:
                 text = line.decode(errors="replace").rstrip()
-                if text:
+                if text and not self._quiet:
                     self.output.message(f"mpiexec: {text}")
 
     def close(self) -> None:

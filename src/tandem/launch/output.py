@@ -123,6 +123,7 @@ class RankOutput:
         self._tails: dict[int, deque[str]] = {}
         self._tails_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self.spoke: set[int] = set()  # ranks that printed a line on stdout: past their imports
 
     def terminal_rank(self, rank: int) -> bool:
         """Whether `rank`'s bars may redraw in place: rank 0, when our stderr is a terminal.
@@ -158,6 +159,8 @@ class RankOutput:
                     line += b"\n"
                 sink.write_line(prefix + line)
                 self._remember(rank, line)
+                if sink is self._stdout:
+                    self.spoke.add(rank)
 
     def _copy_live(self, rank: int, pipe: BinaryIO, sink: _Sink) -> None:
         """Like `_copy`, but text after a carriage return is drawn at once, in place."""
@@ -167,6 +170,8 @@ class RankOutput:
         read = getattr(pipe, "read1", pipe.read)
         with pipe:
             for chunk in iter(lambda: read(MAX_LINE_BYTES), b""):
+                if sink is self._stdout:
+                    self.spoke.add(rank)
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     shown = _last_segment(line)

@@ -10,6 +10,7 @@ is also its process group id, and it and any children it starts can be signalled
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -34,6 +35,11 @@ def describe(returncode: int) -> str:
     except ValueError:
         name = f"signal {-returncode}"
     return f"killed by {name} (exit code {exit_code(returncode)})"
+
+
+def start_failure_code(error: OSError) -> int:
+    """The exit code a shell gives a command the system refused: 127 not found, else 126."""
+    return 127 if error.errno == errno.ENOENT else 126
 
 
 def cores() -> int:
@@ -64,18 +70,24 @@ def start_ranks(
     `stdout`/`stderr` are what `subprocess.Popen` takes: pipes by default (the agent prefixes
     each line), None to share ours, a file; `pass_fds`, descriptors the rank inherits. Each
     may also be a callable `rank -> value` (one log file, one pipe per rank). Standard input is
-    closed: ranks never read the terminal.
+    closed: ranks never read the terminal. When the system refuses to start one (the `OSError`
+    is raised), those already started are killed first.
     """
     def each(value, rank: int):
         return value(rank) if callable(value) else value
 
-    return [
-        subprocess.Popen(
-            list(command), env=dict(env), stdin=subprocess.DEVNULL, stdout=each(stdout, rank),
-            stderr=each(stderr, rank), pass_fds=each(pass_fds, rank), start_new_session=True,
-        )
-        for rank, env in enumerate(envs)
-    ]
+    started: list[subprocess.Popen] = []
+    try:
+        for rank, env in enumerate(envs):
+            started.append(subprocess.Popen(
+                list(command), env=dict(env), stdin=subprocess.DEVNULL,
+                stdout=each(stdout, rank), stderr=each(stderr, rank),
+                pass_fds=each(pass_fds, rank), start_new_session=True,
+            ))
+    except BaseException:
+        stop_processes(started, signal.SIGKILL, grace=0)  # none of a half-started job lives on
+        raise
+    return started
 
 
 def wait_all(processes: Sequence[subprocess.Popen], timeout: float) -> list[subprocess.Popen]:
@@ -107,3 +119,43 @@ def stop_processes(
     for process in processes:  # the rank's own children too, even when the rank is gone
         signal_group(process.pid, signal.SIGKILL)
     return wait_all(alive, KILL_WAIT_S)
+
+
+def _connections_to(port: int) -> set[str]:
+    """This machine's established TCP connections to `port`, as `socket:[inode]` links."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as file:
+                rows = file.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... inode (the 10th)
+            if len(fields) > 9 and fields[3] == "01" and \
+                    int(fields[2].rsplit(":", 1)[1], 16) == port:
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def groups_connected_to(groups: set[int], port: int) -> set[int]:
+    """Which of these process groups hold a TCP connection to `port` (any process in them)."""
+    links = _connections_to(port)
+    found: set[int] = set()
+    if not links:
+        return found
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                group = int(file.read().rsplit(")", 1)[1].split()[2])  # state, ppid, pgrp
+            if group not in groups or group in found:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in links:
+                    found.add(group)
+                    break
+        except (OSError, ValueError, IndexError):
+            continue  # gone, or not ours to read
+    return found

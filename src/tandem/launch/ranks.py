@@ -22,9 +22,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tandem.environments import horovod_variables, tandem_variables
-from tandem.launch.config import LaunchConfig
+from tandem.launch.config import LaunchConfig, StartError
 from tandem.launch.output import RankOutput, block_agent_signals
-from tandem.launch.processes import cores, signal_group, start_ranks
+from tandem.launch.processes import (
+    cores,
+    groups_connected_to,
+    signal_group,
+    start_failure_code,
+    start_ranks,
+)
 
 MASTER_ADDR = "127.0.0.1"
 
@@ -101,14 +107,21 @@ class LocalRanks:
         self.nproc = config.np if nproc is None else nproc
         self.pids: dict[int, int] = {}  # global rank -> pid (also its process group id)
         self.live: set[int] = set()
+        self.store_port: int | None = None  # the job's store, which td.init() connects to
 
     def start(self, placement: Placement) -> None:
+        self.store_port = placement.store[1]
         envs = [rank_environment(self.config, local, placement, os.environ, self.nproc)
                 for local in range(self.nproc)]
         for local, env in enumerate(envs):
             if self.output.terminal_rank(placement.offset + local):
                 env["TANDEM_TERMINAL"] = "1"  # its bars may redraw in place (see launch.output)
-        processes = start_ranks(rank_command(self.config), envs)
+        command = rank_command(self.config)
+        try:
+            processes = start_ranks(command, envs)
+        except OSError as error:  # checked before (programs.py), yet the system said no
+            raise StartError(f"could not start {command[0]}: {error.strerror or error}",
+                             code=start_failure_code(error)) from None
         self.pids, self.live = {}, set()
         for local, proc in enumerate(processes):
             self.watch(placement.offset + local, proc.pid, proc.stdout, proc.stderr, proc.wait)
@@ -128,9 +141,20 @@ class LocalRanks:
     def exited(self, rank: int) -> None:
         self.live.discard(rank)
 
-    def signal(self, signum: int) -> None:
-        for rank in sorted(self.live):
+    def signal(self, signum: int, ranks: set[int] | None = None) -> None:
+        """`signum` to the process group of each live rank (of `ranks`, default all)."""
+        for rank in sorted(self.live if ranks is None else self.live & ranks):
             signal_group(self.pids[rank], signum)
+
+    def starting(self) -> set[int]:
+        """The live ranks still starting (importing, most likely): none of their processes
+        holds a connection to the job's store, which `td.init()` opens and keeps, and they
+        printed nothing on stdout. Read from /proc when asked (on a signal), never polled."""
+        quiet = {rank for rank in self.live if rank not in self.output.spoke}
+        if not quiet or self.store_port is None:
+            return quiet
+        reached = groups_connected_to({self.pids[rank] for rank in quiet}, self.store_port)
+        return {rank for rank in quiet if self.pids[rank] not in reached}
 
     def reap(self) -> None:
         """Kill what is left of every rank's process group (children the ranks started)."""

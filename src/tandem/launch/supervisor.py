@@ -53,6 +53,7 @@ class Failure:
     tail: tuple[str, ...] = ()
     lost: str | None = None  # why the node is unreachable
     interrupt: int | None = None  # the signal that stopped the job, when a person did
+    startup: bool = False  # ... while every rank was still starting (see `Supervisor.stop`)
 
     @property
     def code(self) -> int:
@@ -154,11 +155,18 @@ class Supervisor:
         return self.failure
 
     def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
-        """Record the first failure; stop every rank here (`signum`, SIGKILL after a grace)."""
+        """Record the first failure; stop every rank here (`signum`, SIGKILL after a grace).
+
+        SIGINT reaches only ranks past their start: one still importing would just print a
+        KeyboardInterrupt traceback from inside the import, with nothing of its own to save;
+        SIGTERM ends it without a word.
+        """
         if self.failure is None:
             self.failure = failure
         if not self.stopping:
-            self.ranks.signal(signum)
+            starting = self.ranks.starting() if signum == signal.SIGINT else set()
+            self.ranks.signal(signal.SIGTERM, starting)
+            self.ranks.signal(signum, self.ranks.live - starting)
             self.deadline = time.monotonic() + STOP_GRACE_S
 
     def kill(self) -> None:
@@ -179,9 +187,12 @@ class Supervisor:
             self.stop(self.rank_failure(rank, returncode))
 
     def interrupted(self, signum: int) -> None:
-        self.output.message(f"tandem run: received {signal.Signals(signum).name}; stopping all "
-                            "ranks (send it again to kill them at once)")
-        self.stop(Failure(node=self.node, host=self.host, interrupt=signum), signum)
+        startup = bool(self.ranks.live) and self.ranks.starting() == self.ranks.live
+        if not startup:  # during start-up, one line once they are stopped (`LocalJob`)
+            self.output.message(f"tandem run: received {signal.Signals(signum).name}; stopping "
+                                "all ranks (send it again to kill them at once)")
+        self.stop(Failure(node=self.node, host=self.host, interrupt=signum, startup=startup),
+                  signum)
 
     def other(self, event: tuple) -> None:
         """An event that is not a rank's exit nor a signal (a message from another agent)."""
@@ -229,23 +240,40 @@ class Agent:
         self.ranks.close()
 
 
+class StartInterrupted(Exception):
+    """A signal reached the agent while it was still starting the ranks."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class LocalJob(Agent):
     """A job of `config.np` ranks on this machine, without restarts; `run()` returns its code.
 
     The exit code is 0, the first failing rank's, or 128 + N after signal N (no summary then:
-    a person stopped the job). `ranks` starts them: `LocalRanks`, or `MPIExecRanks`.
+    a person stopped the job; one line when that was during start-up). `ranks` starts them:
+    `LocalRanks`, or `MPIExecRanks`.
     """
 
     def _run(self) -> int:
         with signals_blocked():  # the store's threads leave our signals to this one
             store = rendezvous.StoreServer(MASTER_ADDR, 0)  # lives until the ranks are gone
         try:
-            self.ranks.start(Placement.single(self.config.np, store.port, store.key))
-            failure = Supervisor(self.ranks, self.events, self.output).run()
+            try:
+                self.ranks.start(Placement.single(self.config.np, store.port, store.key))
+            except StartInterrupted as interrupt:  # ranks not all started: nothing to wait for
+                failure = Failure(interrupt=interrupt.signum, startup=True)
+            else:
+                failure = Supervisor(self.ranks, self.events, self.output).run()
         finally:
             self.ranks.reap()
             store.close()
         self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
+        if failure is not None and failure.startup:
+            self.output.message(f"tandem run: interrupted during start-up "
+                                f"({signal.Signals(failure.interrupt).name}); stopped "
+                                f"{self.config.np} rank(s)")
         if failure is None or failure.interrupt is not None:
             return 0 if failure is None else failure.code
         failure = dataclasses.replace(failure, tail=tuple(self.output.tail(failure.rank)))
