@@ -18,7 +18,8 @@ Usage
 
 Everything after the script (or module) is passed to every rank unchanged. A program that
 is not a `.py` file and is an executable (a path, or a name on PATH: `python`, `./a.out`) is
-a command, run as given, with its arguments, instead of by this Python. Each rank calls
+a command, run as given, with its arguments, instead of by this Python; a file that is not
+executable is run by this Python, as torchrun runs it, when it is Python. Each rank calls
 td.init() and finds its place in the job from the variables set for it.
 
 The backend, unless --backend names one: nccl with GPUs; else mpi when mpi4py and mpiexec
@@ -57,11 +58,24 @@ The exit code is 0 when every rank exits 0, else the first failing rank's (a ran
 signal counts as 128 + the signal number, as in a shell). When a rank fails, the others get
 SIGTERM and, 2 seconds later, SIGKILL; then a summary on stderr names the rank, its exit code
 or signal, and the last 20 lines it printed. Ctrl-C or SIGTERM to tandem run is passed on
-to every rank (a second one kills them at once). Each rank runs in its own process group, which
-is killed when the job ends, so processes the ranks started do not outlive it.
+to every rank (a second one kills them at once). A rank still starting (none of its processes
+has reached the job's store, as td.init() does, and it printed nothing on stdout) gets SIGTERM
+instead of SIGINT: it would only print a KeyboardInterrupt traceback from inside an import.
+When every rank is still starting, the job ends with one line, `tandem run: interrupted during
+start-up (SIGINT); stopped N rank(s)`, and exit code 130. Each rank runs in its own process
+group, which is killed when the job ends, so processes the ranks started do not outlive it.
 
 Bad input (-np 0, a script that does not exist, an unknown backend) is reported with exit
-code 2 before anything starts. A module that does not exist is reported by the ranks.
+code 2 before anything starts, and so is a program the ranks could not run (launch/programs.py):
+`python` with no script (it would exit 0 having run nothing), `-m train.py` (did you mean
+`-m train`), an executable without a #! line or whose #! names a missing interpreter, a file
+that is neither executable nor Python. A program the system still refuses to start is named
+with the system's reason and exit code 126 (127: not found). A module that does not exist is
+reported by the ranks.
+
+MPI's shared memory in /dev/shm: a job removes the segments its ranks left when it ends, and
+every `tandem run` first removes the ones a killed `tandem run` could not (those no process
+maps or holds open, so never a live job's); `tandem doctor --clean` does the same.
 
 Restarts (launch/coordinator.py): with --max-restarts K a failed job is stopped and started
 again, up to K times, each rank seeing TANDEM_RESTART=<attempt>; td.Checkpointer or
