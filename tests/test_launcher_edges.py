@@ -218,6 +218,8 @@ def test_a_command_with_nothing_sensible_to_run_is_a_usage_error(argv, message, 
     ("pynosb", b"print('hi')\n", True, "`tandem run -np 2 python {path}` (it compiles as Python)"),
     ("badsb", b"#!/no/such/interpreter\necho hi\n", True,
      "its first line `#!/no/such/interpreter` names /no/such/interpreter, which does not exist"),
+    ("crlf", b"#!/bin/sh\r\necho hi\r\n", True, "its first line `#!/bin/sh` ends in a carriage "
+     "return (Windows line endings), so the system looks for `/bin/sh\\r`"),
     ("shell", b"echo hi\n", False, "is not a Python file (Python cannot compile it: invalid "
      "syntax at line 1), it is not executable and it has no #! line"),
     ("bashscript", b"#!/bin/bash\necho hi\n", False, "is a `#!/bin/bash` script, not Python, and"
@@ -225,7 +227,8 @@ def test_a_command_with_nothing_sensible_to_run_is_a_usage_error(argv, message, 
      "/bin/bash {path}`"),
     ("program", b"\x7fELF\x02\x01\x01" + b"\0" * 64, False,
      "is a program (ELF) but it is not executable: `chmod +x {path}`"),
-], ids=["sh-no-shebang", "python-no-shebang", "missing-interpreter", "shell-not-executable",
+], ids=["sh-no-shebang", "python-no-shebang", "missing-interpreter", "windows-line-endings",
+        "shell-not-executable",
         "bash-not-executable", "elf-not-executable"])
 def test_a_file_that_cannot_run_is_named_with_the_cause(name, text, executable, message,
                                                         tmp_path, capsys):
@@ -242,10 +245,11 @@ def test_files_python_can_run_are_run_by_it_as_torchrun_does(tmp_path):
     """Not executable, yet Python: a script without .py, a `#!python` one, a directory."""
     plain = _file(tmp_path / "train", b"import os\nprint(os.sep)\n", False)
     shebang = _file(tmp_path / "tool", b"#!/usr/bin/env python3\nprint(1)\n", False)
+    env_s = _file(tmp_path / "tool2", b"#!/usr/bin/env -S python3 -u\nprint(1)\n", False)
     folder = tmp_path / "app"
     folder.mkdir()
     (folder / "__main__.py").write_text("print(1)\n")
-    for program in (plain, shebang, str(folder), str(SCRIPTS / "launch_touch.py")):
+    for program in (plain, shebang, env_s, str(folder), str(SCRIPTS / "launch_touch.py")):
         check_program(LaunchConfig(np=2, program=program))  # nothing to say
     with pytest.raises(LaunchError, match="is a directory without __main__.py"):
         check_program(LaunchConfig(np=2, program=str(tmp_path)))

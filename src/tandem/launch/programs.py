@@ -143,6 +143,10 @@ def _command_problem(path: str, shown: str, np: int) -> str | None:
         return None
     if head.startswith(b"#!"):
         line, interpreter = _interpreter(head)
+        if head.split(b"\n", 1)[0].endswith(b"\r"):
+            return (f"{shown} cannot be run: its first line `#!{line}` ends in a carriage return "
+                    f"(Windows line endings), so the system looks for `{interpreter}\\r`, which "
+                    f"does not exist. Convert the file: `sed -i 's/\\r$//' {shown}` (or dos2unix)")
         if os.path.isfile(interpreter) and os.access(interpreter, os.X_OK):
             return None
         why = "names no interpreter" if not interpreter else (
@@ -173,7 +177,7 @@ def _script_problem(path: str, np: int) -> str | None:
         return f"{path} cannot be read: check its permissions"
     if head.startswith(b"#!"):
         line, interpreter = _interpreter(head)
-        if is_python(interpreter) or any(is_python(word) for word in line.split()[1:2]):
+        if any(is_python(word) for word in line.split()):  # `#!/usr/bin/env -S python3 -u`
             return None  # a Python script without `chmod +x`: this Python runs it
         return (f"{path} is a `#!{line}` script, not Python, and it is not executable: "
                 f"`chmod +x {path}`, or name its interpreter: `tandem run -np {np} "
