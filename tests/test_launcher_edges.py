@@ -360,16 +360,26 @@ def _doctor_clean() -> str:
     return done.stdout
 
 
-@pytest.mark.timeout(180)
-@needs_mpi
-@pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")
-def test_a_killed_launchers_shared_memory_goes_with_the_next_run_and_doctor_clean():
+def _removal_named(said: str, names: set[str]) -> bool:
+    """Whether one line of `said` reports removing `names` (among others, perhaps)."""
+    return any(re.search(r"removed \d+ stale MPI segment\(s\) from /dev/shm", line)
+               and all(name in line for name in names) for line in said.splitlines())
+
+
+# Other MPI jobs on this shared machine may remove a leftover first (a job ends by removing
+# the unused segments that appeared while it ran: `shm.remove_new`). Such an attempt proves
+# nothing either way; it is tried again, and the test is skipped if none is conclusive.
+ATTEMPTS = 3
+
+
+def _next_run_and_doctor_clean_remove_leftovers() -> bool:
+    """One attempt; True when it was conclusive (and every assertion held)."""
     first, first_segments, first_ranks = _hold_shared_memory()
     _kill_launcher(first, first_ranks)
-    assert _present(first_segments) == first_segments  # left behind: nobody could remove them
+    left = _present(first_segments)  # nobody could remove them: its ranks died with it
 
     # The next `tandem run` removes them as it starts; its own, in use, stay while it runs,
-    # and `tandem doctor --clean` leaves them alone too.
+    # and `tandem doctor --clean` leaves those alone too.
     second, second_segments, second_ranks = _hold_shared_memory()
     try:
         assert not _present(first_segments)
@@ -377,16 +387,28 @@ def test_a_killed_launchers_shared_memory_goes_with_the_next_run_and_doctor_clea
         assert _present(second_segments) == second_segments, said
     finally:
         err = _kill_launcher(second, second_ranks)
-    assert f"tandem run: removed {len(first_segments)} stale MPI segment(s) from /dev/shm" in err
-    assert all(name in err for name in first_segments), err
-    assert _present(second_segments) == second_segments
+    if not left or not _removal_named(err, left):
+        return False  # someone else's job removed them before ours started
+    assert err.startswith("tandem run: removed "), err  # before anything else
 
+    left = _present(second_segments)
     said = _doctor_clean()
     assert not _present(second_segments), said
-    line = said.splitlines()[0]
-    assert line.startswith("clean") and f"removed {len(second_segments)} stale" in line, said
-    assert all(name in line for name in second_segments), line
-    assert "shm        no stale MPI segments" in said, said  # the check that follows agrees
+    if not left:
+        return False
+    assert said.startswith("clean") and _removal_named(said.splitlines()[0], left), said
+    return True
+
+
+@pytest.mark.timeout(300)
+@needs_mpi
+@pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_a_killed_launchers_shared_memory_goes_with_the_next_run_and_doctor_clean():
+    for _ in range(ATTEMPTS):
+        if _next_run_and_doctor_clean_remove_leftovers():
+            return
+    pytest.skip(f"in {ATTEMPTS} attempts, other MPI jobs on this machine removed the leftovers "
+                "before tandem run or tandem doctor --clean could")
 
 
 def test_only_segments_no_process_uses_are_stale(tmp_path):
