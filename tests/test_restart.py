@@ -78,7 +78,9 @@ def test_checkpointer_saves_every_n_steps_keeps_the_newest_and_restores(tmp_path
     with pytest.raises(CheckpointError, match=r"step-00000008' has no \.metadata"):
         ckpt.restore(model=fresh)
     with pytest.raises(CheckpointError, match="neither skips nor overwrites it"):
-        ckpt.save(9, model=fresh)
+        td.Checkpointer(tmp_path / "ck", every=2).save(9, model=fresh)  # a new run looks first
+    with pytest.raises(CheckpointError, match="neither skips nor overwrites it"):
+        ckpt.save(7, model=fresh)  # the same path again
 
 
 def test_checkpointer_refuses_bad_input(tmp_path):

@@ -54,6 +54,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,8 @@ class Checkpointer:
         self.keep = keep
         self.async_save = bool(async_save)
         self._pending: files.PendingSave | None = None
+        self._checked = False  # the directory was looked at (later saves only add to it)
+        self._pruning: threading.Thread | None = None
         # Async saves copy into the same host buffers every time (one copy of this rank's
         # state, as torch's async checkpointing keeps): reused memory copies fast.
         self._staging: dict | None = {} if self.async_save else None
@@ -286,7 +289,9 @@ class Checkpointer:
         if completed % self.every:
             return False
         self.wait()  # a second save waits for the first
-        self.checkpoints()  # refuses a directory without metadata before writing beside it
+        if not self._checked:  # refuses a directory without metadata before writing beside it
+            self.checkpoints()
+            self._checked = True
         self._pending = sharded.start_save(self.path(completed), {"completed": completed},
                                            background=self.async_save, staging=self._staging,
                                            **objects)
@@ -301,12 +306,26 @@ class Checkpointer:
             return
         pending.finish()
         if not _distributed() or runtime.rank() == 0:
-            files.remove_leftovers(pending.path)
-            for _, old in self._on_disk()[self.keep:]:
-                if old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    old.unlink(missing_ok=True)
+            if self._pruning is not None:
+                self._pruning.join()
+            # Removing old checkpoints touches no other rank and nothing the step needs.
+            self._pruning = threading.Thread(target=self._prune, args=(pending.path,), daemon=True,
+                                             name="tandem-checkpoint-prune")
+            self._pruning.start()
+            if not self.async_save:
+                self._pruning.join()
+
+    def _prune(self, latest: Path) -> None:
+        files.remove_leftovers(latest)
+        try:
+            found = self._on_disk()
+        except CheckpointError:
+            return  # a directory without metadata: the next save or restore names it
+        for _, old in found[self.keep:]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
     def restore(self, **objects: Any) -> int:
         """Load the newest checkpoint into `objects`, in whatever layout they now have; return

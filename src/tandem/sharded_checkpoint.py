@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -174,32 +175,41 @@ def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
     path = Path(os.fspath(path))
     problem, items, data, record = None, [], {}, {}
     try:
+        if path.is_dir() and not (path / files.METADATA).is_file():
+            raise ValueError(
+                f"{str(path)!r} exists without {files.METADATA} (a save that did not complete, or "
+                f"files removed by hand): move it away or restore its files; tandem neither skips "
+                f"nor overwrites it")
         pieces, blobs, record = _gather(objects)
         record.update(extra or {})
         blobs[RECORD] = record
         items, data = files.write_items(pieces, blobs, staging)
     except (TypeError, ValueError, NotImplementedError) as error:
         problem = f"{type(error).__name__}: {error}"
-    files.settle(problem, f"cannot save checkpoint {str(path)!r}")
-    token = files.from_root(secrets.token_hex(6) if rank == 0 else None)
-    temporary = path.parent / f".{path.name}.tmp-{token}"
-    problem = None
-    if rank == 0:
+    # Two messages: every rank's plan (or problem) to all, then rank 0's verdict and global plan.
+    reports = files.everyone((problem, SavePlan(items)))
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None]
+    verdict: tuple = (problems, None, None)
+    metadata = None
+    if rank == 0 and not problems:
+        temporary = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
         try:
             temporary.mkdir(parents=False)
+            plans = dedup_save_plans([plan for _, plan in reports])
+            plans, metadata = create_default_global_save_plan(plans)
+            plans = FileSystemWriter(temporary, single_file_per_rank=True,
+                                     sync_files=True).prepare_global_plan(plans)
+            problem = files.incomplete(metadata)
+            verdict = ([f"rank 0: {problem}"] if problem else [], str(temporary), plans)
         except OSError as error:
-            problem = f"could not create {str(temporary)!r}: {error}"
-    files.settle(problem, f"cannot save checkpoint {str(path)!r}")
-    plans = files.everyone(SavePlan(items))
-    metadata = None
-    if rank == 0:
-        plans = dedup_save_plans(plans)
-        plans, metadata = create_default_global_save_plan(plans)
-        writer = FileSystemWriter(temporary, single_file_per_rank=True, sync_files=True)
-        plans = writer.prepare_global_plan(plans)
-        problem = files.incomplete(metadata)
-    files.settle(problem, f"cannot save checkpoint {str(path)!r}")
-    mine = files.from_root(plans)[rank]  # a few hundred bytes per item: one broadcast suffices
+            verdict = ([f"rank 0: could not create {str(temporary)!r}: {error}"], None, None)
+    problems, temporary, plans = files.from_root(verdict)
+    if problems:
+        if rank == 0 and temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise CheckpointError(f"cannot save checkpoint {str(path)!r}: " + "; ".join(problems))
+    temporary = Path(temporary)
+    mine = plans[rank]
     staged = files.Staged(data)
 
     def write() -> list:
