@@ -183,3 +183,49 @@ def torch_state_dict_idioms(layout: str) -> float:
 def test_model_state_dict_of_a_split_model_is_the_one_process_state_dict(layout, backend):
     assert max(run_distributed(torch_state_dict_idioms, world_size=2, backend=backend,
                                args=(layout,))) == 0.0
+
+
+def accumulation(layout: str) -> float:
+    """4 micro-batches per step through td.no_sync(model) equal one process on the full batch."""
+    model = _net()
+    if layout == "fully_shard":
+        td.fully_shard(model[0])
+        td.fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        optimizer = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters())
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=generator), torch.randn(16, 2, generator=generator)
+        mine = slice(8 * td.rank(), 8 * td.rank() + 8)
+        optimizer.zero_grad()
+        for micro in range(4):
+            rows = slice(mine.start + 2 * micro, mine.start + 2 * micro + 2)
+            if micro < 3:
+                with td.no_sync(model):
+                    (nn.functional.mse_loss(model(x[rows]), y[rows]) / 4).backward()
+            else:
+                (nn.functional.mse_loss(model(x[rows]), y[rows]) / 4).backward()
+        optimizer.step()
+    reference = _net()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=generator), torch.randn(16, 2, generator=generator)
+        plain.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        plain.step()
+    got = td.full_state_dict(model)
+    return max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("layout,backend", [("fully_shard", "gloo"), ("dp", "mpi")])
+def test_no_sync_accumulates_for_every_wrapper(layout, backend):
+    assert max(run_distributed(accumulation, world_size=2, backend=backend, args=(layout,))) < 1e-6
+
+
+def test_no_sync_on_a_model_nothing_reduces_says_so():
+    with pytest.raises(ValueError, match="nothing reduces this model's gradients"):
+        with td.no_sync(_net()):
+            pass

@@ -6,9 +6,8 @@ from tandem.parallel.fully_shard.api import (
     full_state_dict,
     fully_shard,
     load_full_state_dict,
-    set_requires_gradient_sync,
     units,
 )
 
 __all__ = ["clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "fully_shard",
-           "load_full_state_dict", "set_requires_gradient_sync", "units"]
+           "load_full_state_dict", "units"]

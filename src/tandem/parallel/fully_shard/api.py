@@ -85,15 +85,6 @@ def units(model: nn.Module) -> Iterable[tuple[str, Unit]]:
             yield name, unit
 
 
-def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
-    """Off: backward keeps gradients local (unsharded) for accumulation; on: reduce them."""
-    found = list(units(model))
-    if not found:
-        raise ValueError("set_requires_gradient_sync: the model has no fully_shard units")
-    for _, unit in found:
-        unit.requires_gradient_sync = bool(requires_sync)
-
-
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor | Any,
                     max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm, as `nn.utils.clip_grad_norm_` does in one process.
