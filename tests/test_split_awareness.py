@@ -229,3 +229,38 @@ def test_no_sync_on_a_model_nothing_reduces_says_so():
     with pytest.raises(ValueError, match="nothing reduces this model's gradients"):
         with td.no_sync(_net()):
             pass
+
+
+def steps_recorded() -> dict[str, int]:
+    """Every wrapper's optimizer steps reach the step records (`tandem scale`,
+    MetricLogger(timing=True)), each exactly once."""
+    from tandem.diagnostics import steps
+
+    counts = {}
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    steps.step_done()  # the first step of a process only starts the clock
+    for kind in ("fully_shard", "zero", "distributed", "tp"):
+        model = _net()
+        if kind == "fully_shard":
+            td.fully_shard(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        elif kind == "zero":
+            optimizer = td.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        elif kind == "distributed":
+            optimizer = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                named_parameters=model.named_parameters())
+        else:
+            td.parallelize(model, {"0": "colwise", "2": "rowwise"}, group=td.mesh(dp=1, tp=2).tp_group)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = steps.recorded()
+        for _ in range(4):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        counts[kind] = steps.recorded() - before
+    return counts
+
+
+def test_every_wrapper_records_its_steps_once():
+    for counts in run_distributed(steps_recorded, world_size=2):
+        assert counts == {"fully_shard": 4, "zero": 4, "distributed": 4, "tp": 4}, counts

@@ -45,6 +45,7 @@ _count = 0  # steps recorded so far (may exceed CAPACITY)
 _last_end: float | None = None  # perf_counter() at the end of the previous step
 _pending_data_s = 0.0  # batch waits since the previous step
 _pending_samples = 0  # samples handed out by the loader since the previous step
+_pending_comm_s = 0.0  # communication waits reported by wrappers since the previous step
 _reported: int | None = None  # td.report(samples=N), sticky until changed
 _plan: ScalePlan | None = None
 _plan_read = False
@@ -111,10 +112,19 @@ def add_batch(seconds: float, samples: int) -> None:
     _pending_samples += samples
 
 
+def add_comm(seconds: float) -> None:
+    """A wrapper waited `seconds` for communication (fully_shard's gathers and reductions, a
+    ZeroOptimizer's step): counted into the current step's exposed communication."""
+    global _pending_comm_s
+    _pending_comm_s += seconds
+
+
 def step_done(comm_s: float = 0.0, now: float | None = None) -> None:
-    """End of one optimizer step, which waited `comm_s` seconds for communication; `now` is
-    the caller's `time.perf_counter()` reading at the step's end, when it already took one."""
-    global _count, _last_end, _pending_data_s, _pending_samples
+    """End of one optimizer step, which waited `comm_s` seconds for communication (plus what
+    `add_comm` collected); `now` is the caller's `time.perf_counter()` reading at the step's
+    end, when it already took one."""
+    global _count, _last_end, _pending_data_s, _pending_samples, _pending_comm_s
+    comm_s, _pending_comm_s = comm_s + _pending_comm_s, 0.0
     if now is None:
         now = time.perf_counter()
     if _last_end is not None:

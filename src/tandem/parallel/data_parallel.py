@@ -143,6 +143,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"accumulate must be an integer >= 1 (backward passes per step), got {accumulate!r}")
         _check_common(op, bucket_mb, first_bucket_mb, group, "DistributedOptimizer")
         self.optimizer = optimizer
+        splits.accounted_elsewhere(optimizer)  # this class records its steps itself
+        splits.accounted_elsewhere(self)
         self.accumulate = accumulate
         self.group = group
         self._clock = StepClock()

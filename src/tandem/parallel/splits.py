@@ -18,10 +18,11 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem.comm.groups import Group, group_ranks
+from tandem.diagnostics import steps
 
 FULLY_SHARD = "fully_shard"
 TENSOR_PARALLEL = "tensor parallel"
@@ -39,8 +40,7 @@ _REGISTRY = WeakIdKeyDictionary()
 
 def mark(tensor: torch.Tensor, kind: str, group: Group | None = None) -> None:
     _REGISTRY[tensor] = Split(kind, group)
-    if kind == REPLACED:
-        _watch_optimizers()
+    _watch_optimizers()
 
 
 _checked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose parameters were checked
@@ -48,13 +48,41 @@ _watching = False
 
 
 def _watch_optimizers() -> None:
-    """From the first fully_shard on: an optimizer's first step checks (once) that it holds no
-    parameter fully_shard took out of the model; it would step tensors the model no longer
-    uses, and the loss would print as usual while nothing trains."""
+    """From the first split tensor on, torch optimizers are watched (two global hooks, each a
+    set lookup per step once an optimizer is known):
+
+    - the first step of each checks that it holds no parameter fully_shard took out of the
+      model (it would step tensors the model no longer uses; the loss would print as usual
+      while nothing trains);
+    - a plain torch optimizer over split parameters (fully_shard shards, tensor-parallel slices,
+      a pipeline stage) records its steps for `tandem scale` and `MetricLogger(timing=True)`,
+      as DistributedOptimizer and ZeroOptimizer do themselves."""
     global _watching
     if not _watching:
         register_optimizer_step_pre_hook(_refuse_replaced)
+        register_optimizer_step_post_hook(_account_step)
         _watching = True
+
+
+_accounted: weakref.WeakSet = weakref.WeakSet()  # optimizers whose wrapper records their steps
+_splits_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> holds split params
+
+
+def accounted_elsewhere(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` is wrapped by a tandem class that records its steps itself."""
+    _accounted.add(optimizer)
+
+
+def _account_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer in _accounted:
+        return
+    holds = _splits_seen.get(optimizer)
+    if holds is None:
+        holds = _splits_seen[optimizer] = any(
+            kind_of(p) in (FULLY_SHARD, TENSOR_PARALLEL, PIPELINE)
+            for group in optimizer.param_groups for p in group["params"])
+    if holds:
+        steps.step_done()
 
 
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -39,6 +39,7 @@ every rank); `td.broadcast_optimizer_state` is not needed.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ from tandem.comm import collectives
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
+from tandem.diagnostics import steps
 from tandem.parallel import splits
 from tandem.parallel.flat_shard import FlatShard
 
@@ -83,6 +85,7 @@ class ZeroOptimizer:
         if group is not None and group.rank < 0:
             raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
         self.optimizer = optimizer
+        splits.accounted_elsewhere(optimizer)  # this class records its steps itself
         self.group = group
         self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
         self._flat: torch.Tensor | None = None
@@ -208,6 +211,7 @@ class ZeroOptimizer:
             self.optimizer.step()
         self._communicate("allgather", flat, self._shard)
         self._write_parameters(flat)
+        steps.step_done()  # what `tandem scale` and MetricLogger(timing=True) read
         return loss
 
     # -- the flat space ----------------------------------------------------------------------
@@ -256,7 +260,9 @@ class ZeroOptimizer:
             work = backend.reducescatter_into(out, inp, "sum", self.group)
         else:
             work = backend.allgather_into(out, inp, self.group)
+        start = time.perf_counter()
         work.wait(runtime.state().timeout)
+        steps.add_comm(time.perf_counter() - start)
         if out is not output:
             output.copy_(out)
 
