@@ -264,3 +264,15 @@ def steps_recorded() -> dict[str, int]:
 def test_every_wrapper_records_its_steps_once():
     for counts in run_distributed(steps_recorded, world_size=2):
         assert counts == {"fully_shard": 4, "zero": 4, "distributed": 4, "tp": 4}, counts
+
+
+def test_join_over_a_fully_sharded_model_is_refused_with_the_fix():
+    td.init(backend="gloo")
+    try:
+        model = _net()
+        td.fully_shard(model)
+        with pytest.raises(TypeError, match=r"td.join cannot stand in for a rank out of data in a "
+                                            r"fully_shard model(.|\n)*drop_last=True"):
+            td.join(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        td.shutdown()

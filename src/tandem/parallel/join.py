@@ -56,6 +56,21 @@ def join_active() -> bool:
     return _active > 0
 
 
+def _split_kind(optimizer: Any) -> str | None:
+    """How the parameters a torch optimizer steps are split (fully_shard, tensor parallel,
+    pipeline), if they are."""
+    from tandem.parallel import splits
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            kind = splits.kind_of(param)
+            if kind in (splits.FULLY_SHARD, splits.TENSOR_PARALLEL, splits.PIPELINE):
+                return kind
+    return None
+
+
 class Join:
     """The context manager `td.join(...)` returns; see the module docstring."""
 
@@ -69,6 +84,14 @@ class Join:
             )
         reducing = (DistributedOptimizer, DistributedDataParallel)
         for wrapper in wrappers:
+            split = _split_kind(wrapper)
+            if split is not None and not isinstance(wrapper, reducing):
+                raise TypeError(
+                    f"td.join cannot stand in for a rank out of data in a {split} model: its "
+                    f"gathers and reductions run inside forward and backward, which that rank "
+                    f"no longer runs. Give every rank the same number of batches "
+                    f"(td.partition_dataset(..., drop_last=True)), or stop together when one "
+                    f"rank runs out (`if not td.all_finite(...)`-style: agree with td.allreduce)")
             if not isinstance(wrapper, (*reducing, torch.optim.Optimizer)):
                 raise TypeError(
                     f"td.join takes DistributedOptimizer, DistributedDataParallel or (for their state "
