@@ -36,7 +36,7 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.comm.groups import Group, group_ranks
+from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.parallel import layout, splits, state_hooks
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import ATTR, Unit
@@ -136,10 +136,20 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     return total
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     """The ordinary state dict of the unsplit model, on every rank (collective): a model sharded
-    by `fully_shard` or split by `td.parallelize`. The same as `model.state_dict()`, whose
-    hooks gather the shards and slices (`parallel/state_hooks.py`), with tensors of its own."""
+    by `fully_shard` or split by `td.parallelize` (`model.state_dict()`, whose hooks gather the
+    shards and slices, `parallel/state_hooks.py`, with tensors of its own), or a `td.Pipeline`
+    (every stage's entries, gathered over the pipeline's ranks)."""
+    stage = getattr(model, "stage", None)
+    if isinstance(stage, nn.Module) and not isinstance(model, nn.Module):  # a td.Pipeline
+        mine = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
+        merged: dict[str, torch.Tensor] = {}
+        group = model._group
+        for part in (collectives.allgather_object(mine, group=group) if group_size(group) > 1
+                     else [mine]):
+            merged.update(part)
+        return merged
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
