@@ -48,7 +48,8 @@ from tandem.parallel.split_grads import as_split_grad
 
 ATTR = "_tandem_unit"
 SHARD = "_tandem_shard"
-#: Modules whose parameters an outer unit took (sharding the root before its blocks).
+#: Module -> (a weak reference to) the module of the unit that took its parameters (an outer
+#: one, when the root was sharded before its blocks).
 _taken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -163,7 +164,7 @@ class Unit:
             splits.mark(old, splits.REPLACED)  # an optimizer built before fully_shard holds these
             del owner._parameters[attr]
             if owner is not module:
-                _taken[owner] = self
+                _taken[owner] = weakref.ref(module)
         self._placeholders()
         module.register_parameter(SHARD, self.shard)
 
@@ -277,6 +278,12 @@ class Unit:
             setattr(owner, attr, full[offset : offset + n].view(shape))
             offset += n
 
+    def _backward_starts(self) -> None:
+        """The root's output got its first gradient: send the backward's agreement, finished
+        before its first collective, or at the end of a backward that makes none."""
+        self.check.backward_starts()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_check)
+
     def _backward_check(self) -> None:
         """Before a collective of backward: the root's backward agreement is finished (once)."""
         root = self if self.is_root else self._root
@@ -315,7 +322,7 @@ class Unit:
             self._recording = False
             _Forward.root = None
             if self.check is not None:  # sent at the output's first gradient (see _backward_check)
-                model_check.expect_backward_of(self.check, output, self.check.backward_starts)
+                model_check.expect_backward_of(self.check, output, self._backward_starts)
         if self.shard is None:
             return output
         training = torch.is_grad_enabled() and self.shard.requires_grad
@@ -365,11 +372,11 @@ def _refuse_taken(module: nn.Module) -> None:
     """Sharding a block after its root took the block's parameters: say which order works."""
     subtree = {id(m) for m in module.modules()}
     for sub in module.modules():
-        outer = _taken.get(sub)
-        if outer is not None and id(outer.module) not in subtree:  # not an inner unit's
+        outer = _taken.get(sub, lambda: None)()
+        if outer is not None and id(outer) not in subtree:  # not an inner unit's
             which = "" if sub is module else f" (its {type(sub).__name__}'s)"
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its parameters{which} already belong to "
-                f"the unit of {type(outer.module).__name__}, which was sharded first. Apply "
+                f"the unit of {type(outer).__name__}, which was sharded first. Apply "
                 f"fully_shard to the inner blocks first, then the root: `for block in "
                 f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")
