@@ -65,7 +65,10 @@ def _train(model, fault: str, steps: int = 5, call=None):
                 loss = loss * float("nan")
             if fault == "nan" and not td.all_finite(loss):
                 continue  # the right way: every rank skips together
-            if fault == "skip" and rank == 1 and step == 2:
+            if fault in ("eval", "eval_skip"):
+                with torch.no_grad():  # every rank evaluates between forward and backward
+                    call(x)
+            if fault in ("skip", "eval_skip") and rank == 1 and step == 2:
                 continue  # the wrong way: this rank alone skips backward and step
             opt.zero_grad()
             loss.backward()
@@ -85,7 +88,8 @@ def check_fully_shard():
 
 
 def check_tensor_parallel():
-    results = {fault: _train(_parallel(), fault) for fault in ("skip", "skip_opt", "inputs")}
+    results = {fault: _train(_parallel(), fault)
+               for fault in ("skip", "skip_opt", "inputs", "eval", "eval_skip")}
     branches = td.Branches([nn.Linear(4, 3), nn.Linear(4, 3)], join="sum")
     results["branches skip"] = _train(branches, "skip")
     wide = 3 if td.rank() == 0 else 5  # join="sum" needs the same shape on every rank
@@ -128,10 +132,14 @@ def test_tensor_parallel_and_branches_ranks_that_diverge_are_named(backend):
     _assert_named(results, "skip_opt", "(after 3 optimizer steps)", "(after 2 optimizer steps)")
     _assert_named(results, "inputs", "rank 0: [(3, 4)]", "rank 1: [(2, 4)]",
                   "inputs of different shapes", kind="CollectiveMismatchError")
+    assert results[0]["eval"][:2] == (None, None), results[0]["eval"]  # evaluating between
+    assert results[0]["eval"][2] == results[1]["eval"][2]  # a forward and its backward is fine
+    _assert_named(results, "eval_skip", "rank 0: tensor-parallel backward #3 of Sequential",
+                  "rank 1: tensor-parallel forward #7 of Sequential")
     _assert_named(results, "branches skip", "rank 0: Branches backward #3 of [Linear, Linear]",
                   "rank 1: Branches forward #4 of [Linear, Linear]")
-    _assert_named(results, "branches shapes", "rank 0: branches 0..0: (3, 3)",
-                  "rank 1: branches 1..1: (3, 5)", "the same shape (join='sum')",
+    _assert_named(results, "branches shapes", "rank 0: branches 0..0: (3, 3) float32",
+                  "rank 1: branches 1..1: (3, 5) float32", "the same shape and dtype (join='sum')",
                   kind="CollectiveMismatchError")
 
 

@@ -96,12 +96,12 @@ class ModelCheck:
         many optimizer steps (and with the same `detail`, else `explain_detail` says why)."""
         engine = runtime.state()
         posted = None
-        if self._posted is not None:
+        if self._posted is not None:  # sent: finished whatever happened since (checks turned off)
             (was, posted), self._posted = self._posted, None
             if was != operation:  # posted, then another operation came first: finish it as sent
                 self._agree(was, None, None, posted, engine)
                 posted = None
-        if engine.checks:
+        if engine.checks or posted is not None:
             self._agree(operation, detail, explain_detail, posted, engine)
 
     def _agree(self, operation, detail, explain_detail, posted, engine) -> None:
@@ -161,7 +161,10 @@ class ModelCheck:
         self.before_backward_collective()
 
     def forward_starts(self, detail: str | None = None, explain_detail=None) -> None:
-        self._backward_due = False
+        """A forward: agreed. A training forward also replaces a backward still due (one never
+        run); an evaluation forward (no gradients) leaves it due."""
+        if torch.is_grad_enabled():
+            self._backward_due = False
         self.agree("forward", detail, explain_detail)
 
 

@@ -300,7 +300,7 @@ class Unit:
             for unit in self.order:  # a prefetch the last forward did not use: stale now
                 if unit._pending is not None:
                     unit.wait_gathered()
-        else:
+        elif torch.is_grad_enabled():
             self._backward_check()  # a forward recomputed in backward (activation checkpointing)
         root = _Forward.root
         if root is not None and self is not root:

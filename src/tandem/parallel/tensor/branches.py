@@ -64,7 +64,8 @@ class Branches(nn.Module):
             shape = list(local.shape)
             if self.join == "cat":
                 shape[self.dim % local.dim()] = "*"
-            check.forward_starts(f"({', '.join(map(str, shape))})", self._explain_shapes)
+            dtype = str(local.dtype).replace("torch.", "")
+            check.forward_starts(f"({', '.join(map(str, shape))}) {dtype}", self._explain_shapes)
         if self.join == "sum":
             out = reduce_from(local, self.group)
         elif group_size(self.group) == 1:
@@ -80,8 +81,8 @@ class Branches(nn.Module):
         spans = [(r * self.count // n, (r + 1) * self.count // n) for r in range(n)]
         lines = "\n".join(f"  rank {rank}: branches {a}..{b - 1}: {shape}"
                           for rank, shape, (a, b) in zip(ranks, shapes, spans, strict=True))
-        need = (f"the same size in every dimension but dim {self.dim} (join='cat')"
-                if self.join == "cat" else "the same shape (join='sum')")
+        need = (f"the same dtype and size in every dimension but dim {self.dim} (join='cat')"
+                if self.join == "cat" else "the same shape and dtype (join='sum')")
         return (f"Branches over ranks {list(group_ranks(self.group))}: the ranks' branches "
                 f"returned outputs that cannot be joined (nothing was sent):\n{lines}\nEvery "
                 f"branch must return {need}.")
