@@ -81,8 +81,8 @@ def named(kind: str, rank: int, debug: bool, err: str) -> bool:
         "diverge": rf"  rank {rank}: (#\d+ )?broadcast\(",
         # Split models: every rank's DivergedError names the faulty rank's operation.
         "shard_skip_step": rf"  rank {rank}: fully_shard forward #\d+ of Sequential",
-        "shard_state_dict": rf"  rank {rank}: full_state_dict #1 of Sequential(.|\n)*every rank "
-                            "calls full_state_dict",
+        "shard_state_dict": rf"  rank {rank}: state_dict #1 of Sequential(.|\n)*every rank "
+                            "calls it",
         "tp_skip_step": rf"  rank {rank}: tensor-parallel forward #\d+ of Sequential",
         "pipe_skip_opt": rf"  rank {rank}: Pipeline train_step #\d+ of Sequential, stage {rank} "
                          r"\(after \d+ optimizer steps\)",
