@@ -4,6 +4,8 @@
     python benchmarks/faults.py --trials 3 --other-trials 1 --worlds 2 --kinds kill,raise
     python benchmarks/faults.py --backend gloo       # the same on Gloo (default: tandem run's)
     python benchmarks/faults.py --overhead           # the price of the watchdog and debug mode
+    python benchmarks/faults.py --kinds shard_skip_step,shard_state_dict,tp_skip_step,\
+        pipe_skip_opt,pipe_skip_step --trials 1 --other-trials 2 --worlds 2   # split models
 
 Each trial runs `tandem run -np W tests/scripts/fault_train.py KIND --at STEP --rank R` (a
 small data-parallel job) with TANDEM_TIMEOUT=5, the rank and step drawn at random (seeded):
@@ -16,6 +18,14 @@ small data-parallel job) with TANDEM_TIMEOUT=5, the rank and step drawn at rando
   skip_opt    the rank runs backward but skips the optimizer step
   diverge     the rank calls td.broadcast where the others step the optimizer
               (these three with and without debug mode: a DivergedError on every rank)
+
+and on split models (`tests/scripts/fault_split.py`; with and without debug mode):
+
+  shard_skip_step   fully_shard: the rank skips backward and step after its forward
+  shard_state_dict  fully_shard: rank 0 alone calls td.full_state_dict
+  tp_skip_step      td.parallelize: the rank skips backward and step after its forward
+  pipe_skip_opt     td.Pipeline: the rank's stage skips its optimizer step
+  pipe_skip_step    td.Pipeline: the rank's stage skips a whole iteration (named at the end)
 
 A trial passes when the job ends within `--bound` seconds (10) of the fault with a non-zero
 code, the output names the rank as the contract says (the summary for kill/raise, the
@@ -50,7 +60,7 @@ TRAIN = ROOT / "tests" / "scripts" / "fault_train.py"
 
 
 def table(results: list[dict], bound: float) -> str:
-    rows = [f"{'fault':<22}{'np':>3}{'passed':>9}{'median s':>10}{'max s':>8}   (bound {bound:g} s)"]
+    rows = [f"{'fault':<26}{'np':>3}{'passed':>9}{'median s':>10}{'max s':>8}   (bound {bound:g} s)"]
     keys = sorted({(r["kind"], r["debug"], r["world"]) for r in results},
                   key=lambda k: (KINDS.index(k[0]), k[1], k[2]))
     for kind, debug, world in keys:
@@ -60,7 +70,7 @@ def table(results: list[dict], bound: float) -> str:
         label = kind + (" (debug)" if debug else "")
         median = f"{statistics.median(times):.2f}" if times else "-"
         worst = f"{max(times):.2f}" if times else "-"
-        rows.append(f"{label:<22}{world:>3}{passed:>5}/{len(group):<3}{median:>10}{worst:>8}")
+        rows.append(f"{label:<26}{world:>3}{passed:>5}/{len(group):<3}{median:>10}{worst:>8}")
     return "\n".join(rows)
 
 

@@ -5,9 +5,10 @@ Each check runs a short training loop in which rank 1 takes another path at step
 the error tandem raises, and returns it: both ranks must raise, at the same step, with a
 message naming both ranks' operations. The right way to skip a step (`td.all_finite`) is
 checked too: every rank skips it, and the replicas stay equal. Pipeline stages out of step are
-named too: by the step header (one stage evaluates while stage 0 trains) or by the watchdog,
-which proves that the stages wait for each other (one logs with a collective while the others
-train), long before the timeout.
+named too: by the step's agreement (one stage evaluates, or logs with a collective, while the
+others train); with checks off, by the step header or by the watchdog, which proves that the
+stages wait for each other, long before the timeout. (Sharded and tensor-parallel models:
+test_divergence_sharded.py.)
 """
 
 import os
@@ -156,11 +157,11 @@ def test_a_rank_inside_a_tandem_call_is_not_reported_as_computing():
 PIPELINE_SCRIPT = Path(__file__).parent / "scripts" / "pipeline_out_of_step.py"
 
 
-def _pipeline_job(mode: str, backend: str) -> subprocess.CompletedProcess:
+def _pipeline_job(mode: str, backend: str, checks: str = "1") -> subprocess.CompletedProcess:
     """The script under `tandem run -np 2` with a 10-minute TANDEM_TIMEOUT: a job that ends
     within the subprocess's 120 s was stopped by a proof or a check, not by the timeout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(TANDEM_TIMEOUT="600", PYTHONPATH=str(Path(td.__file__).parents[1]))
+    env.update(TANDEM_TIMEOUT="600", TANDEM_CHECKS=checks, PYTHONPATH=str(Path(td.__file__).parents[1]))
     return subprocess.run(
         [sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", backend,
          str(PIPELINE_SCRIPT), mode], env=env, capture_output=True, text=True, timeout=120)
@@ -168,10 +169,23 @@ def _pipeline_job(mode: str, backend: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pipeline_stages_out_of_step_are_named_long_before_the_timeout(backend):
-    """The last stage logs with a collective while stage 0 trains: each waits for the other.
-    Outside debug mode too, the watchdog proves the cycle and names both ranks' operations."""
+def test_a_stage_in_a_collective_while_the_others_train_is_named_by_the_step_agreement(backend):
     done = _pipeline_job("collective", backend)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "finished" not in output, output
+    assert "DivergedError: ranks are in different operations" in output, output
+    assert "rank 0: Pipeline train_step #3 of Sequential, stage 0 (after 2 optimizer steps)" \
+        in output, output
+    assert "rank 1: allreduce(shape=(1,), dtype=float32" in output, output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_stages_out_of_step_are_named_long_before_the_timeout(backend):
+    """With checks off: the last stage logs with a collective while stage 0 trains, and each
+    waits for the other. Outside debug mode too, the watchdog proves the cycle and names both
+    ranks' operations."""
+    done = _pipeline_job("collective", backend, checks="0")
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "finished" not in output, output
     assert "desync: these ranks wait for each other" in output, output
@@ -181,9 +195,14 @@ def test_pipeline_stages_out_of_step_are_named_long_before_the_timeout(backend):
 
 
 @pytest.mark.timeout(300)
-def test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error():
-    done = _pipeline_job("eval", "gloo")
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error(checks):
+    done = _pipeline_job("eval", "gloo", checks)
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "finished" not in output, output
-    assert ("DivergedError: pipeline stages are in different calls: stage 0 (rank 0) runs "
-            "train_step, stage 1 (rank 1) runs forward (evaluation)") in output, output
+    if checks == "1":  # the step's agreement
+        assert "rank 0: Pipeline train_step #3 of Sequential, stage 0" in output, output
+        assert "rank 1: Pipeline forward #1 of Sequential, stage 1" in output, output
+    else:  # the step header, which stage 0 sends down the pipeline
+        assert ("DivergedError: pipeline stages are in different calls: stage 0 (rank 0) runs "
+                "train_step, stage 1 (rank 1) runs forward (evaluation)") in output, output

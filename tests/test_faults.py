@@ -5,7 +5,9 @@ The trials are the ones `benchmarks/faults.py` runs twenty times each at world s
 of each kind at world size 2, the rank and step drawn from a fixed seed, on Gloo and on MPI
 (`tandem run`'s CPU default, whose ranks mpiexec starts). The contract's bound is 10 s from
 the fault to the end of the job, with TANDEM_TIMEOUT=5 (the skips without debug mode are
-found by the watchdog at the timeout; with debug mode within seconds).
+found by the watchdog at the timeout; with debug mode within seconds). Split models
+(`fault_split.py`): a fully sharded model's rank that skips backward, and rank 0 calling
+`td.full_state_dict` alone, end with a DivergedError on every rank.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ TRAIN = ROOT / "tests" / "scripts" / "fault_train.py"
 _random = random.Random(7)
 CASES = [(kind, debug, _random.randrange(1, 6))
          for kind, debug in [("kill", False), ("skip", False), ("skip", True),
-                             ("skip_recv", True)]]  # an exception: test_launcher.py
+                             ("skip_recv", True),  # an exception: test_launcher.py
+                             ("shard_skip_step", False), ("shard_state_dict", False)]]
 needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
 
 
@@ -48,8 +51,9 @@ TRIALS = [pytest.param(backend, kind, debug, step, marks=_marks(backend),
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend, kind, debug, step", TRIALS)
 def test_a_fault_ends_the_job_fast_naming_the_rank(backend, kind, debug, step):
-    result = faults.run_trial(TRAIN, kind, world=2, rank=1, step=step, debug=debug, timeout_s=5.0,
-                              steps=30, backend=backend, cwd=ROOT)
+    rank = 0 if kind == "shard_state_dict" else 1  # the habitual "save on rank 0"
+    result = faults.run_trial(TRAIN, kind, world=2, rank=rank, step=step, debug=debug,
+                              timeout_s=5.0, steps=30, backend=backend, cwd=ROOT)
     assert result["all_ranks_started"], result
     assert result["exit_code"] != 0, result
     assert result["named"], result.get("stderr_tail")

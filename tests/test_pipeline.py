@@ -539,10 +539,16 @@ def check_deadline():
 
 
 @pytest.mark.timeout(120)
-def test_a_missing_stage_ends_in_a_timeout_that_names_it():
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_a_missing_stage_ends_in_a_timeout_that_names_it(checks):
     # A pool of its own (short timeout), as this test leaves unreceived messages behind.
-    env = {"TANDEM_TIMEOUT": "3", "TANDEM_TEST_POOL": "pipeline-deadline"}
+    env = {"TANDEM_TIMEOUT": "3", "TANDEM_TEST_POOL": "pipeline-deadline", "TANDEM_CHECKS": checks}
     waited, again = run_distributed(check_deadline, world_size=2, env=env)[0]
-    assert "pipeline stage 0 (rank 0) waited 3 s (the timeout) receiving gradient 0 of " \
-           "micro-batch 0 from stage 1 (rank 1)" in waited, waited
+    if checks == "1":  # the step's agreement waits first: it names the call, and who is missing
+        assert "Pipeline train_step #1 of Sequential, stage 0: rank 0 waited 3 s (the timeout) " \
+               "for the ranks [0, 1] to start it too" in waited, waited
+        assert "not arrived: rank 1" in waited, waited
+    else:
+        assert "pipeline stage 0 (rank 0) waited 3 s (the timeout) receiving gradient 0 of " \
+               "micro-batch 0 from stage 1 (rank 1)" in waited, waited
     assert "an earlier step failed" in again

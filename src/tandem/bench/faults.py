@@ -13,6 +13,15 @@ prints `[r] pid=P ...` when a rank starts and `[r] failing at T` (wall time) whe
   skip_opt    the rank runs backward but skips the optimizer step
   diverge     the rank calls td.broadcast where the others step the optimizer
 
+and, on split models (`tests/scripts/fault_split.py`, next to `script`):
+
+  shard_skip_step   fully_shard: the rank skips backward and step after its forward
+  shard_state_dict  fully_shard: rank 0 alone calls td.full_state_dict (the habitual save)
+  tp_skip_step      td.parallelize: the rank skips backward and step after its forward
+  pipe_skip_opt     td.Pipeline: the rank's stage skips its optimizer step (a NaN guard that
+                    only the stage holding the loss runs)
+  pipe_skip_step    td.Pipeline: the rank's stage skips a whole iteration (named at the end)
+
 A trial is "ok" when the job ends non-zero, every rank had started, the output names the faulty
 rank as the contract says (the summary for kill/raise, the mismatch error or the watchdog
 report for the skips: `named`), and no process it started outlives it; `seconds_after_fault`
@@ -33,9 +42,15 @@ from tandem.testing import still_running
 
 #: The folder this tandem is imported from (src/ in a checkout), put first on the job's path.
 SOURCE = Path(__file__).resolve().parents[2]
-KINDS = ("kill", "raise", "skip", "skip_recv", "skip_step", "skip_opt", "diverge")
+#: Faults of split models: kind -> (mode, layout) of `fault_split.py`.
+SPLIT = {"shard_skip_step": ("skip_step", "shard"), "shard_state_dict": ("state_dict", "shard"),
+         "tp_skip_step": ("skip_step", "tp"), "pipe_skip_opt": ("skip_opt", "pipe"),
+         "pipe_skip_step": ("skip_step", "pipe")}
+KINDS = ("kill", "raise", "skip", "skip_recv", "skip_step", "skip_opt", "diverge", *SPLIT)
 #: Faults of code paths, run with and without debug mode.
-PATHS = ("skip", "skip_recv", "skip_step", "skip_opt", "diverge")
+PATHS = ("skip", "skip_recv", "skip_step", "skip_opt", "diverge", *SPLIT)
+#: A rank that leaves the job first, one step ahead of the others, named at the end.
+_LEFT = r"rank {rank} finished, but not every rank|rank {rank} has left the job|rank {rank}: left the job"
 
 
 def job_environment(extra: dict[str, str]) -> dict[str, str]:
@@ -60,13 +75,21 @@ def named(kind: str, rank: int, debug: bool, err: str) -> bool:
         # DistributedOptimizer sees no forward: a rank that skipped a whole step is one step
         # ahead until the end, where it finishes first and leaves while its peers still wait
         # (named by the watchdog, or by MPI's exit guard), unless an operation differs earlier.
-        "skip_step": rf"  rank {rank}: gradient reduction #|rank {rank} finished, but not every rank"
-                     rf"|rank {rank} has left the job|rank {rank}: left the job",
+        "skip_step": rf"  rank {rank}: gradient reduction #|" + _LEFT.format(rank=rank),
         "skip_opt": rf"  rank {rank}: gradient reduction #\d+ of DistributedOptimizer \(after \d+ "
                     "optimizer steps",
         "diverge": rf"  rank {rank}: (#\d+ )?broadcast\(",
+        # Split models: every rank's DivergedError names the faulty rank's operation.
+        "shard_skip_step": rf"  rank {rank}: fully_shard forward #\d+ of Sequential",
+        "shard_state_dict": rf"  rank {rank}: state_dict #1 of Sequential(.|\n)*every rank "
+                            "calls it",
+        "tp_skip_step": rf"  rank {rank}: tensor-parallel forward #\d+ of Sequential",
+        "pipe_skip_opt": rf"  rank {rank}: Pipeline train_step #\d+ of Sequential, stage {rank} "
+                         r"\(after \d+ optimizer steps\)",
+        "pipe_skip_step": _LEFT.format(rank=rank),
     }
-    if kind in ("skip_opt", "diverge") and "DivergedError" not in err:
+    diverged = ("skip_opt", "diverge", *SPLIT)
+    if kind in diverged and kind != "pipe_skip_step" and "DivergedError" not in err:
         return False
     return re.search(patterns[kind], err) is not None
 
@@ -79,8 +102,12 @@ def run_trial(script: Path, kind: str, world: int, rank: int, step: int, debug: 
     """One faulty job of `script` (on `tandem run`'s default backend unless `backend` names
     one); returns what happened, with the verdict in "ok" (see the module docstring)."""
     env = job_environment({"TANDEM_TIMEOUT": f"{timeout_s:g}", **({"TANDEM_DEBUG": "1"} if debug else {})})
+    mode, extra = kind, []
+    if kind in SPLIT:
+        mode, layout = SPLIT[kind]
+        script, extra = script.with_name("fault_split.py"), ["--layout", layout]
     command = [sys.executable, "-m", "tandem", "run", "-np", str(world),
-               *(["--backend", backend] if backend else []), str(script), kind,
+               *(["--backend", backend] if backend else []), str(script), mode, *extra,
                "--steps", str(steps), "--at", str(step), "--rank", str(rank)]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=180)
@@ -103,13 +130,16 @@ def run_trial(script: Path, kind: str, world: int, rank: int, step: int, debug: 
 
 
 def trial_plan(kinds, worlds, trials: int, other_trials: int, seed: int) -> list[dict]:
-    """`trials` SIGKILLs and `other_trials` of every other fault, per world size."""
+    """`trials` SIGKILLs and `other_trials` of every other fault, per world size (the state
+    dict saved by one rank: by rank 0, the habit)."""
     rng = random.Random(seed)
     plan = []
     for world in worlds:
         for kind in kinds:
             for debug in ((False, True) if kind in PATHS else (False,)):
                 for _ in range(trials if kind == "kill" else other_trials):
+                    rank = rng.randrange(1, world)
                     plan.append({"kind": kind, "world": world, "debug": debug,
-                                 "rank": rng.randrange(1, world), "step": rng.randrange(1, 8)})
+                                 "rank": 0 if kind == "shard_state_dict" else rank,
+                                 "step": rng.randrange(1, 8)})
     return plan

@@ -171,7 +171,8 @@ def agree(
     ranks = group_ranks(group)
     kinds = [t[0] if isinstance(t, tuple) and len(t) == 2 else None for t in tagged]
     if any(k != kind for k in kinds):
-        raise DivergedError(explain_diverged(ranks, [_summary(t) for t in tagged]))
+        said = [t[1] for t, k in zip(tagged, kinds, strict=True) if k is not None]
+        raise DivergedError(explain_diverged(ranks, [_summary(t) for t in tagged], advice_of(said)))
     descriptions = [t[1] for t in tagged]
     try:
         reason = explain(ranks, descriptions)
@@ -202,10 +203,31 @@ SKIP_ADVICE = (
     "(docs/failures.md, 'Skipping a step on every rank').")
 
 
-def explain_diverged(ranks: Sequence[int], calls: Sequence[str]) -> str:
+class Described(str):
+    """A rank's description that carries its own fix, for when the ranks diverge: a call that
+    every rank must make (`full_state_dict`) says so instead of the advice on skipped steps."""
+
+    advice: str
+
+    def __new__(cls, text: str, advice: str) -> Described:
+        described = super().__new__(cls, text)
+        described.advice = advice
+        return described
+
+    def __reduce__(self):
+        return Described, (str(self), self.advice)
+
+
+def advice_of(descriptions: Iterable[Any]) -> str:
+    """The fixes that the ranks' descriptions carry (`Described`), else `SKIP_ADVICE`."""
+    found = [d.advice for d in descriptions if isinstance(d, Described)]
+    return "\n".join(dict.fromkeys(found)) or SKIP_ADVICE
+
+
+def explain_diverged(ranks: Sequence[int], calls: Sequence[str], advice: str = SKIP_ADVICE) -> str:
     """The error when ranks are in different operations."""
     lines = "\n".join(f"  rank {r}: {c}" for r, c in zip(ranks, calls, strict=True))
-    return f"ranks are in different operations (nothing was sent):\n{lines}\n{SKIP_ADVICE}"
+    return f"ranks are in different operations (nothing was sent):\n{lines}\n{advice}"
 
 
 # -- tensors ----------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ class StepCheck:
         engine = runtime.state()
         if not engine.checks:
             return
-        site = _backward_site() if engine.debug else None
+        site = user_site() if engine.debug else None
         counted = self._counts(rounds)
 
         def mine() -> str:
@@ -137,11 +137,12 @@ def _explain(ranks, calls) -> str:
             + "\n" + agreement.SKIP_ADVICE)
 
 
-def _backward_site() -> str:
-    """Where the user's code ran backward (debug mode): the innermost frame of neither tandem
-    nor torch."""
+def user_site() -> str:
+    """Where the user's code ran backward or called the model (debug mode): the innermost
+    frame of neither tandem nor torch."""
     frame = sys._getframe(2)
     while frame is not None and (fingerprints.is_tandem_frame(frame)
                                  or frame.f_code.co_filename.startswith(_TORCH_DIR)):
         frame = frame.f_back
     return fingerprints.site_of(frame)
+

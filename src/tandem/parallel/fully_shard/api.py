@@ -37,7 +37,7 @@ from torch import nn
 from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.parallel import layout, splits, state_hooks
+from tandem.parallel import layout, model_check, splits, state_hooks
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import ATTR, Unit
 
@@ -187,6 +187,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     "param_groups": [{..., "params": [names]}]}`: per-element state is gathered over the
     shards and cut along the unit's parameters; scalars (Adam's step) are taken as they are.
     """
+    model_check.agree_call(model, "full_optimizer_state_dict")  # a rank calling it alone is named
     owner = {id(unit.shard): (prefix, unit) for prefix, unit in units(model)}
     state = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -21,10 +21,17 @@ The life of a step, per unit:
 A flag element rides with every reduce-scatter: whether any rank saw inf/NaN. Each rank puts
 inf into its shard's gradient when one did, so GradScaler's `unscale_` finds inf on every rank
 and all ranks skip the same step, with no extra call and no host sync.
+
+The gathers and reduce-scatters are not checked one by one: the root's forward opens with one
+agreement, and its backward with another (sent at the output's first gradient, finished before
+the backward's first collective; see `parallel/model_check.py`), so a rank that skipped a
+backward or an optimizer step is named before its next all-gather meets another's
+reduce-scatter.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -32,14 +39,18 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
+from tandem.comm import agreement
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
-from tandem.parallel import splits
+from tandem.parallel import model_check, splits
 from tandem.parallel.flat_shard import FlatShard
 from tandem.parallel.split_grads import as_split_grad
 
 ATTR = "_tandem_unit"
 SHARD = "_tandem_shard"
+#: Module -> (a weak reference to) the module of the unit that took its parameters (an outer
+#: one, when the root was sharded before its blocks).
+_taken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _owned(module: nn.Module, prefix: str = ""):
@@ -68,6 +79,7 @@ class _Gather(torch.autograd.Function):
 class Unit:
     def __init__(self, module: nn.Module, group: Group | None, param_dtype: torch.dtype | None,
                  reshard_after_forward: bool, has_inner: bool) -> None:
+        _refuse_taken(module)
         owned = list(_owned(module))
         seen: dict[int, str] = {}
         for name, _, _, param in owned:
@@ -84,6 +96,9 @@ class Unit:
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
             raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
+        # Once, before the broadcast: ranks that built different models are told so by name.
+        agreement.agree_layout(f"fully_shard of {type(module).__name__}",
+                               agreement.describe_tensors((n, p) for n, _, _, p in owned), group)
         self.module = module
         self.group = group
         self.size, self.rank = group_size(group), group_rank(group)
@@ -95,7 +110,7 @@ class Unit:
         self.shard_numel = self.space.shard_numel
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
-        self.is_root = True  # until an outer fully_shard takes this module in
+        self.check: model_check.ModelCheck | None = None
         self.requires_gradient_sync = True
         self.order: list[Unit] = []  # the root's record of the units' forward order
         self._recording = False
@@ -111,6 +126,25 @@ class Unit:
         self.shard: nn.Parameter | None = None
         if owned:  # else a root that only holds units: it orders them and prefetches the first
             self._make_shard(module, owned)
+        self.is_root = True  # until an outer fully_shard takes this module in
+
+    @property
+    def is_root(self) -> bool:
+        return self._is_root
+
+    @is_root.setter
+    def is_root(self, value: bool) -> None:
+        """A root owns the agreement that opens each forward and backward of its units."""
+        self._is_root = value
+        self.check = None
+        if value:
+            units = [getattr(m, ATTR) for m in self.module.modules() if getattr(m, ATTR, None)]
+            units.append(self)
+            lines = [f"{n} {s}" for u in units for n, s in zip(u.names, u.shapes, strict=True)]
+            shards = [u.shard for u in units if u.shard is not None]
+            self.check = model_check.ModelCheck.make("fully_shard", type(self.module).__name__,
+                                                     lines, self.group, shards)
+        model_check.register(self.module, self.check)
 
     def _make_shard(self, module: nn.Module, owned: list) -> None:
         dtype, device = owned[0][3].dtype, owned[0][3].device
@@ -129,6 +163,8 @@ class Unit:
         for (owner, attr), (_, _, _, old) in zip(self._slots, owned, strict=True):
             splits.mark(old, splits.REPLACED)  # an optimizer built before fully_shard holds these
             del owner._parameters[attr]
+            if owner is not module:
+                _taken[owner] = weakref.ref(module)
         self._placeholders()
         module.register_parameter(SHARD, self.shard)
 
@@ -190,6 +226,7 @@ class Unit:
     def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
         """The averaged gradient of this rank's shard (None while gradient sync is off)."""
         grad = grad.to(self.shard.dtype)
+        self._backward_check()
         self.free()
         self._backward_ready = False
         if not self.requires_gradient_sync:
@@ -241,17 +278,34 @@ class Unit:
             setattr(owner, attr, full[offset : offset + n].view(shape))
             offset += n
 
+    def _backward_starts(self) -> None:
+        """The root's output got its first gradient: send the backward's agreement, finished
+        before its first collective, or at the end of a backward that makes none."""
+        self.check.backward_starts()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_check)
+
+    def _backward_check(self) -> None:
+        """Before a collective of backward: the root's backward agreement is finished (once)."""
+        root = self if self.is_root else self._root
+        if root is not None and root.check is not None:
+            root.check.before_backward_collective()
+
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         finish_reductions()  # left by a backward that raised: keep the collectives in step
         if self.is_root:
+            if self.check is not None:  # every rank is in this same forward, or all raise
+                self.check.forward_starts()
             _Forward.root = self
             self._recording = not self.order
             for unit in self.order:  # a prefetch the last forward did not use: stale now
                 if unit._pending is not None:
                     unit.wait_gathered()
+        elif torch.is_grad_enabled():
+            self._backward_check()  # a forward recomputed in backward (activation checkpointing)
         root = _Forward.root
-        if root is not None and root._recording and self is not root:
-            root.order.append(self)
+        if root is not None and self is not root:
+            if root._recording:
+                root.order.append(self)
             self._root = root
         if self.shard is not None:
             self._full = _Gather.apply(self.shard, self)
@@ -267,6 +321,8 @@ class Unit:
         if self.is_root:
             self._recording = False
             _Forward.root = None
+            if self.check is not None:  # sent at the output's first gradient (see _backward_check)
+                model_check.expect_backward_of(self.check, output, self._backward_starts)
         if self.shard is None:
             return output
         training = torch.is_grad_enabled() and self.shard.requires_grad
@@ -286,6 +342,7 @@ class Unit:
         if not self._backward_ready:
             return
         self._backward_ready = False  # the first output's gradient gathers; the others pass
+        self._backward_check()
         if self.freed():
             self.start_gather(self._full)
         if self._pending is not None:  # gathered now, or prefetched by the unit after it
@@ -309,3 +366,17 @@ def finish_reductions() -> None:
     """End of backward (an autograd callback): every shard's averaged gradient in place."""
     while _waiting:
         _waiting.pop(0).finish_reduction()
+
+
+def _refuse_taken(module: nn.Module) -> None:
+    """Sharding a block after its root took the block's parameters: say which order works."""
+    subtree = {id(m) for m in module.modules()}
+    for sub in module.modules():
+        outer = _taken.get(sub, lambda: None)()
+        if outer is not None and id(outer) not in subtree:  # not an inner unit's
+            which = "" if sub is module else f" (its {type(sub).__name__}'s)"
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): its parameters{which} already belong to "
+                f"the unit of {type(outer).__name__}, which was sharded first. Apply "
+                f"fully_shard to the inner blocks first, then the root: `for block in "
+                f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")

@@ -18,11 +18,17 @@ for any split; with `reduction="sum"`, losses are added unweighted. The returned
 sum, on the last stage (None elsewhere, or on every rank with `broadcast_loss=True`, as a
 float64 scalar).
 
-Messages: a per-step 32-byte header flows down the pipeline (the step's shape signature, or the
-first stage's refusal of a bad batch so that every stage raises instead of hanging, and whether
-the first stage trains or evaluates: a stage in the other call raises `td.DivergedError`).
-Stages out of step in any other way (one calls a collective, or skips a `recv`) wait for each
-other around a cycle, which the watchdog proves and reports within seconds (comm/monitor). Shapes and
+Messages: each step opens with one agreement over the group (`parallel/model_check.py`: the
+call, train_step or forward, how many of it each stage made, and the optimizer steps over its
+parameters), so a stage in another call, or one that skipped its optimizer step (`if
+torch.isnan(loss): continue` on the last stage alone), raises `td.DivergedError` on every stage,
+naming each; then a per-step 32-byte header flows down the pipeline (the step's shape
+signature, or the first stage's refusal of a bad batch so that every stage raises instead of
+hanging, and whether the first stage trains or evaluates: with checks off, the header alone
+tells a stage in the other call). A stage that skips a whole iteration (train_step and
+optimizer step) is paired with the others' next one, and is named when it leaves the job
+first. With checks off, stages out of step in any other way wait for each other around a cycle,
+which the watchdog proves and reports within seconds (comm/monitor). Shapes and
 dtypes of each edge are sent once per new signature and cached; afterwards only tensors travel.
 Edge shapes must depend only on the input's shapes (no data-dependent shapes between stages).
 
@@ -50,7 +56,7 @@ from tandem.comm.agreement import DivergedError
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks
 from tandem.diagnostics import timeline
-from tandem.parallel import split_grads, splits
+from tandem.parallel import model_check, split_grads, splits
 from tandem.parallel.pipeline import balance as balancing
 from tandem.parallel.pipeline import build as building
 from tandem.parallel.pipeline.edges import HEADER_TAG, Link
@@ -60,6 +66,11 @@ from tandem.parallel.pipeline.schedules import Schedule, build_schedule, format_
 __all__ = ["Pipeline", "PipelineStats"]
 
 _OK, _NEW, _ERROR = 0, 1, 2
+_SKIP_ADVICE = (
+    "A stage took a different code path from the others (for example `if torch.isnan(loss): "
+    "continue` on the last stage, the only one that has the loss). Decide together: "
+    "`loss = pipe.train_step(x, y, loss_fn, broadcast_loss=True)` gives the loss to every "
+    "stage, so that `if not torch.isfinite(loss): continue` skips the step on all of them.")
 #: Shape signatures remembered before the caches start over (variable-length inputs).
 _MAX_SIGNATURES = 64
 
@@ -132,6 +143,11 @@ class Pipeline:
         self._specs_out: dict[int, list] = {}
         self._broken = False
         self.stats = PipelineStats()
+        owner = type(module).__name__ if isinstance(module, nn.Module) else "stages"
+        self._check = model_check.ModelCheck.make(
+            "Pipeline", f"{owner}, stage {self.stage_index}",
+            [f"ranks {list(self._ranks)}", f"balance {counts}", f"chunks {chunks} {schedule}"],
+            group, self.stage.parameters(), advice=_SKIP_ADVICE)
         timeline.configure()
 
     # -- public -----------------------------------------------------------------------------
@@ -203,6 +219,10 @@ class Pipeline:
                 f"out of step with the other stages: build a new Pipeline"
             )
         start = time.perf_counter()
+        if self._check is not None:  # every stage in this same call, after as many steps
+            self._broken = True  # a timeout leaves the agreement unfinished: out of step
+            self._check.agree("train_step" if train else "forward")
+            self._broken = False
         sig, rows, fresh, micro_x = self._header(x, train)
         # From here on the stages exchange this step's messages; failing midway leaves them out
         # of step, so the pipeline refuses further steps.

@@ -9,10 +9,16 @@ concatenated along `dim` in branch order (`join="cat"`, sizes along `dim` may di
 (`join="sum"`). Everything before and after runs replicated, so gradients follow the
 tensor-parallel convention: the input's gradient is summed over the ranks that used it, and each
 branch's parameters get their gradient on the rank that holds them.
+
+Each forward opens its communication with one agreement over the group (after the local
+branches ran, so it carries their joined output's shape) and each backward with another
+(`parallel/model_check.py`): a rank that skipped one, or whose branches return another shape,
+is named before the join.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +26,8 @@ from torch import nn
 
 from tandem.comm import collectives
 from tandem.comm.backend import Group
-from tandem.comm.groups import group_rank, group_size
+from tandem.comm.groups import group_rank, group_ranks, group_size
+from tandem.parallel import model_check
 from tandem.parallel.tensor.layers import mark_sliced
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
@@ -43,20 +50,49 @@ class Branches(nn.Module):
         mark_sliced(group, *self.mine.parameters())  # the ranks of `group` hold different ones
         self.first_branch, self.count = first, len(branches)
         self.group, self.join, self.dim = group, join, dim
+        names = [type(b).__name__ for b in branches]
+        owner = f"[{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}]"
+        _checks[self] = model_check.ModelCheck.make(
+            "Branches", owner, [f"{names} join={join} dim={dim}"], group, self.mine.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to(x, self.group)
         outputs = [branch(x) for branch in self.mine]
+        local = torch.stack(outputs).sum(0) if self.join == "sum" else torch.cat(outputs, dim=self.dim)
+        check = _checks.get(self)
+        if check is not None:  # before the join: every rank in this forward, with a shape that joins
+            shape = list(local.shape)
+            if self.join == "cat":
+                shape[self.dim % local.dim()] = "*"
+            dtype = str(local.dtype).replace("torch.", "")
+            check.forward_starts(f"({', '.join(map(str, shape))}) {dtype}", self._explain_shapes)
         if self.join == "sum":
-            return reduce_from(torch.stack(outputs).sum(0), self.group)
-        local = torch.cat(outputs, dim=self.dim)
-        if group_size(self.group) == 1:
+            out = reduce_from(local, self.group)
+        elif group_size(self.group) == 1:
             return local
-        return _GatherUneven.apply(local, self.dim % local.dim(), self.group)
+        else:
+            out = _GatherUneven.apply(local, self.dim % local.dim(), self.group)
+        if check is not None:
+            model_check.expect_backward_of(check, out)
+        return out
+
+    def _explain_shapes(self, ranks: tuple[int, ...], shapes: list) -> str:
+        n = group_size(self.group)
+        spans = [(r * self.count // n, (r + 1) * self.count // n) for r in range(n)]
+        lines = "\n".join(f"  rank {rank}: branches {a}..{b - 1}: {shape}"
+                          for rank, shape, (a, b) in zip(ranks, shapes, spans, strict=True))
+        need = (f"the same dtype and size in every dimension but dim {self.dim} (join='cat')"
+                if self.join == "cat" else "the same shape and dtype (join='sum')")
+        return (f"Branches over ranks {list(group_ranks(self.group))}: the ranks' branches "
+                f"returned outputs that cannot be joined (nothing was sent):\n{lines}\nEvery "
+                f"branch must return {need}.")
 
     def extra_repr(self) -> str:
         return (f"branches {self.first_branch}..{self.first_branch + len(self.mine) - 1} of "
                 f"{self.count} on this rank, join={self.join!r}, dim={self.dim}")
+
+
+_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Branches -> its ModelCheck
 
 
 class _GatherUneven(torch.autograd.Function):

@@ -138,6 +138,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to(x, self.group)
+        elif x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(
+                f"RowParallelLinear (in_features={self.in_features}, {self.weight.shape[1]} on "
+                f"this rank) got inputs of {x.shape[-1]} features: a rowwise layer reads the split "
+                f"output of its 'colwise' partner; put a colwise layer before it, or build it with "
+                f"input_is_parallel=False to take a whole input")
         y = reduce_from(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 

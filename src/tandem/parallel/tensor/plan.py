@@ -16,11 +16,19 @@ starts from the one-process model). Styles:
 
 `full_state_dict(model)` gathers the one-process state dict back (for a checkpoint that loads
 at any tp size: load it into the one-process model, then `parallelize` again).
+
+A "colwise" layer's output stays split: the layer that reads it must be its "rowwise" partner
+(or the loss `vocab_parallel_cross_entropy`). A plain `nn.Linear` after it in an
+`nn.Sequential` is refused here; elsewhere the first forward names it (instead of torch's
+"mat1 and mat2 shapes cannot be multiplied"). The model's forwards and backwards then each
+open with one agreement over the group (`parallel/model_check.py`): a rank that skips one is
+named, as are ranks given inputs of different shapes.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -28,7 +36,8 @@ from torch import nn
 
 from tandem.comm import agreement, context
 from tandem.comm.backend import Group
-from tandem.comm.groups import group_ranks
+from tandem.comm.groups import group_ranks, group_size
+from tandem.parallel import model_check
 from tandem.parallel.tensor.attention import ParallelSelfAttention
 from tandem.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -72,11 +81,75 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None =
               if "weight" in modules[name].state_dict() else f"{name}:{style}"
               for name, style in sorted(plan.items())]
     agreement.agree_layout("tensor-parallel plan", layout, group, always=True)
+    split = {name: modules[name].out_features for name, style in plan.items() if style == "colwise"}
+    _refuse_plain_consumers(model, plan, split, group_size(group))
     for name, style in plan.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _STYLES[style][1](modules[name], group))
+    _guard_first_inputs(model, plan, split, group_size(group))
+    model_check.watch(model, "tensor-parallel", layout, group, explain_inputs=_explain_inputs)
     return model
+
+
+def _unsplit(consumer: str, features: int, got: int, producer: str, full: int, tp: int) -> str:
+    return (f"layer {consumer!r} (nn.Linear, in_features={features}) reads the output of the "
+            f"colwise layer {producer!r}, which stays split over the {tp} ranks of its "
+            f"tensor-parallel group ({full} / {tp} = {got} features each): give {consumer!r} the "
+            f"style 'rowwise' (colwise's partner: it sums the split product), or make "
+            f"{producer!r} 'colwise_gather' to gather its output")
+
+
+def _refuse_plain_consumers(model: nn.Module, plan: Mapping[str, str], split: dict[str, int],
+                            tp: int) -> None:
+    """In an nn.Sequential, the next layer with parameters after a colwise one must be rowwise."""
+    if not split or tp == 1:
+        return
+    for prefix, container in model.named_modules():
+        if not isinstance(container, nn.Sequential):
+            continue
+        producer = None
+        for child_name, child in container.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if producer is not None and any(True for _ in child.parameters()):
+                if isinstance(child, nn.Linear) and plan.get(name) != "rowwise":
+                    raise ValueError(_unsplit(name, child.in_features, split[producer] // tp,
+                                              producer, split[producer], tp))
+                producer = None
+            if name in split:
+                producer = name
+
+
+def _guard_first_inputs(model: nn.Module, plan: Mapping[str, str], split: dict[str, int],
+                        tp: int) -> None:
+    """Elsewhere, each plain nn.Linear checks its first input: split features are named."""
+    if not split or tp == 1:
+        return
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name not in plan:
+            handles: list = []
+            handles.append(module.register_forward_pre_hook(
+                functools.partial(_first_input, name, split, tp, handles)))
+
+
+def _first_input(name: str, split: dict[str, int], tp: int, handles: list, module: nn.Linear,
+                 args) -> None:
+    for handle in handles:  # once: a layer that took its first input right takes the rest
+        handle.remove()
+    got = args[0].shape[-1] if args and isinstance(args[0], torch.Tensor) else None
+    if got is None or got == module.in_features:
+        return
+    for producer, full in split.items():
+        if full == module.in_features and got == full // tp:
+            raise ValueError(_unsplit(name, module.in_features, got, producer, full, tp))
+
+
+def _explain_inputs(ranks: tuple[int, ...], shapes: list) -> str:
+    lines = "\n".join(f"  rank {r}: {s}" for r, s in zip(ranks, shapes, strict=True))
+    return ("the ranks of a tensor-parallel group called the model with inputs of different "
+            f"shapes:\n{lines}\nEvery rank of the group computes the same batch (its layers split "
+            "the weights, not the data): give each the same input (split the batch across the "
+            "data-parallel group only).")
 
 
 def _check_groups(group: Group | None) -> None:
