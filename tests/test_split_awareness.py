@@ -271,3 +271,35 @@ def test_join_over_a_fully_sharded_model_is_refused_with_the_fix():
             td.join(torch.optim.SGD(model.parameters(), lr=0.1))
     finally:
         td.shutdown()
+
+
+def evaluation_between_forward_and_backward() -> float:
+    """A no_grad evaluation pass between a training forward and its backward (a validation
+    check before loss.backward()) leaves the backward, and so training, as in one process."""
+    model = _net()
+    td.fully_shard(model[0])
+    td.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = _net()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x[4 * td.rank():4 * td.rank() + 4]),
+                                      y[4 * td.rank():4 * td.rank() + 4])
+        with torch.no_grad():
+            model(x)  # evaluation in between
+        loss.backward()
+        optimizer.step()
+        plain.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        plain.step()
+    got = td.full_state_dict(model)
+    return max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_an_evaluation_between_forward_and_backward_of_a_sharded_model(backend):
+    assert max(run_distributed(evaluation_between_forward_and_backward, world_size=2,
+                               backend=backend)) < 1e-6

@@ -308,8 +308,13 @@ class Unit:
                 root.order.append(self)
             self._root = root
         if self.shard is not None:
-            self._full = _Gather.apply(self.shard, self)
-            self._set_views(self._full)
+            full = _Gather.apply(self.shard, self)
+            # An evaluation forward while a training forward's backward is still due (a no_grad
+            # validation pass before loss.backward()) must not replace the storage record that
+            # backward gathers into again.
+            if torch.is_grad_enabled() or not self._backward_ready:
+                self._full = full
+            self._set_views(full)
         if root is not None and not root._recording and self in root.order:
             index = root.order.index(self)
             if index + 1 < len(root.order):
@@ -327,7 +332,8 @@ class Unit:
             return output
         training = torch.is_grad_enabled() and self.shard.requires_grad
         if not training:
-            self._full = None
+            if not self._backward_ready:
+                self._full = None
             self._placeholders()
         elif self.reshard_after_forward and not self.is_root:
             self.free()
