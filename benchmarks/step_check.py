@@ -40,6 +40,7 @@ def _worker(out: str, steps: int, warmup: int) -> None:
     import tandem as td
     from tandem import runtime
     from tandem.parallel import model_check
+    from tandem.parallel.fully_shard.unit import unit_of
 
     td.init()
     torch.manual_seed(0)
@@ -51,7 +52,7 @@ def _worker(out: str, steps: int, warmup: int) -> None:
     for block in list(sharded)[:4]:
         td.fully_shard(block)
     td.fully_shard(sharded)
-    root = sharded._tandem_unit
+    root = unit_of(sharded)
     shard_opt = torch.optim.SGD(sharded.parameters(), lr=1e-3)
 
     parallel = td.parallelize(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)),

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from tandem.parallel import splits
-from tandem.parallel.fully_shard.unit import ATTR
+from tandem.parallel.fully_shard.unit import unit_of
 
 
 def _module(model: Any) -> nn.Module:
@@ -37,7 +37,7 @@ def _module(model: Any) -> nn.Module:
 
 def _switches(model: Any) -> tuple[list, list]:
     module = _module(model)
-    units = [getattr(m, ATTR) for m in module.modules() if getattr(m, ATTR, None) is not None]
+    units = [unit_of(m) for m in module.modules() if unit_of(m) is not None]
     reducers: dict[int, Any] = {}
     for param in module.parameters():
         reducer = splits.reducer_of(param)

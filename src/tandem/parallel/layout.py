@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from tandem.parallel.fully_shard.pieces import UnitPieces
-from tandem.parallel.fully_shard.unit import ATTR, SHARD
+from tandem.parallel.fully_shard.unit import SHARD, unit_of
 from tandem.parallel.pieces import Chunk, Held, Placement, flat_placements, whole
 
 __all__ = ["Chunk", "Held", "Placement", "flat_placements", "held", "innermost_optimizer",
@@ -48,7 +48,7 @@ __all__ = ["Chunk", "Held", "Placement", "flat_placements", "held", "innermost_o
 def split_of_module(module: nn.Module) -> Any:
     """The object that implements the layout protocol (`local_pieces`, `full_tensors`) for what
     `module` itself splits: its fully_shard unit, or the module (a tensor-parallel layer)."""
-    unit = getattr(module, ATTR, None)
+    unit = unit_of(module)
     if unit is not None and unit.shard is not None:
         return UnitPieces(unit)
     if hasattr(module, "local_pieces") and hasattr(module, "full_tensors"):
@@ -115,7 +115,7 @@ def split_kinds(model: Any) -> set[str]:
     kinds = set()
     if isinstance(model, nn.Module):
         for module in model.modules():
-            if getattr(module, ATTR, None) is not None:
+            if unit_of(module) is not None:
                 kinds.add("fully_shard")
             elif split_of_module(module) is not None:
                 kinds.add("tensor parallel")

@@ -39,7 +39,7 @@ from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.parallel import layout, model_check, splits, state_hooks
 from tandem.parallel.fully_shard.pieces import UnitPieces
-from tandem.parallel.fully_shard.unit import ATTR, Unit
+from tandem.parallel.fully_shard.unit import Unit, attach, unit_of
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
@@ -50,7 +50,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
-    if getattr(module, ATTR, None) is not None:
+    if unit_of(module) is not None:
         raise ValueError(
             f"fully_shard: {type(module).__name__} is already fully sharded; call fully_shard "
             f"once per module (inner blocks first, then the root)")
@@ -59,7 +59,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     if param_dtype is not None and not (isinstance(param_dtype, torch.dtype)
                                         and param_dtype.is_floating_point):
         raise ValueError(f"param_dtype={param_dtype!r}: give a floating torch dtype, e.g. torch.bfloat16")
-    inner = [getattr(m, ATTR) for m in module.modules() if getattr(m, ATTR, None) is not None]
+    inner = [unit_of(m) for m in module.modules() if unit_of(m) is not None]
     sliced = [name for name, m in module.named_modules() if hasattr(m, "local_pieces")]
     if sliced:
         raise ValueError(
@@ -70,7 +70,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     unit = Unit(module, group, param_dtype, reshard_after_forward, has_inner=bool(inner))
     for sub in inner:
         sub.is_root = False
-    setattr(module, ATTR, unit)
+    attach(module, unit)
     if unit.shard is not None:  # model.state_dict() / load_state_dict() speak the unsharded model
         state_hooks.install(module, UnitPieces(unit))
     return module
@@ -80,7 +80,7 @@ def units(model: nn.Module) -> Iterable[tuple[str, Unit]]:
     """(qualified module name, unit) for every fully sharded module of `model` that holds
     parameters (a root that only holds units has none)."""
     for name, module in model.named_modules():
-        unit = getattr(module, ATTR, None)
+        unit = unit_of(module)
         if unit is not None and unit.shard is not None:
             yield name, unit
 

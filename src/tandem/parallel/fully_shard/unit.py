@@ -31,6 +31,7 @@ reduce-scatter.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -46,7 +47,17 @@ from tandem.parallel import model_check, splits
 from tandem.parallel.flat_shard import FlatShard
 from tandem.parallel.split_grads import as_split_grad
 
-ATTR = "_tandem_unit"
+# module -> its Unit (FSDP2's `fully_shard.state(module)`), not an attribute on the module.
+_UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The fully_shard unit of `module` (None: not sharded)."""
+    return _UNITS.get(module)
+
+
+def attach(module: nn.Module, unit: Unit) -> None:
+    _UNITS[module] = unit
 SHARD = "_tandem_shard"
 #: Module -> (a weak reference to) the module of the unit that took its parameters (an outer
 #: one, when the root was sharded before its blocks).
@@ -59,7 +70,7 @@ def _owned(module: nn.Module, prefix: str = ""):
         if param is not None:
             yield prefix + attr, module, attr, param
     for child_name, child in module._modules.items():
-        if child is not None and getattr(child, ATTR, None) is None:
+        if child is not None and unit_of(child) is None:
             yield from _owned(child, f"{prefix}{child_name}.")
 
 
@@ -119,6 +130,7 @@ class Unit:
         self._unsynced: torch.Tensor | None = None
         self._backward_ready = False
         self._root: Unit | None = None
+        self._in_flight: list[Unit] = []  # (a root's) units whose reduce-scatter is in flight
         self._reducing: tuple[Any, torch.Tensor] | None = None
         self._reducing_input: torch.Tensor | None = None
         module.register_forward_pre_hook(self._pre_forward)
@@ -138,7 +150,7 @@ class Unit:
         self._is_root = value
         self.check = None
         if value:
-            units = [getattr(m, ATTR) for m in self.module.modules() if getattr(m, ATTR, None)]
+            units = [unit_of(m) for m in self.module.modules() if unit_of(m) is not None]
             units.append(self)
             lines = [f"{n} {s}" for u in units for n, s in zip(u.names, u.shapes, strict=True)]
             shards = [u.shard for u in units if u.shard is not None]
@@ -248,10 +260,17 @@ class Unit:
             self._reducing_input = source  # alive until the reduce-scatter is done
         # Waited for at the end of backward, so it overlaps the backward of the units before.
         self._reducing = (work, out)
-        if not _waiting:
-            torch.autograd.Variable._execution_engine.queue_callback(finish_reductions)
-        _waiting.append(self)
+        owner = self._root if self._root is not None else self
+        if not owner._in_flight:
+            torch.autograd.Variable._execution_engine.queue_callback(owner.finish_reductions)
+        owner._in_flight.append(self)
         return None
+
+    def finish_reductions(self) -> None:
+        """End of backward (an autograd callback on the root): every reduce-scatter its units
+        issued, waited for in the order issued; each shard's averaged gradient in place."""
+        while self._in_flight:
+            self._in_flight.pop(0).finish_reduction()
 
     def finish_reduction(self) -> None:
         """Wait for the reduce-scatter; the averaged gradient goes into (or onto) `shard.grad`."""
@@ -291,18 +310,19 @@ class Unit:
             root.check.before_backward_collective()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        finish_reductions()  # left by a backward that raised: keep the collectives in step
+        # Reductions left by a backward that raised: keep the collectives in step.
+        (self._root if self._root is not None else self).finish_reductions()
         if self.is_root:
             if self.check is not None:  # every rank is in this same forward, or all raise
                 self.check.forward_starts()
-            _Forward.root = self
+            _running.root = self
             self._recording = not self.order
             for unit in self.order:  # a prefetch the last forward did not use: stale now
                 if unit._pending is not None:
                     unit.wait_gathered()
         elif torch.is_grad_enabled():
             self._backward_check()  # a forward recomputed in backward (activation checkpointing)
-        root = _Forward.root
+        root = getattr(_running, "root", None)
         if root is not None and self is not root:
             if root._recording:
                 root.order.append(self)
@@ -325,7 +345,7 @@ class Unit:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.is_root:
             self._recording = False
-            _Forward.root = None
+            _running.root = None
             if self.check is not None:  # sent at the output's first gradient (see _backward_check)
                 model_check.expect_backward_of(self.check, output, self._backward_starts)
         if self.shard is None:
@@ -361,17 +381,9 @@ class Unit:
                 previous.start_gather(previous._full)
 
 
-class _Forward:
-    root: Unit | None = None  # the root unit whose forward is running
-
-
-_waiting: list[Unit] = []  # units whose reduce-scatter is in flight, in the order issued
-
-
-def finish_reductions() -> None:
-    """End of backward (an autograd callback): every shard's averaged gradient in place."""
-    while _waiting:
-        _waiting.pop(0).finish_reduction()
+# The root unit whose forward is running in this thread: its inner units record their order
+# under it during the first forward.
+_running = threading.local()
 
 
 def _refuse_taken(module: nn.Module) -> None:
