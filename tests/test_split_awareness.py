@@ -303,3 +303,36 @@ def evaluation_between_forward_and_backward() -> float:
 def test_an_evaluation_between_forward_and_backward_of_a_sharded_model(backend):
     assert max(run_distributed(evaluation_between_forward_and_backward, world_size=2,
                                backend=backend)) < 1e-6
+
+
+def fsdp2_methods() -> float:
+    """A ported FSDP2 script's own calls: model.set_requires_gradient_sync for accumulation,
+    unshard()/reshard() to read whole parameters, the prefetch setters."""
+    model = _net()
+    td.fully_shard(model[0])
+    td.fully_shard(model)
+    model.set_modules_to_forward_prefetch([model[0]])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+    mine = slice(4 * td.rank(), 4 * td.rank() + 4)
+    optimizer.zero_grad()
+    model.set_requires_gradient_sync(False)
+    (nn.functional.mse_loss(model(x[mine][:2]), y[mine][:2]) / 2).backward()
+    model.set_requires_gradient_sync(True)
+    (nn.functional.mse_loss(model(x[mine][2:]), y[mine][2:]) / 2).backward()
+    optimizer.step()
+    model[0].unshard()
+    whole = model[0].weight.detach().clone()  # the whole (4 -> 8) weight, gathered
+    model[0].reshard()
+    reference = _net()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.mse_loss(reference(x), y).backward()
+    plain.step()
+    got = td.full_state_dict(model)
+    worst = max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return max(worst, (whole - reference[0].weight).abs().max().item())
+
+
+def test_fsdp2_module_methods_work_on_td_fully_shard():
+    assert max(run_distributed(fsdp2_methods, world_size=2)) < 1e-6

@@ -38,6 +38,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.parallel import layout, model_check, splits, state_hooks
+from tandem.parallel.fully_shard import fsdp2_methods
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import Unit, attach, unit_of
 
@@ -73,6 +74,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     attach(module, unit)
     if unit.shard is not None:  # model.state_dict() / load_state_dict() speak the unsharded model
         state_hooks.install(module, UnitPieces(unit))
+    fsdp2_methods.install(module, unit)  # model.unshard(), model.set_requires_gradient_sync(...)
     return module
 
 
