@@ -29,15 +29,14 @@ it), so `td.save(opt.state_dict(), path)` is called on every rank, as usual.
         train_step(step)
         ckpt.save(step, model=model, optimizer=opt)    # writes after every 100th step
 
-`save(step, ...)` is called after every step and writes only after every `every`-th one: the
-state dicts of the objects, and the number of completed steps, go to
-`checkpoints/step-00000100.pt` through `save` above (so a crash at any moment leaves the
-previous checkpoint intact). The `keep` newest files are kept. `restore(...)` finds the newest
-checkpoint (rank 0 looks, every rank loads the same bytes), loads each state dict into its
-object and returns the step to resume at. Every rank calls both, as with `td.save`/`td.load`.
-When an object is a `td.fully_shard` model, a checkpoint is a directory instead
-(`checkpoints/step-00000100/`: a shard file per rank and a manifest, `td.save_sharded`), and it
-restores on any number of ranks.
+`save(step, ...)` is called after every step and writes only after every `every`-th one: a
+directory `checkpoints/step-00000100/` in PyTorch's DCP format (`tandem.sharded_checkpoint`):
+every rank writes the pieces it holds of each model and optimizer, whatever their layout,
+rank 0 the metadata last, and the directory is renamed into place (a crash at any moment
+leaves the previous checkpoint intact). The `keep` newest are kept. `restore(...)` finds the
+newest, checks it whole on every rank, loads it into the objects in whatever layout they now
+have (any tp, pp, fully_shard or ZeRO size, or the plain model) and returns the step to resume
+at. Every rank calls both. `async_save=True` blocks `save` only for the copy to host memory.
 
 With `tandem run --max-restarts K` a job that loses a rank is restarted from the top of the
 script: `restore` then picks up where the last checkpoint left off. For the run to continue
