@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tandem import settings
+from tandem import rendezvous, settings
 from tandem.comm import mpi_exit
 from tandem.comm.backend import Backend, Group, Work
 from tandem.comm.mpi_buffers import Staging, cuda_aware, row_elements
@@ -112,6 +112,7 @@ class MPIBackend(Backend):
                 "choose backend='gloo'"
             )
         _arrive(MPI, world, timeout, "init (every rank must call td.init)")
+        _show_launcher(job)
         mpi_exit.install(MPI, timeout)  # a failed rank must not hang in MPI_Finalize
         comm = world.Dup()
         return cls(MPI, comm, timeout, progress)
@@ -367,6 +368,20 @@ def _counts(splits: Sequence[int], row_bytes: int) -> tuple[list[int], list[int]
         displacements.append(offset)
         offset += count
     return counts, displacements
+
+
+def _show_launcher(job: JobEnvironment) -> None:
+    """Connect once to the store of the `tandem run` agent that started this rank: the agent
+    counts the ranks that joined (a job that none joined ran N independent copies, which it
+    says, `launch/joined.py`). Gloo and NCCL meet on that store anyway; MPI needs no store."""
+    if job.source != "tandem" or not job.store_hosted or job.master_port is None \
+            or job.store_key is None:
+        return
+    try:
+        rendezvous.StoreClient(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
+                               5.0).close()
+    except Exception:
+        pass  # only the agent's end-of-job remark depends on it
 
 
 def _arrive(MPI: Any, comm: Any, timeout: float, what: str) -> None:

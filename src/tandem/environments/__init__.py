@@ -2,7 +2,8 @@
 
 - `adapters`: one small adapter per launcher (tandem, torchrun, Open MPI, MPICH, SLURM),
   `detect()` (the first that recognises the environment, else a world of one),
-  `tandem_variables()` for what a tandem launcher sets. Stdlib only. (`TANDEM_*` settings are
+  `tandem_variables()` for what a tandem launcher sets, `torchrun_variables()` for the
+  torchrun variables it sets too. Stdlib only. (`TANDEM_*` settings are
   `tandem.settings`'.)
 - `manual`: `resolve()`, which adds what `td.init(rank=, world_size=, init_method=)` says:
   torch.distributed's manual template, a job no launcher describes, checked against any launcher.
@@ -27,6 +28,7 @@ from tandem.environments.adapters import (
     launched,
     single_process,
     tandem_variables,
+    torchrun_variables,
 )
 from tandem.environments.manual import check_rank_arguments, rendezvous_address, resolve
 
@@ -49,4 +51,5 @@ __all__ = [
     "single_process",
     "horovod_variables",
     "tandem_variables",
+    "torchrun_variables",
 ]

@@ -306,6 +306,38 @@ def tandem_variables(
     return variables
 
 
+def torchrun_variables(*, rank: int, size: int, local_rank: int, local_size: int, node: int,
+                       nodes: int, master_addr: str, master_port: int, run_id: str,
+                       restart: int = 0, max_restarts: int = 0) -> dict[str, str]:
+    """What torchrun's agent gives each worker, so that an unchanged torchrun script runs under
+    `tandem run` (`tandem run` sets these too; `detect_tandem` still wins for `td.init`).
+
+    torch's `env://` rendezvous reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+    TORCHELASTIC_USE_AGENT_STORE; `dist.is_torchelastic_launched()` reads TORCHELASTIC_RUN_ID;
+    Lightning and Accelerate read the rest. MASTER_PORT is a port of its own, where rank 0's
+    torch `TCPStore` listens (no agent store: TORCHELASTIC_USE_AGENT_STORE=False), never the
+    port of tandem's store: that one speaks tandem's authenticated protocol, which a TCPStore
+    client cannot, and its key must not reach code that only needs a rendezvous.
+    """
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
 def horovod_variables(*, rank: int, size: int, local_rank: int, local_size: int) -> dict[str, str]:
     """What horovodrun tells each rank, for scripts that read it (`tandem run` sets these too)."""
     return {

@@ -67,6 +67,15 @@ def _address(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a yes/no value (1 or 0)")
+
+
 def _backend(text: str) -> str:
     try:
         return check_backend(text)
@@ -83,6 +92,7 @@ class Option:
     convert: Callable[[str], object]
     metavar: str
     help: str
+    flag: bool = False  # a switch without a value (its variable takes 1 or 0)
 
     @property
     def variable(self) -> str:
@@ -116,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
            "shared secret that authenticates the agents of a multi-node job; - reads stdin"),
     Option("timeline", ("--timeline",), str, "FILE",
            "write a Chrome/Perfetto trace of every rank (compute, data, each bucket) to FILE"),
+    Option("require_join", ("--require-join",), _boolean, "",
+           "exit 1 when no rank joined the job (no td.init(), no init_process_group): N "
+           "independent copies ran (default: a warning)", flag=True),
 )
 
 
@@ -138,6 +151,7 @@ class LaunchConfig:
     master: tuple[str, int] | None = None  # node 0's rendezvous store, for multi-node jobs
     secret: str | None = None
     timeline: str | None = None  # a trace file; the ranks get it as TANDEM_TIMELINE
+    require_join: bool = False  # a job that no rank joined is an error, not a warning
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -197,6 +211,11 @@ class LaunchConfig:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare `tandem run`'s arguments on `parser` (the CLI's `run` subparser)."""
     for option in OPTIONS:
+        if option.flag:
+            parser.add_argument(*option.flags, dest=option.dest, action="store_const",
+                                const=True, default=None,
+                                help=f"{option.help} [{option.variable}=1]")
+            continue
         parser.add_argument(
             *option.flags, dest=option.dest, type=option.convert, default=None,
             metavar=option.metavar, help=f"{option.help} [{option.variable}]",
@@ -265,6 +284,7 @@ def config_from_args(
         master=values["master"],
         secret=values["secret"],
         timeline=values["timeline"],
+        require_join=bool(values["require_join"]),
     )
 
 

@@ -31,9 +31,10 @@ from typing import TextIO
 from tandem import rendezvous
 from tandem.launch.config import LaunchConfig
 from tandem.launch.control import ControlServer, Peer
+from tandem.launch.joined import JoinWatch
 from tandem.launch.output import signals_blocked
 from tandem.launch.processes import KILL_WAIT_S, STOP_GRACE_S, describe
-from tandem.launch.ranks import Placement
+from tandem.launch.ranks import Placement, free_port, new_run_id
 from tandem.launch.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
 from tandem.settings import DEFAULT_TIMEOUT_S
 
@@ -63,6 +64,8 @@ class Coordinator(Agent):
         self.on_listening = None  # -H: starts the remote agents once the store port is known
         self.store = None
         self._server: ControlServer | None = None
+        self.run_id = new_run_id()  # TORCHELASTIC_RUN_ID, the same on every node and attempt
+        self.watch: JoinWatch | None = None  # whether a rank of the current attempt joined
 
     # -- the whole job --------------------------------------------------------------------
     def close(self) -> None:
@@ -103,7 +106,7 @@ class Coordinator(Agent):
                 if attempt:
                     self.output.message(f"tandem run: the job succeeded after {attempt} "
                                         f"restart(s)")
-                return self._finish(None)
+                return self._finish(None, code=self.independent_copies(self.watch))
             if not failure.restartable or attempt + 1 == attempts:
                 return self._finish(failure, f" (attempt {attempt + 1} of {attempts})"
                                     if attempts > 1 else "")
@@ -115,9 +118,9 @@ class Coordinator(Agent):
                 peer.send(("note", {"text": text}))
         raise AssertionError("unreachable")
 
-    def _finish(self, failure: Failure | None, attempts: str = "") -> int:
+    def _finish(self, failure: Failure | None, attempts: str = "", code: int = 0) -> int:
         text = summary(failure, attempts) if failure is not None else None
-        code = failure.code if failure is not None else 0
+        code = failure.code if failure is not None else code
         waiting = {node for node, peer in self.peers.items()
                    if peer.send(("finish", {"code": code, "summary": text}))}
         if text:
@@ -203,11 +206,20 @@ class Coordinator(Agent):
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, attempt: int, offsets: dict, world: int, port: int) -> Failure | None:
         host = self.store_address[0]
+        # torchrun's rendezvous (rank 0's TCPStore, on this node): a fresh port per attempt.
+        torch = {"torch_port": free_port(), "run_id": self.run_id, "nodes": len(self.nprocs)}
         for node, peer in self.peers.items():
             peer.send(("start", {"attempt": attempt, "offset": offsets[node], "world": world,
-                                 "store": (host, port)}))
+                                 "store": (host, port), "node": node, **torch}))
+        # Rank 0 runs here when this node has ranks: its TCPStore can then be seen listening.
+        if self.watch is not None:
+            self.watch.stop()
+        self.watch = None  # without ranks here, whether any joined cannot be told: no verdict
+        if self.nproc:
+            with signals_blocked():
+                self.watch = JoinWatch(self.store, torch["torch_port"]).start()
         self.ranks.start(Placement(attempt, offsets[0], world, (host, port), self.store.key,
-                                   self.gloo_interface))
+                                   self.gloo_interface, node=0, **torch))
         run = _Attempt(self, attempt)
         run.run()
         self.output.join(DRAIN_S)

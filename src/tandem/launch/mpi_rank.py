@@ -4,7 +4,7 @@
 connects it to the `tandem run` agent over three local sockets (control, stdout, stderr):
 
     mpiexec -n N python -m tandem.launch.mpi_rank --connect 127.0.0.1:P1
-        --store 127.0.0.1:P2 -- python -u train.py
+        --store 127.0.0.1:P2 --torch-port P3 --run-id ID -- python -u train.py
 
 The child inherits MPI's process-manager connection (MPICH's `PMI_FD` and friends, Open MPI's
 `PMIX_*` variables; `close_fds=False` keeps inheritable descriptors), so `td.init()` in it
@@ -15,6 +15,7 @@ also gets the same `TANDEM_*` variables as a locally started rank (its MPI rank,
 rank, the agent's rendezvous store at `--store`) plus `TANDEM_UNDER_MPI=1`: it is a tandem rank
 that happens to be wired by MPI, so the watchdog's all-ranks reports, the timeline and scripts
 that read `TANDEM_RANK` work as under Gloo, while `td.init()` still picks the MPI backend.
+torchrun's variables come with them (RANK, MASTER_PORT=P3...), for torch.distributed scripts.
 
 It runs in a session of its own, so the agent stops it (and whatever it started) by process
 group, exactly like a locally started rank, and reads its output as it reads a local rank's
@@ -98,9 +99,15 @@ def _mpi_job(env):
     return job
 
 
-def _child_environment(job, store: tuple[str, int], base) -> dict[str, str]:
-    """`base` minus the launch token, plus a local rank's `TANDEM_*` set and TANDEM_UNDER_MPI."""
+def _child_environment(job, store: tuple[str, int], base, torch_port: int | None = None,
+                       run_id: str = "") -> dict[str, str]:
+    """`base` minus the launch token, plus a local rank's `TANDEM_*` set and TANDEM_UNDER_MPI,
+    and torchrun's variables around the agent's `torch_port` (rank 0's TCPStore)."""
     env = {k: v for k, v in base.items() if k != "TANDEM_LAUNCH_TOKEN"}
+    if torch_port is not None:
+        env.update(environments.torchrun_variables(
+            rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size,
+            node=0, nodes=1, master_addr=store[0], master_port=torch_port, run_id=run_id))
     env.update(environments.tandem_variables(
         rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size,
         master_addr=store[0], master_port=store[1], store_hosted=True, backend="mpi",
@@ -136,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connect", required=True, help="HOST:PORT of the agent")
     parser.add_argument("--store", required=True, help="HOST:PORT of the agent's rendezvous store")
+    parser.add_argument("--torch-port", type=int, default=None,
+                        help="MASTER_PORT for torchrun-style scripts (rank 0's TCPStore)")
+    parser.add_argument("--run-id", default="", help="TORCHELASTIC_RUN_ID")
     parser.add_argument("--forker", action="store_true",
                         help="started by MPICH's gforker: ignore its SIGINT and SIGQUIT")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     # The job's environment, then what mpiexec set (PMI_FD, PMI_RANK...: os.environ holds
     # what mpiexec was given, a part of the job's, plus those).
     base = {**_receive_environment(streams["control"]), **os.environ}
-    env = _child_environment(job, _address(args.store), base)
+    env = _child_environment(job, _address(args.store), base, args.torch_port, args.run_id)
     control = streams["control"]
     try:
         child = subprocess.Popen(

@@ -216,7 +216,7 @@ class MPIExecRanks(LocalRanks):
                 starter, *flags, "-n", str(self.config.np),
                 sys.executable, "-u", "-m", "tandem.launch.mpi_rank", *extra,
                 "--connect", f"127.0.0.1:{port.port}",
-                "--store", "{}:{}".format(*placement.store), "--",
+                "--store", "{}:{}".format(*placement.store), *_torch_arguments(placement), "--",
                 *rank_command(self.config),
             ]
             self._mpiexec = subprocess.Popen(
@@ -340,6 +340,13 @@ class MPIExecRanks(LocalRanks):
         if self._segments_before is not None:
             # Ranks stopped before MPI unlinked its shared memory leave it in /dev/shm.
             shm.remove_new(self._segments_before)
+
+
+def _torch_arguments(placement: Placement) -> list[str]:
+    """The supervisor's flags for torchrun's variables (rank 0's TCPStore port, the run id)."""
+    if placement.torch_port is None:
+        return []
+    return ["--torch-port", str(placement.torch_port), "--run-id", placement.run_id]
 
 
 def _remote_exit(control: socket.socket, lines) -> int:

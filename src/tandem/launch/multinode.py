@@ -145,7 +145,10 @@ class Member(Agent):
         """Run one attempt; None to wait for node 0's verdict, else this agent's exit code."""
         attempt = body["attempt"]
         self.ranks.start(Placement(attempt, body["offset"], body["world"], tuple(body["store"]),
-                                   rendezvous.store_key(self.secret), self.interface))
+                                   rendezvous.store_key(self.secret), self.interface,
+                                   torch_port=body.get("torch_port"),
+                                   run_id=body.get("run_id", ""), node=body.get("node", 0),
+                                   nodes=body.get("nodes", 1)))
         run = _MemberAttempt(self, attempt)
         run.run()
         self.output.join(DRAIN_S)

@@ -6,7 +6,8 @@ node of a multi-node one; `mpiexec.MPIExecRanks` starts the same ranks through m
 instead. A rank gets this Python running the script or module (`rank_command`), our
 environment plus thread limits (`job_environment`) and its place in the whole job
 (`rank_environment`): global rank, world size, the rendezvous store, `TANDEM_RESTART=<attempt>`,
-and on multi-node jobs the network interface Gloo should use. Exits arrive as
+torchrun's variables (`environments.torchrun_variables`: RANK, MASTER_PORT...), and on
+multi-node jobs the network interface Gloo should use. Exits arrive as
 ("exit", rank, returncode) events on the supervisor's queue.
 """
 
@@ -14,14 +15,16 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import shutil
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tandem.environments import horovod_variables, tandem_variables
+from tandem.environments import horovod_variables, tandem_variables, torchrun_variables
 from tandem.launch.config import LaunchConfig, StartError
 from tandem.launch.output import RankOutput, block_agent_signals
 from tandem.launch.processes import (
@@ -45,11 +48,35 @@ class Placement:
     store: tuple[str, int]
     store_key: str = field(repr=False)  # what the ranks prove to the store (rendezvous.server)
     gloo_interface: str | None = None
+    # torchrun's rendezvous for unchanged torch.distributed scripts (`torchrun_variables`):
+    # a free port on node 0 where rank 0's TCPStore will listen, and the job's run id.
+    torch_port: int | None = None
+    run_id: str = ""
+    node: int = 0  # this node's index (GROUP_RANK) among `nodes`
+    nodes: int = 1
 
     @classmethod
     def single(cls, np: int, port: int, store_key: str) -> Placement:
         """A one-node job of `np` ranks around a store on this machine's `port`."""
-        return cls(attempt=0, offset=0, world=np, store=(MASTER_ADDR, port), store_key=store_key)
+        return cls(attempt=0, offset=0, world=np, store=(MASTER_ADDR, port), store_key=store_key,
+                   torch_port=free_port(MASTER_ADDR), run_id=new_run_id())
+
+
+def free_port(host: str = "") -> int:
+    """A port nothing listens on now, for rank 0's torch TCPStore (torchrun's MASTER_PORT).
+
+    The operating system picks it; it is released at once for rank 0 to bind, so two jobs on
+    one machine never share one (another process could take it in between, as with torchrun's
+    own choice: rank 0 then fails to bind and names the port).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def new_run_id() -> str:
+    """TORCHELASTIC_RUN_ID: one per job, the same on every node (node 0 makes it)."""
+    return f"tandem-{secrets.token_hex(6)}"
 
 
 def rank_command(config: LaunchConfig) -> list[str]:
@@ -92,6 +119,12 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
     ))
     env.update(horovod_variables(rank=placement.offset + local, size=placement.world,
                                  local_rank=local, local_size=nproc or config.np))
+    if placement.torch_port is not None:
+        env.update(torchrun_variables(
+            rank=placement.offset + local, size=placement.world, local_rank=local,
+            local_size=nproc or config.np, node=placement.node, nodes=placement.nodes,
+            master_addr=host, master_port=placement.torch_port, run_id=placement.run_id,
+            restart=placement.attempt, max_restarts=config.max_restarts))
     env["TANDEM_RESTART"] = str(placement.attempt)
     if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
         env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface

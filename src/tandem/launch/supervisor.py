@@ -30,6 +30,7 @@ from typing import TextIO
 
 from tandem import rendezvous
 from tandem.launch.config import LaunchConfig
+from tandem.launch.joined import JoinWatch
 from tandem.launch.output import AGENT_SIGNALS, RankOutput, signals_blocked
 from tandem.launch.processes import KILL_WAIT_S, STOP_GRACE_S, describe, exit_code
 from tandem.launch.ranks import MASTER_ADDR, LocalRanks, Placement
@@ -239,6 +240,18 @@ class Agent:
         """Release what the job held besides its ranks (connections, mpiexec)."""
         self.ranks.close()
 
+    def independent_copies(self, watch: JoinWatch | None) -> int:
+        """The exit code of a job whose ranks all exited 0: 0, unless no rank joined it and
+        --require-join says that is an error; a warning then otherwise (`launch.joined`)."""
+        if watch is None:
+            return 0
+        program = " ".join((self.config.program, *self.config.args))
+        line = watch.verdict(self.config.np, program, self.config.require_join)
+        if line is None:
+            return 0
+        self.output.message(line)
+        return 1 if self.config.require_join else 0
+
 
 class StartInterrupted(Exception):
     """A signal reached the agent while it was still starting the ranks."""
@@ -259,14 +272,19 @@ class LocalJob(Agent):
     def _run(self) -> int:
         with signals_blocked():  # the store's threads leave our signals to this one
             store = rendezvous.StoreServer(MASTER_ADDR, 0)  # lives until the ranks are gone
+        placement = Placement.single(self.config.np, store.port, store.key)
+        watch = JoinWatch(store, placement.torch_port)
         try:
             try:
-                self.ranks.start(Placement.single(self.config.np, store.port, store.key))
+                self.ranks.start(placement)
             except StartInterrupted as interrupt:  # ranks not all started: nothing to wait for
                 failure = Failure(interrupt=interrupt.signum, startup=True)
             else:
+                with signals_blocked():
+                    watch.start()
                 failure = Supervisor(self.ranks, self.events, self.output).run()
         finally:
+            watch.stop()
             self.ranks.reap()
             store.close()
         self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
@@ -274,8 +292,10 @@ class LocalJob(Agent):
             self.output.message(f"tandem run: interrupted during start-up "
                                 f"({signal.Signals(failure.interrupt).name}); stopped "
                                 f"{self.config.np} rank(s)")
-        if failure is None or failure.interrupt is not None:
-            return 0 if failure is None else failure.code
+        if failure is None:
+            return self.independent_copies(watch)
+        if failure.interrupt is not None:
+            return failure.code
         failure = dataclasses.replace(failure, tail=tuple(self.output.tail(failure.rank)))
         self.output.message(summary(failure))
         return failure.code

@@ -64,6 +64,9 @@ class StoreServer:
         self._changed = threading.Condition()
         self._connections: set[Connection] = set()
         self._closed = False
+        # Clients that proved the key so far: `tandem run` learns from it that a rank joined
+        # (td.init, the "tandem" torch.distributed backend), see `launch/joined.py`.
+        self.clients = 0
         threading.Thread(target=self._accept, name="tandem-store-accept", daemon=True).start()
 
     # -- in this process --------------------------------------------------------------------
@@ -124,6 +127,7 @@ class StoreServer:
                 conn.close()
                 return
             self._connections.add(conn)
+            self.clients += 1
         try:
             while True:
                 request = conn.recv()

@@ -1,0 +1,169 @@
+"""`tandem run` as a torchrun: every rank gets torchrun's variables, so an unchanged torchrun
+script runs under it; a job that no rank joined is named at its end.
+
+The jobs are real (`python -m tandem run`, `torchrun`); the variables and options are also
+checked without processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.environments import detect, detect_torchrun
+from tandem.launch import LaunchConfig, LaunchError, config_from_args
+from tandem.launch.joined import listening
+from tandem.launch.ranks import Placement, rank_environment
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
+JOB_TIMEOUT_S = 150
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _run(command: list[str], **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, env=_env(**extra), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+
+
+def tandem_run(*args: str, **extra: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "tandem", "run", *args], **extra)
+
+
+# --- the variables, without processes ------------------------------------------------------
+
+
+def test_every_rank_gets_torchruns_variables_with_a_port_of_its_own():
+    config = LaunchConfig(np=3, program="t.py", max_restarts=2)
+    placement = Placement.single(3, 1234, "the-key")
+    env = rank_environment(config, 2, placement, {})
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3",
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    # torch's TCPStore gets a port of its own: never tandem's (authenticated) store
+    assert env["MASTER_PORT"] == str(placement.torch_port) != env["TANDEM_MASTER_PORT"]
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert env["TORCHELASTIC_RUN_ID"].startswith("tandem-")
+    assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("0", "2")
+    assert "the-key" not in {v for k, v in env.items() if not k.startswith("TANDEM_")}
+    # td.init still reads tandem's own variables first; torchrun's describe the same rank
+    assert detect(env).source == "tandem"
+    torchrun = detect_torchrun(env)
+    assert (torchrun.rank, torchrun.size, torchrun.local_rank) == (2, 3, 2)
+
+
+def test_an_mpi_rank_gets_torchruns_variables_from_mpi():
+    from tandem.launch import mpi_rank
+
+    base = {"RANK": "7", "PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+            "MPI_LOCALNRANKS": "2"}
+    env = mpi_rank._child_environment(mpi_rank._mpi_job(base), ("127.0.0.1", 4321), base,
+                                      torch_port=5555, run_id="tandem-x")
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"],
+            env["TORCHELASTIC_RUN_ID"]) == ("1", "2", "1", "5555", "tandem-x")
+
+
+def test_require_join_comes_from_the_flag_or_its_variable():
+    from tandem.cli import build_parser
+
+    def config(*argv: str, environ=None) -> LaunchConfig:
+        args = build_parser().parse_args(["run", *argv])
+        return config_from_args(args, environ or {})
+
+    assert not config("-np", "2", "t.py").require_join
+    assert config("-np", "2", "--require-join", "t.py").require_join
+    assert config("-np", "2", "t.py", environ={"TANDEM_REQUIRE_JOIN": "1"}).require_join
+    with pytest.raises(LaunchError, match="TANDEM_REQUIRE_JOIN='maybe': 'maybe' is not a yes/no"):
+        config("-np", "2", "t.py", environ={"TANDEM_REQUIRE_JOIN": "maybe"})
+
+
+def test_a_listening_port_is_seen():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        assert listening(server.getsockname()[1])
+    with socket.socket() as unbound:
+        unbound.bind(("127.0.0.1", 0))  # bound, not listening
+        assert not listening(unbound.getsockname()[1])
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torchrun_parameters(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """What `torchrun --nproc-per-node 2` trains: the reference."""
+    out = tmp_path_factory.mktemp("torchrun") / "params.pt"
+    done = _run([str(TORCHRUN), "--nproc-per-node", "2", str(SCRIPTS / "torchrun_ddp.py"),
+                 "gloo", str(out)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return torch.load(out)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("launch", ["gloo", "mpi"])
+def test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun(launch, torchrun_parameters,
+                                                                  tmp_path):
+    if launch == "mpi" and not HAVE_MPI:
+        pytest.skip("the MPI launch needs mpi4py")
+    out = tmp_path / "params.pt"
+    done = tandem_run("-np", "2", "--backend", launch, "--require-join",
+                      str(SCRIPTS / "torchrun_ddp.py"), "gloo", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[0] rank 0 of 2 on gloo done" in done.stdout
+    assert "[1] rank 1 of 2 on gloo done" in done.stdout
+    mine = torch.load(out)
+    assert mine.keys() == torchrun_parameters.keys()
+    for name, value in torchrun_parameters.items():
+        assert torch.equal(mine[name], value), name
+
+
+ALONE = "import sys\nprint('alone', sys.argv[1:])\n"
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+@pytest.mark.parametrize("launch", ["gloo", "mpi"])
+def test_a_job_no_rank_joined_is_named_at_its_end(launch, tmp_path):
+    if launch == "mpi" and not HAVE_MPI:
+        pytest.skip("the MPI launch needs mpi4py")
+    script = tmp_path / "alone.py"
+    script.write_text(ALONE)
+    done = tandem_run("-np", "2", "--backend", launch, str(script), "x")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[0] alone ['x']" in done.stdout and "[1] alone ['x']" in done.stdout
+    assert (f"tandem run: warning: 2 independent copies of {script} x ran: no rank joined the "
+            "job") in done.stderr, done.stderr
+    assert "--require-join" in done.stderr
+    strict = tandem_run("-np", "2", "--backend", launch, str(script), "x",
+                        TANDEM_REQUIRE_JOIN="1")
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert f"tandem run: error: 2 independent copies of {script} x ran" in strict.stderr
+    # one process is no copy of anything
+    single = tandem_run("-np", "1", "--backend", launch, "--require-join", str(script))
+    assert single.returncode == 0 and "independent" not in single.stderr, single.stderr
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_td_init_on_mpi_joins_even_without_the_watchdog():
+    """MPI needs no store; td.init still tells the agent that it joined."""
+    if not HAVE_MPI:
+        pytest.skip("needs mpi4py")
+    done = tandem_run("-np", "2", "--backend", "mpi", "--require-join",
+                      str(SCRIPTS / "launch_env.py"), TANDEM_WATCHDOG="0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "independent" not in done.stderr
