@@ -3,13 +3,17 @@
 The public names are loaded on first use (PEP 562): `import tandem` defines them without
 importing torch, so the `tandem` command (`--help`, `run`'s parent process, `doctor`) starts
 fast, and `td.init`, `from tandem import allreduce` and the rest import what they need when
-they are first touched. `_EXPORTS` says where each name lives.
+they are first touched. `_EXPORTS` says where each name lives. Importing it also registers
+tandem's torch.distributed backends ("tandem", and "mpi" where torch has none) with torch, when
+torch is imported (`comm/torch_hook.py`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from tandem.comm import torch_hook as _torch_hook
 
 __version__ = "0.1.0"
 
@@ -128,6 +132,11 @@ __all__ = [
     "spawn",
     "vocab_parallel_cross_entropy",
 ]
+
+
+# The one thing importing tandem does besides defining names: torch.distributed learns the
+# backends "tandem" and "mpi" (now, or once torch is imported; see comm/torch_hook.py).
+_torch_hook.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,11 @@ class RuntimeState:
     checks: bool
     debug: bool
     timeout: float
+    # The engine is the one under a torch.distributed default group the script made first
+    # (`init_process_group("tandem")`): torch's to release, not ours.
+    adopted: bool = False
+    # init made torch.distributed's default group over its engine (MPI): shutdown destroys it.
+    torch_group: bool = False
 
 
 _state: RuntimeState | None = None
@@ -141,12 +146,23 @@ def init(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
     device = _device_for(job)
-    engine = _create_backend(name, job, timeout, device)
     debug = told.debug if debug is None else bool(debug)
+    from tandem.comm import torch_join
     from tandem.comm.monitor import watch
 
-    # Every operation, on every engine, is watched: no wait outlives the timeout unexplained.
-    engine = watch(engine, job, timeout, debug)
+    found = torch_join.existing(backend, job, device)  # the script's dist.init_process_group
+    adopted = found is not None and found.watched
+    if found is not None:
+        engine, name = found.engine, found.engine.name
+    else:
+        engine = _create_backend(name, job, timeout, device)
+    if not adopted:
+        # Every operation, on every engine, is watched: no wait outlives the timeout unexplained.
+        engine = watch(engine, job, timeout, debug)
+    # torch.distributed on the same world: Gloo and NCCL made it above; MPI gets tandem's group.
+    torch_group = found is None and name == "mpi"
+    if torch_group:
+        torch_join.handover(engine, job.rank, job.size, timeout, device)
     world = World(job.rank, job.size, job.local_rank, job.local_size, device, name)
     # Leave the job cleanly even when the script never calls shutdown() (engines that are
     # torn down by interpreter exit instead can abort with a C++ error).
@@ -159,6 +175,8 @@ def init(
         checks=told.checks if checks is True else bool(checks),
         debug=debug,
         timeout=float(timeout),
+        adopted=adopted,
+        torch_group=torch_group,
     )
     context.install(_state)  # comm reads the engine from here, never from this module
     return world
@@ -210,4 +228,9 @@ def shutdown() -> None:
         return
     current, _state = _state, None
     context.clear()
-    current.backend.shutdown()
+    if current.torch_group:
+        from tandem.comm import torch_join
+
+        torch_join.release(current.backend)  # torch's default group over it goes first
+    if not current.adopted:
+        current.backend.shutdown()

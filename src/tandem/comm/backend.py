@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-#: Reductions every backend implements natively. "mean" is built on "sum" one level up.
-NATIVE_OPS = ("sum", "min", "max", "product")
+#: Reductions every backend implements natively. "mean" is built on "sum" one level up; the
+#: bitwise three (integer and bool tensors) serve torch.distributed's ReduceOp through
+#: `torch_pg`, tandem's own collectives do not offer them.
+NATIVE_OPS = ("sum", "min", "max", "product", "band", "bor", "bxor")
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +78,24 @@ class CompletedWork(Work):
         return True
 
 
+class ThenWork(Work):
+    """`work`, then `after()` once it completed (a result copied out of a staging buffer)."""
+
+    __slots__ = ("_work", "_after")
+
+    def __init__(self, work: Work, after) -> None:
+        self._work, self._after = work, after
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._work.wait(timeout)
+        after, self._after = self._after, None
+        if after is not None:
+            after()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
 class Backend(abc.ABC):
     """One communication engine bound to one process of one job."""
 
@@ -126,6 +146,32 @@ class Backend(abc.ABC):
         group: Group | None,
     ) -> Work:
         """Rows `input_splits[j]` of `input` go to member j; `output_splits[i]` come from i."""
+
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, root: int,
+               group: Group | None) -> Work:
+        """`output` (group.size × input elements) on global rank `root` receives every member's
+        `input`, in rank order; the other members pass None. Built on `allgather_into` here
+        (every member receives it all); engines with a native gather override it."""
+        size = group.size if group is not None else self.size
+        buffer = (output.view(-1) if output is not None
+                  else torch.empty(size * input.numel(), dtype=input.dtype, device=input.device))
+        return self.allgather_into(buffer, input.reshape(-1), group)
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, root: int,
+                group: Group | None) -> Work:
+        """Member i's `output` receives the i-th of group.size equal parts of `input`, which
+        only global rank `root` passes (None elsewhere). Built on `broadcast` here (every
+        member receives it all); engines with a native scatter override it."""
+        members = group.ranks if group is not None else tuple(range(self.size))
+        n = output.numel()
+        buffer = (input.reshape(-1).clone() if input is not None
+                  else torch.empty(len(members) * n, dtype=output.dtype, device=output.device))
+        index = members.index(self.rank)
+
+        def take() -> None:
+            output.view(-1).copy_(buffer[index * n:(index + 1) * n])
+
+        return ThenWork(self.broadcast(buffer, root, group), take)
 
     @abc.abstractmethod
     def send(self, tensor: torch.Tensor, dst: int, tag: int, group: Group | None) -> Work:

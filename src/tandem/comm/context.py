@@ -58,6 +58,11 @@ def clear() -> None:
     _current = None
 
 
+def installed() -> bool:
+    """Whether `td.init` has installed an engine (and `td.shutdown` not yet taken it back)."""
+    return _current is not None
+
+
 def current() -> Context:
     """The installed context; a clear error when `td.init` has not been called."""
     context = _current

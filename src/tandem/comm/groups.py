@@ -44,7 +44,7 @@ def _explain(ranks: tuple[int, ...], calls: list[str]) -> str:
             f"created):\n{lines}\n{_ADVICE}")
 
 
-def _agree_on(call: str, engine: context.Context) -> None:
+def agree_on(call: str, engine: context.Context) -> None:
     """Raise `GroupMismatchError` on every rank unless every rank of the world makes `call`.
 
     Always on (checks or not): creating a group is rare, and this is what stands between a
@@ -80,7 +80,7 @@ def new_group(ranks: Sequence[int]) -> Group:
     """
     engine = context.current()
     members, call = _members(ranks)
-    _agree_on(call, engine)
+    agree_on(call, engine)
     if members is None:
         raise TypeError(f"{call}: ranks must be a sequence of ints (global ranks)")
     return _create(members, engine)
@@ -135,7 +135,7 @@ def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
     world = engine.world
     # Agreed before the sizes are checked: a rank whose sizes are wrong alone is named as the
     # odd one out, where raising on it alone would leave the others waiting for it.
-    _agree_on(f"td.mesh(dp={dp!r}, pp={pp!r}, tp={tp!r})", engine)
+    agree_on(f"td.mesh(dp={dp!r}, pp={pp!r}, tp={tp!r})", engine)
     if dp < 1 or pp < 1 or tp < 1:
         raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
     if dp * pp * tp != world.size:

@@ -17,18 +17,17 @@ depends on the process manager (Hydra, Open MPI's, SLURM's PMI): only on `MPI_CO
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tandem import rendezvous, settings
+from tandem import settings
 from tandem.comm import mpi_exit
 from tandem.comm.backend import Backend, Group, Work
 from tandem.comm.mpi_buffers import Staging, cuda_aware, row_elements
 from tandem.comm.mpi_progress import MPIWork, Progress, Requests, completed_within
+from tandem.comm.mpi_setup import arrive, import_mpi, show_launcher, spare_core
 from tandem.environments import JobEnvironment
 
 # How long a blocking all-reduce is driven by its caller before it becomes a watched MPIWork:
@@ -37,17 +36,6 @@ ON_THE_SPOT_S = 0.01
 # All-reduces from PIECES_FROM_BYTES up go to MPI in pieces of PIECE_BYTES (see _iallreduce).
 PIECES_FROM_BYTES = 8 << 20
 PIECE_BYTES = 4 << 20
-
-
-def _import_mpi() -> Any:
-    try:
-        from mpi4py import MPI
-    except ImportError as error:
-        raise RuntimeError(
-            f"backend 'mpi' needs mpi4py ({error}): pip install mpi4py mpich, "
-            "or choose backend='gloo'"
-        ) from None
-    return MPI
 
 
 class Communicator:
@@ -90,7 +78,8 @@ class MPIBackend(Backend):
         threaded = progress == "thread" and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.progress = Progress(MPI, threaded, timeout)
         self.staging = Staging(MPI, cuda_aware())
-        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
+        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
+                     "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
         self._in_place = MPI.IN_PLACE
         self._tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
         self._closed = False
@@ -101,7 +90,7 @@ class MPIBackend(Backend):
         progress = settings.current().mpi_progress  # auto | thread | none, checked there
         if progress == "auto":
             progress = "thread" if spare_core(job.local_size) else "none"
-        MPI = _import_mpi()
+        MPI = import_mpi()
         world = MPI.COMM_WORLD
         if (world.Get_size(), world.Get_rank()) != (job.size, job.rank):
             raise RuntimeError(
@@ -111,8 +100,8 @@ class MPIBackend(Backend):
                 "`tandem run --backend mpi -np N script.py` or `srun --mpi=pmi2 ...`, or "
                 "choose backend='gloo'"
             )
-        _arrive(MPI, world, timeout, "init (every rank must call td.init)")
-        _show_launcher(job)
+        arrive(MPI, world, timeout, "init (every rank must call td.init)")
+        show_launcher(job)
         mpi_exit.install(MPI, timeout)  # a failed rank must not hang in MPI_Finalize
         comm = world.Dup()
         return cls(MPI, comm, timeout, progress)
@@ -257,6 +246,36 @@ class MPIBackend(Backend):
         return self._work(request, _steps(after_in, after_out), (input, output, send, recv),
                           (_collective, "alltoall", input, self.rank, handle))
 
+    def gather(self, output, input, root, group):
+        handle = self._handle(group)
+        local_root = handle.rank_of(root, "root")
+        send, after_in = self.staging.spec(input, reduce=False, copy_out=False)
+        recv, after_out = None, None
+        if root == self.rank:
+            if output is None or output.numel() != input.numel() * len(handle.ranks):
+                raise ValueError(f"gather: the root's output must hold {len(handle.ranks)} times "
+                                 f"the input's {input.numel()} elements")
+            recv, after_out = self.staging.spec(output, reduce=False, copy_in=False)
+            recv[1] = send[1]  # mpi4py counts are per member
+        request = handle.comm.Igather(send, recv, local_root)
+        return self._work(request, _steps(after_in, after_out), (input, output, send, recv),
+                          (_collective, "gather", input, self.rank, handle, None, root))
+
+    def scatter(self, output, input, root, group):
+        handle = self._handle(group)
+        local_root = handle.rank_of(root, "root")
+        recv, after_out = self.staging.spec(output, reduce=False, copy_in=False)
+        send, after_in = None, None
+        if root == self.rank:
+            if input is None or input.numel() != output.numel() * len(handle.ranks):
+                raise ValueError(f"scatter: the root's input must hold {len(handle.ranks)} times "
+                                 f"the output's {output.numel()} elements")
+            send, after_in = self.staging.spec(input, reduce=False, copy_out=False)
+            send[1] = recv[1]  # mpi4py counts are per member
+        request = handle.comm.Iscatter(send, recv, local_root)
+        return self._work(request, _steps(after_in, after_out), (input, output, send, recv),
+                          (_collective, "scatter", output, self.rank, handle, None, root))
+
     def send(self, tensor, dst, tag, group):
         handle = self._handle(group)
         peer = handle.rank_of(dst, "dst")
@@ -284,7 +303,7 @@ class MPIBackend(Backend):
         """A communicator of `ranks` in that order; collective over the whole world."""
         members = [int(r) for r in ranks]
         world = self._world.comm
-        _arrive(self._MPI, world, self.progress.default_timeout, f"new_group({members})")
+        arrive(self._MPI, world, self.progress.default_timeout, f"new_group({members})")
         mpi_group = world.Get_group()
         try:
             sub_group = mpi_group.Incl(members)
@@ -312,22 +331,6 @@ class MPIBackend(Backend):
         self._groups.clear()
         self._world.comm.Free()
         self.staging.pool.clear()
-
-
-def spare_core(local_size: int) -> bool:
-    """Whether a progress thread would find a core that compute leaves idle.
-
-    It moves MPI along while the training thread computes, which pays only when a core is
-    free: with GPUs, or with fewer compute threads than cores. When the local ranks' torch
-    threads fill every core (what `tandem run` and `mpiexec` give by default), the thread takes
-    time from compute: tandem's MLP step on 2 ranks and 2 cores took 50 ms with it, 47 ms
-    without (`TANDEM_MPI_PROGRESS=thread|none tandem run -np 2 benchmarks/dp_vs_ddp.py
-    --models mlp`), and the docstring of `mpi_progress` measures the same.
-    """
-    if torch.cuda.is_available():
-        return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return local_size * torch.get_num_threads() < (cores or 1)
 
 
 def _collective(name: str, tensor, me: int, handle: Communicator, op=None,
@@ -368,29 +371,3 @@ def _counts(splits: Sequence[int], row_bytes: int) -> tuple[list[int], list[int]
         displacements.append(offset)
         offset += count
     return counts, displacements
-
-
-def _show_launcher(job: JobEnvironment) -> None:
-    """Connect once to the store of the `tandem run` agent that started this rank: the agent
-    counts the ranks that joined (a job that none joined ran N independent copies, which it
-    says, `launch/joined.py`). Gloo and NCCL meet on that store anyway; MPI needs no store."""
-    if job.source != "tandem" or not job.store_hosted or job.master_port is None \
-            or job.store_key is None:
-        return
-    try:
-        rendezvous.StoreClient(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
-                               5.0).close()
-    except Exception:
-        pass  # only the agent's end-of-job remark depends on it
-
-
-def _arrive(MPI: Any, comm: Any, timeout: float, what: str) -> None:
-    """A barrier with a deadline before a blocking collective call (Dup, Create) that has none."""
-    request = comm.Ibarrier()
-    deadline = time.monotonic() + timeout
-    while not request.Test():
-        os.sched_yield()
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"MPI {what}: not every rank of {comm.Get_size()} arrived within {timeout:g} s"
-            )

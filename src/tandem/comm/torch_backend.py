@@ -20,6 +20,9 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
     "max": dist.ReduceOp.MAX,
     "product": dist.ReduceOp.PRODUCT,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
 }
 
 # Each init in one process gets its own key prefix, so a shutdown followed by a new init on the
@@ -67,7 +70,8 @@ def _agree_port_over_mpi(job: JobEnvironment, timeout: float) -> dist.Store:
     return store
 
 
-def _make_store(job: JobEnvironment, timeout: float) -> dist.Store:
+def rendezvous_store(job: JobEnvironment, timeout: float) -> dist.Store:
+    """The store the ranks of `job` meet on: the launcher's, rank 0's, or one agreed over MPI."""
     if job.size == 1:
         return dist.HashStore()
     if job.master_port is None:
@@ -114,8 +118,11 @@ class TorchBackend(Backend):
     """A thin layer over one torch.distributed default process group."""
 
     def __init__(self, name: str, rank: int, size: int, device: torch.device,
-                 store: dist.Store | None = None) -> None:
+                 store: dist.Store | None = None, owns: bool = True) -> None:
         self.name = name
+        # False: the default group was the script's (dist.init_process_group before td.init):
+        # tandem uses it and leaves it to the script to destroy.
+        self._owns = owns
         # torch keeps the C++ half of a store written in Python (rendezvous' authenticated
         # one), not the Python object: it must live as long as the process group.
         self._store = store
@@ -137,7 +144,7 @@ class TorchBackend(Backend):
         # A restarted job (`tandem run --max-restarts`) may meet on the same store again: each
         # attempt (TANDEM_RESTART) gets keys of its own.
         attempt = settings.current().restart
-        base = _make_store(job, timeout)
+        base = rendezvous_store(job, timeout)
         store = dist.PrefixStore(f"tandem/{attempt}/{next(_generation)}", base)
         dist.init_process_group(
             name,
@@ -187,6 +194,18 @@ class TorchBackend(Backend):
             )
         )
 
+    def gather(self, output, input, root, group):
+        members = len(group.ranks) if group is not None else self.size
+        parts = list(output.view(-1).chunk(members)) if output is not None else None
+        return TorchWork(dist.gather(input.reshape(-1), parts, root, group=self._pg(group),
+                                     async_op=True))
+
+    def scatter(self, output, input, root, group):
+        members = len(group.ranks) if group is not None else self.size
+        parts = list(input.reshape(-1).chunk(members)) if input is not None else None
+        return TorchWork(dist.scatter(output.view(-1), parts, root, group=self._pg(group),
+                                      async_op=True))
+
     def send(self, tensor, dst, tag, group):
         return TorchWork(dist.isend(tensor, dst, group=self._pg(group), tag=tag))
 
@@ -202,7 +221,7 @@ class TorchBackend(Backend):
         return dist.new_group(list(ranks))
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
+        if self._owns and dist.is_initialized():
             dist.destroy_process_group()
         if hasattr(self._store, "close"):  # ours (a TCPStore closes when dropped)
             self._store.close()

@@ -177,6 +177,14 @@ class WatchedBackend(Backend):
         work = self._inner.alltoall_into(output, input, output_splits, input_splits, group)
         return self.watchdog.issue(work, "alltoall", group, input)
 
+    def gather(self, output, input, root, group):
+        return self.watchdog.issue(self._inner.gather(output, input, root, group), "gather",
+                                   group, input)
+
+    def scatter(self, output, input, root, group):
+        return self.watchdog.issue(self._inner.scatter(output, input, root, group), "scatter",
+                                   group, output)
+
     def send(self, tensor, dst, tag, group):
         return self.watchdog.issue_p2p(self._inner.send(tensor, dst, tag, group), "send", group,
                                        tensor, dst, tag)
