@@ -148,7 +148,7 @@ def agree(
     with `post(codes, ...)` (its codes are used).
     """
     engine = engine or context.current()
-    if group_size(group) == 1:
+    if group_size(group, engine) == 1:
         return {}
     if posted is not None:
         codes = posted.codes
@@ -168,7 +168,7 @@ def agree(
         raise DivergedError(
             f"rank {engine.world.rank}: the ranks disagreed and then could not exchange what each "
             f"is doing ({type(failure).__name__}: {failure}); their code paths diverged") from None
-    ranks = group_ranks(group)
+    ranks = group_ranks(group, engine)
     kinds = [t[0] if isinstance(t, tuple) and len(t) == 2 else None for t in tagged]
     if any(k != kind for k in kinds):
         said = [t[1] for t, k in zip(tagged, kinds, strict=True) if k is not None]

@@ -22,7 +22,7 @@ _MAX_OBJECT = 1 << 34  # 16 GiB: more is another operation's data read as a leng
 def lengths(length: int, group: Group | None, engine: context.Context) -> list[int]:
     """Every rank's `length` (one int64 each), in group order."""
     mine = on_wire(torch.tensor([length], dtype=torch.int64), engine.backend)
-    everyone = torch.zeros(group_size(group), dtype=torch.int64, device=mine.device)
+    everyone = torch.zeros(group_size(group, engine), dtype=torch.int64, device=mine.device)
     engine.backend.allgather_into(everyone, mine, group).wait(engine.timeout)
     return everyone.tolist()
 

@@ -10,13 +10,16 @@ from tandem.comm import context
 from tandem.comm.backend import Group
 
 
-def group_size(group: Group | None) -> int:
-    return context.current().world.size if group is None else group.size
+def group_size(group: Group | None, engine: context.Context | None = None) -> int:
+    """`engine`: the context to read the world from (default: `td.init`'s)."""
+    return (engine or context.current()).world.size if group is None else group.size
 
 
 def group_rank(group: Group | None) -> int:
     return context.current().world.rank if group is None else group.rank
 
 
-def group_ranks(group: Group | None) -> tuple[int, ...]:
-    return tuple(range(context.current().world.size)) if group is None else group.ranks
+def group_ranks(group: Group | None, engine: context.Context | None = None) -> tuple[int, ...]:
+    if group is not None:
+        return group.ranks
+    return tuple(range((engine or context.current()).world.size))

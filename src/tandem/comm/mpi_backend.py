@@ -195,6 +195,10 @@ class MPIBackend(Backend):
                 f"allgather: output ({output.numel()} {output.dtype}) must be "
                 f"{len(handle.ranks)} times the input ({input.numel()} {input.dtype})"
             )
+        if _overlap(input, output):
+            # FSDP2 gathers from this rank's slot of the output itself; MPI refuses aliased
+            # buffers, and the slot is one part in N: a copy of it is cheap.
+            input = input.clone()
         send, after_in = self.staging.spec(input, reduce=False, copy_out=False)
         recv, after_out = self.staging.spec(output, reduce=False, copy_in=False)
         recv[1] = send[1]  # mpi4py counts are per member
@@ -221,6 +225,7 @@ class MPIBackend(Backend):
                 f"reducescatter: input ({input.numel()} {input.dtype}) must be "
                 f"{len(handle.ranks)} times the output ({output.numel()} {output.dtype})"
             )
+        input = input.clone() if _overlap(input, output) else input  # MPI: no aliasing
         send, after_in = self.staging.spec(input, reduce=True, copy_out=False)
         recv, after_out = self.staging.spec(output, reduce=True, copy_in=False)
         send[1] = recv[1]  # mpi4py counts are per member
@@ -238,6 +243,7 @@ class MPIBackend(Backend):
                 f"alltoall: splits {list(input_splits)} / {list(output_splits)} need one count "
                 f"for each of the {n} members"
             )
+        input = input.clone() if _overlap(input, output) else input  # MPI: no aliasing
         send, after_in = self.staging.spec(input, reduce=False, copy_out=False)
         recv, after_out = self.staging.spec(output, reduce=False, copy_in=False)
         send[1:] = _counts(input_splits, row_elements(input) * input.element_size()), send[2]
@@ -356,6 +362,13 @@ def _point_to_point(kind: str, nbytes: int, me: int, peer: int, tag: int) -> tup
                 f"rank {peer} has not received it (no matching recv(src={me}, tag={tag}))")
     return (f"recv of {nbytes} bytes on rank {me} from rank {peer} (tag {tag})",
             f"rank {peer} has not sent it (no matching send(dst={me}, tag={tag}))")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share memory (MPI takes no aliased send and receive buffers)."""
+    if a.device != b.device or not a.nbytes or not b.nbytes:
+        return False
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 
 
 def _steps(*after):

@@ -64,6 +64,19 @@ class TandemProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return self._name
 
+    # torch keeps a group's name and description in its backends; this group has none.
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, description: str) -> None:  # noqa: N802 - torch's name
+        self._group_desc = description
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return getattr(self, "_group_desc", "")
+
     def __repr__(self) -> str:
         return f"TandemProcessGroup({self._name}, ranks={list(self.members)}, engine={self.engine.name})"
 
