@@ -167,3 +167,26 @@ def test_td_init_on_mpi_joins_even_without_the_watchdog():
                       str(SCRIPTS / "launch_env.py"), TANDEM_WATCHDOG="0")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "independent" not in done.stderr
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("launch, backend", [("mpi", "mpi"), ("mpi", "tandem"),
+                                             ("gloo", "tandem"), ("torchrun", "tandem")])
+def test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo(launch, backend,
+                                                                       torchrun_parameters,
+                                                                       tmp_path):
+    """The same script with init_process_group("tandem" | "mpi"): MPI under tandem run, Gloo's
+    objects under tandem run --backend gloo and under torchrun itself."""
+    if launch == "mpi" and not HAVE_MPI:
+        pytest.skip("the MPI launch needs mpi4py")
+    out = tmp_path / "params.pt"
+    script = [str(SCRIPTS / "torchrun_ddp.py"), backend, str(out)]
+    if launch == "torchrun":
+        done = _run([str(TORCHRUN), "--nproc-per-node", "2", *script])
+    else:
+        done = tandem_run("-np", "2", "--backend", launch, "--require-join", *script)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"rank 1 of 2 on {backend} done" in done.stdout
+    mine = torch.load(out)
+    for name, value in torchrun_parameters.items():
+        assert torch.allclose(mine[name], value, rtol=0, atol=1e-6), name

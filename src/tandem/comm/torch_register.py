@@ -20,6 +20,7 @@ over by `td.init` (`handover`), so both sides use one engine; `default_engine()`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -78,6 +79,10 @@ def _engine(kind: str, job: JobEnvironment, store: Any, timeout: float) -> Backe
         from tandem.comm.mpi_backend import MPIBackend
 
         engine: Backend = MPIBackend.create(job, timeout)
+        if job.source != "tandem":
+            # MPI meets without a store: MASTER_PORT names none (only tandem run hosts one for
+            # the watchdog's reports), so the watchdog must not wait to connect to it.
+            job = dataclasses.replace(job, master_port=None)
     else:
         from tandem.comm.c10d_engine import C10dEngine
 

@@ -1,0 +1,246 @@
+"""tandem as a torch.distributed backend ("tandem", and "mpi" on stock pip PyTorch): every
+collective, torch's DDP / FSDP2 / DTensor equal to one process, the watchdog on torch's own
+calls, `td.init()` and `init_process_group` on one world, and each bad input.
+
+In the shared MPI worlds of the harness, `td.init()` has made torch's default group tandem's
+(so these tests also check that `td.init()` initialises torch.distributed on MPI). Jobs cover
+what a world cannot: `init_process_group` itself, the Gloo engine, plain mpiexec, faults.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch_backend_checks as checks
+
+from tandem.testing import mpiexec_command, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
+JOB_TIMEOUT_S = 150
+TOLERANCE = 1e-5
+
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="the MPI engine needs mpi4py")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TANDEM_", "PMI_", "OMPI_")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # torch's renamed collectives
+    env.update(extra)
+    return env
+
+
+def _run(command: list[str], **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, env=_env(**extra), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+
+
+def tandem_run(*args: str, **extra: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "tandem", "run", *args], **extra)
+
+
+def _python(code: str, **extra: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-c", code], **extra)
+
+
+# --- in the harness's MPI worlds (td.init() made the group) ----------------------------------
+
+
+def every_call_after_td_init() -> str:
+    import torch.distributed as dist
+
+    import tandem as td
+
+    assert dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (
+        td.rank(), td.size())
+    return checks.check_every_call()
+
+
+@needs_mpi
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_torch_call_on_the_mpi_engine(size):
+    assert run_distributed(every_call_after_td_init, size, backend="mpi") == ["tandem"] * size
+
+
+@needs_mpi
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("train", [checks.train_ddp, checks.train_fsdp2, checks.train_dtensor],
+                         ids=["ddp", "fsdp2", "dtensor"])
+def test_torch_parallelism_on_mpi_equals_one_process(train, size):
+    differences = run_distributed(train, size, backend="mpi")
+    assert max(differences) <= TOLERANCE, differences
+
+
+def refusals() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from tandem.comm.torch_register import BackendMismatchError
+    from tandem.comm.torch_work import UnsupportedOperation
+
+    said = []
+    for call in (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG),
+                 lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+                 lambda: dist.recv(torch.ones(2)),
+                 lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))):
+        try:
+            call()
+        except UnsupportedOperation as error:
+            said.append(str(error))
+        else:
+            raise AssertionError("accepted")
+    dist.init_process_group("mpi")  # after td.init(), on MPI: the same engine, nothing to do
+    dist.init_process_group()
+    try:
+        dist.init_process_group("gloo")
+    except BackendMismatchError as error:
+        said.append(str(error))
+    dist.barrier()  # nothing above communicated: every rank is still in step
+    return said
+
+
+@needs_mpi
+def test_what_the_backend_does_not_do_is_named_with_the_alternative():
+    said = run_distributed(refusals, 2, backend="mpi")[0]
+    assert "all_reduce with ReduceOp.AVG on torch.int64" in said[0] and "ReduceOp.SUM" in said[0]
+    assert "ReduceOp.BAND on torch.float32" in said[1] and "integer" in said[1]
+    assert "recv without src" in said[2] and "src=" in said[2]
+    assert "PREMUL_SUM" in said[3] and "ReduceOp.SUM" in said[3]
+    assert said[4].startswith("init_process_group(backend='gloo') after td.init(), which already "
+                              "initialised torch.distributed with backend 'tandem'"), said[4]
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_every_torch_call_on_the_gloo_engine():
+    """`init_process_group("tandem")` outside MPI: Gloo's own objects under the watchdog."""
+    done = tandem_run("-np", "3", "--backend", "gloo", str(SCRIPTS / "torch_calls.py"), "tandem")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(3):
+        assert f"[{rank}] rank {rank}: every call checked on tandem" in done.stdout
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_backend_mpi_under_plain_mpiexec():
+    done = _run([*mpiexec_command(2), sys.executable, str(SCRIPTS / "torch_calls.py"), "mpi"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0: every call checked on mpi" in done.stdout
+    assert "rank 1: every call checked on mpi" in done.stdout
+
+
+@needs_mpi
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("launch", ["tandem", "mpiexec"])
+def test_the_tutorials_programs_run_on_backend_mpi(launch):
+    """Ping, all_reduce on a new group, gradients averaged with dist.all_reduce(param.grad.data,
+    op=SUM), and the tutorial's Process template with backend='mpi', as written."""
+    script = str(SCRIPTS / "tutorial_mpi.py")
+    done = (tandem_run("-np", "2", script) if launch == "tandem"
+            else _run([*mpiexec_command(2), sys.executable, script]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    # (plain mpiexec interleaves the ranks' prints word by word: count, don't match lines)
+    out = done.stdout
+    assert out.count("tensor(1.)") == out.count("tensor(2.)") == 2, out
+    assert out.count("replicas agree:") == 2, out
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("launch, name", [("mpi", "tandem"), ("mpi", "mpi"), ("gloo", "tandem"),
+                                          ("gloo", "gloo")])
+def test_td_init_joins_the_group_the_script_made(launch, name):
+    if launch == "mpi" and not HAVE_MPI:
+        pytest.skip("needs mpi4py")
+    done = tandem_run("-np", "2", "--backend", launch, str(SCRIPTS / "torch_then_td.py"), name,
+                      "x")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"td=3 torch=2 engine={launch} group={name}" in done.stdout
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_td_init_asked_for_another_backend_than_the_scripts_group_is_named():
+    done = tandem_run("-np", "2", str(SCRIPTS / "torch_then_td.py"), "tandem", "mismatch")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ("refused: td.init(backend='gloo'): torch.distributed is already initialised with "
+            "backend 'tandem' (tandem's engine: 'mpi')") in done.stdout
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("launch", ["mpi", "gloo"])
+def test_after_td_init_torch_libraries_find_the_job(launch):
+    if launch == "mpi" and not HAVE_MPI:
+        pytest.skip("needs mpi4py")
+    done = tandem_run("-np", "2", "--backend", launch, str(SCRIPTS / "td_then_torch.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"[0] sampler=[0, 2, 4, 6, 8] torch_sum=2 backend={launch}" in done.stdout
+    assert f"[1] sampler=[1, 3, 5, 7, 9] torch_sum=2 backend={launch}" in done.stdout
+    other = "nccl" if launch == "gloo" else "gloo"
+    running = "gloo" if launch == "gloo" else "tandem"
+    assert (f"refused: init_process_group(backend='{other}') after td.init(), which already "
+            f"initialised torch.distributed with backend '{running}'") in done.stdout
+
+
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for():
+    """torch alone waits 30 minutes; tandem's watchdog names both ranks within seconds (the
+    report is the desync's, not the timeout's: TANDEM_TIMEOUT is far away)."""
+    done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", TANDEM_TIMEOUT="120")
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = done.stdout + done.stderr
+    assert "tandem watchdog: desync: a rank waits for a peer that has left the job" in text, text
+    assert "rank 0: allreduce #" in text and "rank 1: left the job" in text
+    assert "tandem watchdog: ending the job from rank 0: desync among ranks 0, 1" in text
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_skipped_all_reduce_on_gloo_stops_the_job():
+    """On Gloo the mismatched sizes abort a rank (Gloo's own check); the job stops with it."""
+    done = tandem_run("-np", "2", "--backend", "gloo", str(SCRIPTS / "torch_skip.py"), "tandem",
+                      TANDEM_TIMEOUT="120")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "tandem run: job failed: rank" in done.stderr
+    assert "collective mismatch" in done.stdout + done.stderr
+
+
+# --- bad input, one process ------------------------------------------------------------------
+
+
+def test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so():
+    done = _python("import torch.distributed as dist, tandem\n"
+                   "dist.init_process_group('tandem')\n"
+                   "print('world', dist.get_world_size(), dist.get_backend())\n"
+                   "dist.destroy_process_group()\n")
+    assert done.returncode == 0, done.stderr
+    assert "world 1 tandem" in done.stdout
+    assert "init_process_group('tandem') found no launcher" in done.stderr
+    assert "tandem run -np N" in done.stderr
+
+
+def test_backend_mpi_without_mpi4py_names_the_install_command():
+    done = _python("import sys; sys.modules['mpi4py'] = None\n"
+                   "import torch.distributed as dist, tandem\n"
+                   "dist.init_process_group('mpi')\n")
+    assert done.returncode != 0
+    assert "backend 'mpi' needs mpi4py" in done.stderr
+    assert "pip install mpi4py mpich" in done.stderr
+
+
+def test_import_tandem_registers_the_backends_before_and_after_torch():
+    for order in ("import tandem, torch", "import torch, tandem"):
+        done = _python(f"{order}\nimport torch.distributed as dist\n"
+                       "print('tandem' in dist.Backend.backend_list, dist.is_mpi_available())\n")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["True", "True"], (order, done.stdout)
