@@ -167,15 +167,15 @@ def test_in_flight_out_of_order_and_progress():
 
 
 def test_progress_thread_only_with_a_spare_core(monkeypatch):
-    from tandem.comm import mpi_backend
+    from tandem.comm import mpi_setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(mpi_backend.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(mpi_setup.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert not mpi_backend.spare_core(local_size=2)  # 2 ranks x 2 threads fill 4 cores
-    assert mpi_backend.spare_core(local_size=1)
+    assert not mpi_setup.spare_core(local_size=2)  # 2 ranks x 2 threads fill 4 cores
+    assert mpi_setup.spare_core(local_size=1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert mpi_backend.spare_core(local_size=2)  # compute runs on the GPUs
+    assert mpi_setup.spare_core(local_size=2)  # compute runs on the GPUs
 
 
 def check_large_allreduce_in_pieces():

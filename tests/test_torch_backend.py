@@ -244,3 +244,35 @@ def test_import_tandem_registers_the_backends_before_and_after_torch():
                        "print('tandem' in dist.Backend.backend_list, dist.is_mpi_available())\n")
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["True", "True"], (order, done.stdout)
+
+
+# --- td.gather / td.scatter: tandem's own, on the engines' native operations -------------------
+
+
+def gather_and_scatter() -> list:
+    import torch
+
+    import tandem as td
+
+    rank, size = td.rank(), td.size()
+    mine = torch.full((2, 3), float(rank))
+    gathered = td.gather(mine, root=size - 1)
+    if rank == size - 1:
+        assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(size)]))
+    else:
+        assert gathered is None
+    whole = torch.arange(size * 2.0).reshape(size, 2) if rank == 0 else torch.zeros(size, 2)
+    part = td.scatter(whole, root=0, async_op=True).wait()
+    assert torch.equal(part, torch.tensor([[2.0 * rank, 2.0 * rank + 1]])), part
+    try:
+        td.scatter(torch.zeros(size + 1, 2))
+    except ValueError as error:
+        return [str(error)]
+    raise AssertionError("an uneven scatter was accepted")
+
+
+@pytest.mark.parametrize("backend, size", [("gloo", 3), pytest.param("mpi", 2, marks=needs_mpi)])
+def test_td_gather_and_scatter(backend, size):
+    said = run_distributed(gather_and_scatter, size, backend=backend)[0]
+    assert said[0] == (f"scatter needs dim 0 divisible by the group size {size}; got shape "
+                       f"({size + 1}, 2). Pad the tensor, or use broadcast")

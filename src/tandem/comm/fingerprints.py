@@ -90,12 +90,12 @@ def entry_point(frame: FrameType | None) -> str | None:
 
 
 _CHECKS = (("agree", os.path.join("comm", "checks.py")),  # a collective's arguments
-           ("_agree_on", os.path.join("comm", "groups.py")))  # a group's creation
+           ("agree_on", os.path.join("comm", "groups.py")))  # a group's creation
 
 
 def in_argument_check(frame: FrameType | None) -> bool:
     """Whether a waiting frame is inside the argument check of a collective (`checks.agree`)
-    or of a group's creation (`groups._agree_on`)."""
+    or of a group's creation (`groups.agree_on`)."""
     while frame is not None and is_tandem_frame(frame):
         code = frame.f_code
         if any(code.co_name == name and code.co_filename.endswith(file) for name, file in _CHECKS):

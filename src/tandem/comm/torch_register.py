@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -144,11 +145,15 @@ def handover(engine: Backend, rank: int, size: int, timeout: float,
     global _handed
     register()
     _handed = (engine, device)
+    hook = sys.excepthook
     try:
         _original_init(backend="tandem", store=dist.HashStore(), rank=rank, world_size=size,
                        timeout=timedelta(seconds=timeout))
     finally:
         _handed = None
+        # torch prefixes every traceback line with "[rankN]:" from here on; td.init's
+        # tracebacks stay as they were on MPI (tandem run labels each line already).
+        sys.excepthook = hook
 
 
 def default_engine() -> Backend | None:
