@@ -24,7 +24,10 @@ to JSON (`results/dp_vs_ddp.json` by default).
 DDP runs with its defaults (25 MB buckets, gradients copied into buckets, buffers broadcast
 each forward); `--ddp-views` adds a DDP with `gradient_as_bucket_view=True`. When tandem runs
 on MPI (`tandem run -np 2 benchmarks/dp_vs_ddp.py`, MPI being the CPU default), DDP gets a Gloo process
-group of its own in the same processes: tandem-on-MPI against DDP-on-Gloo.
+group of its own in the same processes: tandem-on-MPI against DDP-on-Gloo; and a third method,
+"ddp_tandem", is torch's DDP over torch's default group, which `td.init()` made tandem's
+(backend "tandem" on the MPI engine, through the watchdog): what an unchanged DDP script gets
+on MPI with `init_process_group("tandem")`.
 
 `-np 1` runs a world of one in this process: "single" is then plain PyTorch, and the weak
 efficiency of "tandem" (plain step time / tandem step time) measures what tandem adds to a
@@ -102,9 +105,12 @@ def steppers(name: str, config: dict) -> dict:
 
     methods["tandem"] = tandem_step
     if dist.is_available() and dist.is_initialized():
-        variants = {"ddp": {}}
+        gloo = config.get("gloo_group")  # DDP's Gloo group beside tandem's MPI one
+        variants = {"ddp": {"process_group": gloo}}
         if config["ddp_views"]:
-            variants["ddp_views"] = {"gradient_as_bucket_view": True}
+            variants["ddp_views"] = {"gradient_as_bucket_view": True, "process_group": gloo}
+        if gloo is not None:
+            variants["ddp_tandem"] = {}  # torch's default group: backend "tandem" (MPI)
         for label, options in variants.items():
             model, _, _ = build(name, config)
             wrapped = torch.nn.parallel.DistributedDataParallel(model, **options)
@@ -156,25 +162,36 @@ def timed_step(step, alone: bool) -> tuple[float, float]:
     return seconds, cpu_seconds
 
 
-def gloo_group_for_ddp() -> None:
-    """When tandem runs on MPI, give DDP the torch Gloo process group it needs, beside it.
+def gloo_group_for_ddp() -> dist.ProcessGroup | None:
+    """When tandem runs on MPI, give DDP the torch Gloo process group it needs, beside it
+    (None otherwise: DDP then runs on torch's default group, tandem's own Gloo or NCCL).
 
     That is the comparison users face: tandem over MPI against DDP over Gloo, same processes.
+    torch's default group is tandem's there (td.init made it), and `dist.new_group` is handed to
+    that group, which makes tandem groups: the Gloo group comes from torch's own helper.
     """
-    if dist.is_initialized():
-        return
+    if td.init().backend != "mpi":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
     from tandem import rendezvous
 
     store = rendezvous.host_store("127.0.0.1", 0) if td.rank() == 0 else None
     port = td.broadcast_object(store.port if store else None)
     if store is None:
         store = rendezvous.connect_store("127.0.0.1", port)
-    dist.init_process_group("gloo", store=store, rank=td.rank(), world_size=td.size())
+    ranks = list(range(td.size()))
+    group, _ = c10d._new_process_group_helper(td.size(), td.rank(), ranks, "gloo", store,
+                                              "dp_vs_ddp_gloo", timeout=timedelta(minutes=10))
+    c10d._world.pg_group_ranks[group] = {r: r for r in ranks}
+    return group
 
 
 def worker(config: dict) -> dict | None:
     torch.set_num_threads(config["threads"])
-    gloo_group_for_ddp()
+    config = {**config, "gloo_group": gloo_group_for_ddp()}
     out: dict = {}
     for name in config["models"]:
         methods = steppers(name, config)
@@ -198,7 +215,9 @@ def worker(config: dict) -> dict | None:
         out[name] = {"wall": per_rep, "cpu": cpu_per_rep, "batch": config["batch"][name]}
         del methods
     world = td.init()  # the world this ran in (idempotent)
-    ddp_backend = dist.get_backend() if dist.is_initialized() else None
+    gloo = config["gloo_group"]
+    ddp_backend = dist.get_backend(gloo) if gloo is not None else (
+        dist.get_backend() if dist.is_initialized() else None)
     return {"backend": world.backend, "ddp_backend": ddp_backend, "models": out} if td.rank() == 0 else None
 
 
@@ -234,6 +253,8 @@ def summarize(raw: dict, world: int) -> dict:
             entry["ratio_tandem_over_ddp"] = statistics.median(entry["ratio_per_rep"])
             entry["ratio_of_medians"] = median["ddp"] / median["tandem"]
             entry["cpu_ratio_tandem_over_ddp"] = _paired(cpu_per_rep["ddp"], cpu_per_rep["tandem"])
+        if "ddp_tandem" in median:  # DDP over tandem's MPI backend against DDP over Gloo
+            entry["ratio_ddp_tandem_over_ddp"] = _paired(per_rep["ddp"], per_rep["ddp_tandem"])
         summary[name] = entry
     return summary
 
@@ -251,7 +272,11 @@ def print_table(summary: dict, world: int) -> None:
             per = " ".join(f"{r:.3f}" for r in entry["ratio_per_rep"])
             print(f"{name:8} tandem/DDP throughput ratio: {entry['ratio_tandem_over_ddp']:.3f} "
                   f"(per rep: {per}); CPU-time ratio {entry['cpu_ratio_tandem_over_ddp']:.3f}")
-    print(f"(world size {world}; ratios > 1 mean tandem is faster / does less work)")
+        if "ratio_ddp_tandem_over_ddp" in entry:
+            print(f"{name:8} DDP on backend tandem (MPI) / DDP on Gloo throughput ratio: "
+                  f"{entry['ratio_ddp_tandem_over_ddp']:.3f}")
+    print(f"(world size {world}; ratios > 1 mean tandem is faster / does less work; "
+          "ddp_tandem: torch DDP over backend tandem (MPI))")
 
 
 def parse_batch(text: str, models: list[str]) -> dict[str, int]:

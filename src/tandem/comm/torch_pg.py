@@ -44,6 +44,12 @@ class EngineContext:
         self.checks, self.debug = True, False
 
 
+def _blocking(opts: Any) -> bool:
+    """torch's Python wrappers say `asyncOp=False` for a blocking call; its C++ callers (DDP,
+    functional collectives) leave the default, True, and wait on the Work themselves."""
+    return opts is not None and getattr(opts, "asyncOp", True) is False
+
+
 def _op(opts: Any) -> Any:
     return getattr(opts, "reduceOp", dist.ReduceOp.SUM) if opts is not None else dist.ReduceOp.SUM
 
@@ -98,20 +104,34 @@ class TandemProcessGroup(dist.ProcessGroup):
         return torch.empty(n, dtype=like.dtype, device=device)
 
     def _work(self, works: Sequence[Work], result: Any, steps: Sequence[Any] = (),
-              source: int = -1) -> TandemWork:
+              source: int = -1, opts: Any = None) -> TandemWork | None:
+        """The operation's `TandemWork`; or, for a blocking call from torch's Python API
+        (`opts.asyncOp` False), the operation finished here and None, which torch takes as
+        "already synchronised": no Work object to build for the commonest call."""
         steps = [step for step in steps if step is not None]
+        if _blocking(opts):
+            for work in works:
+                work.wait(self._timeout)
+            for step in steps:
+                step()
+            return None
         after = (lambda: [step() for step in steps]) if steps else None
         return TandemWork(works, self._timeout, result, after, source)
 
     # -- reductions -----------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TandemWork:
         works, steps = [], []
+        blocking = _blocking(opts)
         for tensor in tensors:
             name, mean = reduce_op(_op(opts), tensor.dtype, "all_reduce")
             buffer, back = self._wire(tensor)
-            works.append(self.engine.allreduce(buffer, name, self.group))
+            if blocking:  # small messages finish on the spot (`Backend.allreduce_now`)
+                work = self.engine.allreduce_now(buffer, name, self.group)
+                works += [work] if work is not None else []
+            else:
+                works.append(self.engine.allreduce(buffer, name, self.group))
             steps += [self._mean(buffer) if mean else None, back]
-        return self._work(works, tensors, steps)
+        return self._work(works, tensors, steps, opts=opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TandemWork:
         return self.allreduce(tensors, opts)
@@ -127,7 +147,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         work = self.engine.reduce(buffer, root, name, self.group)
         mine = root == self.engine.rank
         return self._work([work], tensors, [self._mean(buffer) if mean and mine else None,
-                                            back if mine else None])
+                                            back if mine else None], opts=opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> TandemWork:
@@ -147,14 +167,15 @@ class TandemProcessGroup(dist.ProcessGroup):
         source, _ = self._wire(input)
         buffer, back = self._wire(output, keep=False)
         work = self.engine.reducescatter_into(buffer.view(-1), source.reshape(-1), name, self.group)
-        return self._work([work], [output], [self._mean(buffer) if mean else None, back])
+        steps = [self._mean(buffer) if mean else None, back]
+        return self._work([work], [output], steps, opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> TandemWork:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(works, outputs)
+        return self._work(works, outputs, opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -167,7 +188,7 @@ class TandemProcessGroup(dist.ProcessGroup):
             buffer, back = self._wire(tensor, keep=mine)
             works.append(self.engine.broadcast(buffer, root, self.group))
             steps.append(None if mine else back)
-        return self._work(works, tensors, steps)
+        return self._work(works, tensors, steps, opts=opts)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> TandemWork:
@@ -176,7 +197,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         flat = self._flat(len(parts) * input.numel(), input)
         source, _ = self._wire(input)
         work = self.engine.allgather_into(flat, source.reshape(-1), self.group)
-        return self._work([work], outputs, [self._unpack(flat, parts)])
+        return self._work([work], outputs, [self._unpack(flat, parts)], opts=opts)
 
     def _check_parts(self, collective: str, parts: list[torch.Tensor], one: torch.Tensor) -> None:
         if len(parts) != len(self.members):
@@ -203,21 +224,21 @@ class TandemProcessGroup(dist.ProcessGroup):
         source, _ = self._wire(input)
         buffer, back = self._wire(output, keep=False)
         work = self.engine.allgather_into(buffer.view(-1), source.reshape(-1), self.group)
-        return self._work([work], [output], [back])
+        return self._work([work], [output], [back], opts=opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> TandemWork:
         works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(works, outputs)
+        return self._work(works, outputs, opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TandemWork:
         works = [self.allgather([o], [i]) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(works, outputs)
+        return self._work(works, outputs, opts=opts)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> TandemWork:
@@ -225,12 +246,13 @@ class TandemProcessGroup(dist.ProcessGroup):
         root = self._global(opts.rootRank, "dst")
         source, _ = self._wire(input)
         if root != self.engine.rank:
-            return self._work([self.engine.gather(None, source.reshape(-1), root, self.group)], [])
+            work = self.engine.gather(None, source.reshape(-1), root, self.group)
+            return self._work([work], [], opts=opts)
         parts = outputs[0]
         self._check_parts("gather", parts, input)
         flat = self._flat(len(parts) * input.numel(), input)
         work = self.engine.gather(flat, source.reshape(-1), root, self.group)
-        return self._work([work], outputs, [self._unpack(flat, parts)])
+        return self._work([work], outputs, [self._unpack(flat, parts)], opts=opts)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> TandemWork:
@@ -242,7 +264,7 @@ class TandemProcessGroup(dist.ProcessGroup):
             flat = self._wire(torch.cat([p.reshape(-1) for p in inputs[0]]))[0]
         buffer, back = self._wire(output, keep=False)
         work = self.engine.scatter(buffer.view(-1), flat, root, self.group)
-        return self._work([work], outputs, [back])
+        return self._work([work], outputs, [back], opts=opts)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_splits: list[int], input_splits: list[int],
@@ -253,7 +275,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         source, _ = self._wire(input)
         buffer, back = self._wire(output, keep=False)
         work = self.engine.alltoall_into(buffer, source, output_splits, input_splits, self.group)
-        return self._work([work], [output], [back])
+        return self._work([work], [output], [back], opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -272,7 +294,7 @@ class TandemProcessGroup(dist.ProcessGroup):
             for t in outputs:
                 t.copy_(flat_out[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-        return self._work([work], outputs, [unpack])
+        return self._work([work], outputs, [unpack], opts=opts)
 
     # -- point to point and barrier --------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TandemWork:
@@ -293,7 +315,7 @@ class TandemProcessGroup(dist.ProcessGroup):
             "watchdog must know whom a receive waits for. Pass src=, e.g. dist.recv(t, src=0)")
 
     def barrier(self, opts: Any = None) -> TandemWork:
-        return self._work([self.engine.barrier(self.group)], [])
+        return self._work([self.engine.barrier(self.group)], [], opts=opts)
 
     # -- groups and lifetime --------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], timeout: Any = None, pg_options: Any = None,
