@@ -26,6 +26,10 @@ JOB_TIMEOUT_S = 120  # a 2-rank job here takes 5-15 s; two shared cores can stal
 # What each section's snippet must print (regular expressions, searched line by line).
 EXPECTED = {
     "From PyTorch DDP": [r"^\[0\] epoch 2: accuracy (0\.[6-9]\d\d|1\.000) \(evaluated on rank 0 only\)$"],
+    'torch.distributed as it is: backend "tandem"': [
+        r"^\[1\] rank 1: dist\.all_reduce\(t\) -> \[3\.0, 3\.0, 3\.0\]$",
+        r"^\[0\] rank 0: replicas equal after DDP on tandem: True$",
+    ],
     "From raw torch.distributed": [
         r"^\[0\] rank 0: td\.allreduce\(t\) = \[1\.5, 1\.5, 1\.5\], t = \[1\.0, 1\.0, 1\.0\]$",
         r"^\[1\] rank 1: after td\.allreduce\(t, op='sum', inplace=True\): t = \[3\.0, 3\.0, 3\.0\]$",

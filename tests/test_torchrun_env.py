@@ -116,13 +116,16 @@ def torchrun_parameters(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
-@pytest.mark.parametrize("launch", ["gloo", "mpi"])
-def test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun(launch, torchrun_parameters,
+@pytest.mark.parametrize("flags", [("--backend", "gloo"), ("--backend", "mpi"),
+                                   ("--max-restarts", "1"), ("-H", "localhost:2")],
+                         ids=["gloo", "mpi", "restarts", "hosts"])
+def test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun(flags, torchrun_parameters,
                                                                   tmp_path):
-    if launch == "mpi" and not HAVE_MPI:
+    """Every kind of job: the local agent, mpiexec's ranks, and the coordinator's (restarts, -H)."""
+    if flags[1] == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI launch needs mpi4py")
     out = tmp_path / "params.pt"
-    done = tandem_run("-np", "2", "--backend", launch, "--require-join",
+    done = tandem_run("-np", "2", *flags, "--require-join",
                       str(SCRIPTS / "torchrun_ddp.py"), "gloo", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[0] rank 0 of 2 on gloo done" in done.stdout

@@ -36,6 +36,12 @@ What every rank gets
   the same, plus TANDEM_UNDER_MPI=1, from their supervisor (launch/mpi_rank.py).
 - HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, as horovodrun sets them,
   for Horovod scripts that read them.
+- torchrun's variables (environments.torchrun_variables), so an unchanged torchrun script runs:
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*,
+  MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT,
+  TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_USE_AGENT_STORE=False. MASTER_PORT is a free port of
+  its own for rank 0's torch TCPStore (torch's env:// rendezvous), never tandem's store, which is
+  authenticated and speaks its own protocol.
 - OMP_NUM_THREADS and MKL_NUM_THREADS: --threads-per-rank, by default
   cores // ranks, so N ranks do not each start one thread per core. Values already in the
   environment are kept unless --threads-per-rank is given.
@@ -45,7 +51,7 @@ Options from the environment
 ----------------------------
 Every option can come from a TANDEM_ variable named after it: TANDEM_NP,
 TANDEM_BACKEND, TANDEM_THREADS_PER_RANK, TANDEM_TIMEOUT, TANDEM_HOSTS,
-TANDEM_HOSTFILE, TANDEM_MAX_RESTARTS. A flag on the command line wins.
+TANDEM_HOSTFILE, TANDEM_MAX_RESTARTS, TANDEM_REQUIRE_JOIN. A flag on the command line wins.
 
 Output
 ------
@@ -64,6 +70,10 @@ instead of SIGINT: it would only print a KeyboardInterrupt traceback from inside
 When every rank is still starting, the job ends with one line, `tandem run: interrupted during
 start-up (SIGINT); stopped N rank(s)`, and exit code 130. Each rank runs in its own process
 group, which is killed when the job ends, so processes the ranks started do not outlive it.
+
+A job that exits 0 although no rank joined it (no td.init(), no init_process_group: N
+independent copies ran) ends with a warning that says so; with --require-join (or
+TANDEM_REQUIRE_JOIN=1) it is an error, exit code 1 (launch/joined.py).
 
 Bad input (-np 0, a script that does not exist, an unknown backend) is reported with exit
 code 2 before anything starts, and so is a program the ranks could not run (launch/programs.py):
