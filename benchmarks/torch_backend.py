@@ -13,7 +13,8 @@ batches of rank 0's time per call):
   `dist.all_reduce(t)` on backend tandem, and tandem's own `td.allreduce(t, inplace=True)`
   with checks off (for reference);
 - broadcast: mpi4py `Bcast` against `dist.broadcast(t, 0)`;
-- all_gather: mpi4py `Allgather` against `dist.all_gather_into_tensor(out, t)`.
+- all_gather: mpi4py `Allgather` against `dist.all_gather_into_tensor(out, t)` (its new name,
+  `all_gather_single`, where torch has it).
 
 The ratio raw time / backend time is what the Python backend costs (1.0: nothing). The table
 is printed and the times go to JSON (`results/torch_backend.json`).
@@ -34,6 +35,9 @@ from tandem import runtime
 from tandem.bench.allreduce_ranks import measure
 from tandem.bench.results import write_json
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns on every call): the new name where
+# there is one, so the table shows the backend's cost, not the deprecation warning's.
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 SIZES = {"4KB": 4 << 10, "64KB": 64 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20}
 
 
@@ -62,7 +66,7 @@ def variants(comm, MPI, size: int) -> dict:
         "broadcast_raw": (nothing, lambda b: comm.Bcast(views(b)[1], root=0)),
         "broadcast_backend": (nothing, lambda b: dist.broadcast(b, 0)),
         "allgather_raw": (nothing, lambda b: comm.Allgather(views(b)[1], views(b)[2])),
-        "allgather_backend": (nothing, lambda b: dist.all_gather_into_tensor(views(b)[0], b)),
+        "allgather_backend": (nothing, lambda b: ALL_GATHER(views(b)[0], b)),
     }
 
 

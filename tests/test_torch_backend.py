@@ -73,8 +73,9 @@ def test_every_torch_call_on_the_mpi_engine(size):
 
 @needs_mpi
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("train", [checks.train_ddp, checks.train_fsdp2, checks.train_dtensor],
-                         ids=["ddp", "fsdp2", "dtensor"])
+@pytest.mark.parametrize("train", [checks.train_ddp, checks.train_fsdp2, checks.train_dtensor,
+                                   checks.train_pipeline],
+                         ids=["ddp", "fsdp2", "dtensor", "pipelining"])
 def test_torch_parallelism_on_mpi_equals_one_process(train, size):
     differences = run_distributed(train, size, backend="mpi")
     assert max(differences) <= TOLERANCE, differences

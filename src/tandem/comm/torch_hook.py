@@ -23,6 +23,10 @@ TARGET = "torch"
 def register() -> None:
     """Register now; a torch without torch.distributed (or another than expected) is a warning."""
     try:
+        import torch.distributed
+
+        if not torch.distributed.is_available():
+            return  # a torch built without distributed support: nothing to register with
         from tandem.comm.torch_register import register as add_backends
 
         add_backends()

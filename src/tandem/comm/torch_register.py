@@ -178,7 +178,8 @@ def _same(asked: str, running: str) -> bool:
 
 
 def guarded_init(backend: Any = None, init_method: str | None = None, timeout: Any = None,
-                 world_size: int = -1, rank: int = -1, store: Any = None, **more: Any) -> None:
+                 world_size: int = -1, rank: int = -1, store: Any = None, *rest: Any,
+                 **more: Any) -> None:
     """torch's `init_process_group`, aware of `td.init()` and of tandem's launchers."""
     asked = str(c10d.Backend(backend)) if backend is not None else "undefined"
     if context.installed() and dist.is_initialized():
@@ -201,11 +202,7 @@ def guarded_init(backend: Any = None, init_method: str | None = None, timeout: A
         store = dist.HashStore() if job.size == 1 or _engine_name(job) == "mpi" \
             else rendezvous_store(job, t)
         rank, world_size = job.rank, job.size
-    kwargs = dict(more, backend=backend, init_method=init_method, world_size=world_size,
-                  rank=rank, store=store)
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    _original_init(**kwargs)
+    _original_init(backend, init_method, timeout, world_size, rank, store, *rest, **more)
 
 
 _original_init = dist.init_process_group
