@@ -228,6 +228,11 @@ def test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so():
     assert "world 1 tandem" in done.stdout
     assert "init_process_group('tandem') found no launcher" in done.stderr
     assert "tandem run -np N" in done.stderr
+    # a rendezvous without a rank is someone's half-made job: an error, never a world of one
+    half = _python("import torch.distributed as dist, tandem\ndist.init_process_group('tandem')\n",
+                   MASTER_PORT="29999")
+    assert half.returncode != 0
+    assert "MASTER_PORT=29999 is set but RANK and WORLD_SIZE are not" in half.stderr, half.stderr
 
 
 def test_backend_mpi_without_mpi4py_names_the_install_command():
