@@ -101,13 +101,22 @@ def test_ranks_fill_hosts_in_order_and_remote_agents_get_ssh_commands():
     assert args == ["/venv/bin/python", "-m", "tandem", "run", "--nnodes", "2", "--node-rank",
                     "1", "--master", "10.0.0.1:29500", "--secret", "-", "-np", "2",
                     "--backend", "gloo", "--timeout", "30", "train.py", "--lr", "0.1 x"]
-    command = ssh.agent_command(Host("node2"), args, "/home/me/my job")
+    command = ssh.agent_command(Host("node2"), args, "/home/me/my job", environ={})
     assert command[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "node2"]
     assert command[6] == ("cd '/home/me/my job' && exec /venv/bin/python -m tandem run "
                           "--nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret - -np 2 "
                           "--backend gloo --timeout 30 train.py --lr '0.1 x'")
     assert "s3cret" not in " ".join(command)  # the secret goes over stdin, never argv
     assert ssh.agent_command(Host("localhost"), args, "/x") == args
+    # An ssh session starts with a fresh environment: which tandem runs, the thread limits and
+    # the ranks' TANDEM_ settings go along; the secret and tandem run's own options do not.
+    environ = {"PYTHONPATH": "/src dir", "TANDEM_DEBUG": "1", "OMP_NUM_THREADS": "2",
+               "TANDEM_SECRET": "s3cret", "TANDEM_HOSTS": "a:1,b:1", "TANDEM_NP": "4",
+               "HOME": "/home/me", "LD_PRELOAD": "x.so"}
+    command = ssh.agent_command(Host("node2"), args, "/w", environ=environ)
+    assert command[6].startswith("cd /w && exec env OMP_NUM_THREADS=2 'PYTHONPATH=/src dir' "
+                                 "TANDEM_DEBUG=1 /venv/bin/python -m tandem run "), command[6]
+    assert "s3cret" not in command[6] and "a:1,b:1" not in command[6] and "HOME" not in command[6]
 
 
 def _handshake(server_secret: str, client_secret: str) -> list:
