@@ -238,6 +238,32 @@ def test_doctor_names_the_interface_that_reaches_each_host(hosts):
         ") -- fix: check the name, or give its address"), done.stdout
 
 
+@pytest.mark.timeout(150)
+def test_a_master_name_that_is_loopback_on_node_0_still_joins_the_hosts(reference, tmp_path):
+    """Debian's installer maps a machine's own name to 127.0.1.1: on h1, `h1` is loopback, on
+    h2 it is h1's address. Node 0 listens where h2 reaches it, and its ranks' Gloo uses the
+    interface h2 came in on, not loopback (the job used to wait for a store h2 could not
+    reach)."""
+    try:
+        debian = Cluster.up(2, debian_hosts=True)
+    except Unavailable as reason:
+        pytest.skip(f"no network-namespace cluster here: {reason}")
+    with debian:
+        out = tmp_path / "params.pt"
+        (code0, out0, err0), (code1, out1, err1) = _finish(*_agents(debian, 29403, TRAIN,
+                                                                     "--out", str(out)))
+        doctor = debian.run("h1", PYTHON, "-m", "tandem", "doctor", "--hosts", "h1",
+                            timeout=JOB_S)
+    assert code0 == 0 and code1 == 0, err0 + err1
+    _equal_to_one_process(out, reference)
+    where = {**_where(out0), **_where(out1)}
+    a1, a2 = debian.address("h1"), debian.address("h2")
+    gloo = [sock for sock in where[0]["sockets"] if sock["remote"].startswith(a2 + ":")]
+    assert gloo and all(sock["local"].startswith(a1 + ":") for sock in gloo), where[0]
+    assert "route      h1 (127.0.1.1): this machine (lo) -- fix: other hosts cannot reach " \
+           "this machine at a loopback address" in doctor.stdout, doctor.stdout
+
+
 # --- what goes wrong between machines --------------------------------------------------------
 
 def _long_job(hosts: Cluster) -> tuple[subprocess.Popen, Lines, Lines]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import build_parser, main
-from tandem.launch import LaunchConfig, config_from_args, control, ssh
+from tandem.launch import LaunchConfig, LaunchError, config_from_args, control, multinode, ssh
 from tandem.launch.config import parse_address
 from tandem.launch.hosts import Host
 
@@ -117,6 +117,36 @@ def test_ranks_fill_hosts_in_order_and_remote_agents_get_ssh_commands():
     assert command[6].startswith("cd /w && exec env OMP_NUM_THREADS=2 'PYTHONPATH=/src dir' "
                                  "TANDEM_DEBUG=1 /venv/bin/python -m tandem run "), command[6]
     assert "s3cret" not in command[6] and "a:1,b:1" not in command[6] and "HOME" not in command[6]
+
+
+def test_bad_host_lists_and_masters_are_named_before_anything_starts(capsys, tmp_path):
+    script = str(ROOT / "tests" / "scripts" / "launch_touch.py")
+    # a host listed twice: two agents on one machine would share its local ranks and GPUs
+    assert main(["run", "-np", "2", "-H", "a:1,b:1,A:2", script, "/nonexistent/marker"]) == 2
+    assert ("-H a:1,b:1,A:2: host 'A' is listed twice (a:1 and A:2): list it once with all its "
+            "slots (A:3)") in capsys.readouterr().err
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb\na:2\n")
+    assert main(["run", "--hostfile", str(hostfile), script, "/nonexistent/marker"]) == 2
+    assert f"the hostfile {str(hostfile)!r}: host 'a' is listed twice" in capsys.readouterr().err
+    # slots beyond -np: horovodrun's rule (fill in order) stands, and the idle hosts are named
+    assert ssh.unused(2, (Host("a", 2), Host("b", 2), Host("c", 1))) == (
+        "tandem run: -np 2 fills the first host(s); b:2, c:1 get(s) no rank and no agent (the "
+        "hosts offer 5 slots: give -np 5 to use them all)")
+    assert ssh.unused(3, (Host("a", 2), Host("b", 2))) is None
+    # this machine by address (asked by binding, nothing sent), never by a DNS lookup
+    assert Host("127.0.0.1").is_local and Host("127.0.1.1").is_local
+    for address in control.local_addresses().values():
+        assert Host(address).is_local, address
+    assert not Host("198.51.100.254").is_local  # TEST-NET-2: no machine has it
+    # node 0 listens at --master: an address it does not hold is refused with its addresses
+    with pytest.raises(LaunchError) as raised:
+        multinode.listen_address(("198.51.100.254", 29500), 2)
+    assert (f"--master 198.51.100.254:29500: this machine ({socket.gethostname()}) has no "
+            "address 198.51.100.254; node 0 hosts the rendezvous there") in str(raised.value)
+    assert "127.0.0.1 (lo)" in str(raised.value)
+    assert multinode.listen_address(("127.0.0.1", 29500), 2) == "127.0.0.1"
+    assert multinode.listen_address(("localhost", 29500), 2) == "localhost"
 
 
 def _handshake(server_secret: str, client_secret: str) -> list:

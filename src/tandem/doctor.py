@@ -199,9 +199,9 @@ def check_route(name: str) -> Check:
                      "check the name, or give its address")
     label = name if name == address else f"{name} ({address})"
     if holds_address(address):
-        interface = control.interface_of(address) or "an interface without IPv4"
-        loopback = ipaddress.ip_address(address).is_loopback and name != address
-        if loopback and name not in ("localhost",):
+        loopback = ipaddress.ip_address(address).is_loopback
+        interface = "lo" if loopback else control.interface_of(address) or "?"
+        if loopback and name not in (address, "localhost"):
             return Check("route", True, f"{label}: this machine ({interface})",
                          "other hosts cannot reach this machine at a loopback address: for "
                          "jobs without `tandem run` agents (torchrun, srun) give MASTER_ADDR a "
