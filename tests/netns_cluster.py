@@ -135,6 +135,19 @@ class Cluster:
                               text=True, timeout=20)
         return {int(pid) for pid in done.stdout.split()}
 
+    def job_processes(self, host: str) -> dict[int, str]:
+        """The host's processes that are tandem's or a job's (Python), by pid: command line."""
+        found = {}
+        for pid in self.pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            line = " ".join(part.decode(errors="replace") for part in argv if part)
+            if "python" in line:
+                found[pid] = line
+        return found
+
     def kill_processes(self, host: str) -> set[int]:
         """SIGKILL every process on the host except its sshd (the machine dies, its ssh
         service stays for the tests after); returns the pids killed."""

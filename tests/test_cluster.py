@@ -305,6 +305,11 @@ def _ends_naming_h2(hosts: Cluster, fault) -> str:
 def test_a_cut_link_ends_the_job_naming_the_silent_host(hosts):
     err = _ends_naming_h2(hosts, lambda _: hosts.link("h2", up=False))
     assert "no word from it for 5 s (the network between the nodes is cut" in err
+    # h2, cut off, ends its side too: its agent hears nothing from node 0 and stops its rank
+    deadline = time.monotonic() + STOP_BOUND_S
+    while (left := hosts.job_processes("h2")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling another machine's process table: nothing to wait on
+    assert not left, left
 
 
 @pytest.mark.timeout(150)
@@ -358,11 +363,11 @@ def test_an_unreachable_host_is_named_with_its_address_and_the_ssh_error(hosts):
 def test_a_master_address_no_host_has_is_refused(hosts):
     nobody = hosts.address("h2").rsplit(".", 1)[0] + ".77"
     a1 = hosts.address("h1")
-    for argv in (["--nnodes", "2", "--node-rank", "0", "--secret", "s", "-np", "1"],
-                 ["-H", "h1:1,h2:1", "-np", "2"]):
+    for argv in (["--nnodes", "2", "--node-rank", "0", "-np", "1"], ["-H", "h1:1,h2:1", "-np", "2"]):
         done = hosts.run("h1", PYTHON, "-m", "tandem", "run", *argv, "--master",
                          f"{nobody}:29402", TRAIN, timeout=JOB_S)
         assert done.returncode == 2, done.stderr
         assert (f"--master {nobody}:29402: this machine (h1) has no address {nobody}; node 0 "
                 f"hosts the rendezvous there, so --master must name one of node 0's addresses "
                 f"(here: 127.0.0.1 (lo), {a1} (eth0))") in done.stderr, done.stderr
+        assert "this job's secret is" not in done.stderr  # refused before one is made

@@ -3,7 +3,8 @@
 Two "nodes" are two agents on this machine over loopback; then two network namespaces joined
 by a veth pair (needs root and `ip`; skipped with the reason otherwise), where the link is cut
 in the middle of training. The `-H` path is run end to end with local hosts (a local agent
-process instead of ssh: there is no sshd here); the ssh command itself is unit-tested.
+process instead of ssh); the ssh command itself is unit-tested here, and run for real against
+an sshd per host in tests/test_cluster.py.
 """
 
 from __future__ import annotations

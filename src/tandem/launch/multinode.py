@@ -241,12 +241,12 @@ class _MemberAttempt(Supervisor):
 
 def _coordinate(config: LaunchConfig, secret: str | None) -> int:
     host, port = config.master
+    listen = listen_address(config.master, config.nnodes)  # before a secret is printed
     if secret is None:
         secret = control.new_secret()
         print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
               f"nodes with --secret {secret} (or TANDEM_SECRET={secret})",
               file=sys.stderr, flush=True)
-    listen = listen_address(config.master, config.nnodes)
     coordinator = Coordinator(config, nproc=config.np, nnodes=config.nnodes,
                               store=(host, port), secret=secret, listen=listen,
                               gloo_interface=gloo_interface(host), host=socket.gethostname())
