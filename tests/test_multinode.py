@@ -3,7 +3,8 @@
 Two "nodes" are two agents on this machine over loopback; then two network namespaces joined
 by a veth pair (needs root and `ip`; skipped with the reason otherwise), where the link is cut
 in the middle of training. The `-H` path is run end to end with local hosts (a local agent
-process instead of ssh: there is no sshd here); the ssh command itself is unit-tested.
+process instead of ssh); the ssh command itself is unit-tested here, and run for real against
+an sshd per host in tests/test_cluster.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import build_parser, main
-from tandem.launch import LaunchConfig, config_from_args, control, ssh
+from tandem.launch import LaunchConfig, LaunchError, config_from_args, control, multinode, ssh
 from tandem.launch.config import parse_address
 from tandem.launch.hosts import Host
 
@@ -101,13 +102,52 @@ def test_ranks_fill_hosts_in_order_and_remote_agents_get_ssh_commands():
     assert args == ["/venv/bin/python", "-m", "tandem", "run", "--nnodes", "2", "--node-rank",
                     "1", "--master", "10.0.0.1:29500", "--secret", "-", "-np", "2",
                     "--backend", "gloo", "--timeout", "30", "train.py", "--lr", "0.1 x"]
-    command = ssh.agent_command(Host("node2"), args, "/home/me/my job")
+    command = ssh.agent_command(Host("node2"), args, "/home/me/my job", environ={})
     assert command[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "node2"]
     assert command[6] == ("cd '/home/me/my job' && exec /venv/bin/python -m tandem run "
                           "--nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret - -np 2 "
                           "--backend gloo --timeout 30 train.py --lr '0.1 x'")
     assert "s3cret" not in " ".join(command)  # the secret goes over stdin, never argv
     assert ssh.agent_command(Host("localhost"), args, "/x") == args
+    # An ssh session starts with a fresh environment: which tandem runs, the thread limits and
+    # the ranks' TANDEM_ settings go along; the secret and tandem run's own options do not.
+    environ = {"PYTHONPATH": "/src dir", "TANDEM_DEBUG": "1", "OMP_NUM_THREADS": "2",
+               "TANDEM_SECRET": "s3cret", "TANDEM_HOSTS": "a:1,b:1", "TANDEM_NP": "4",
+               "HOME": "/home/me", "LD_PRELOAD": "x.so"}
+    command = ssh.agent_command(Host("node2"), args, "/w", environ=environ)
+    assert command[6].startswith("cd /w && exec env OMP_NUM_THREADS=2 'PYTHONPATH=/src dir' "
+                                 "TANDEM_DEBUG=1 /venv/bin/python -m tandem run "), command[6]
+    assert "s3cret" not in command[6] and "a:1,b:1" not in command[6] and "HOME" not in command[6]
+
+
+def test_bad_host_lists_and_masters_are_named_before_anything_starts(capsys, tmp_path):
+    script = str(ROOT / "tests" / "scripts" / "launch_touch.py")
+    # a host listed twice: two agents on one machine would share its local ranks and GPUs
+    assert main(["run", "-np", "2", "-H", "a:1,b:1,A:2", script, "/nonexistent/marker"]) == 2
+    assert ("-H a:1,b:1,A:2: host 'A' is listed twice (a:1 and A:2): list it once with all its "
+            "slots (A:3)") in capsys.readouterr().err
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb\na:2\n")
+    assert main(["run", "--hostfile", str(hostfile), script, "/nonexistent/marker"]) == 2
+    assert f"the hostfile {str(hostfile)!r}: host 'a' is listed twice" in capsys.readouterr().err
+    # slots beyond -np: horovodrun's rule (fill in order) stands, and the idle hosts are named
+    assert ssh.unused(2, (Host("a", 2), Host("b", 2), Host("c", 1))) == (
+        "tandem run: -np 2 fills the first host(s); b:2, c:1 get(s) no rank and no agent (the "
+        "hosts offer 5 slots: give -np 5 to use them all)")
+    assert ssh.unused(3, (Host("a", 2), Host("b", 2))) is None
+    # this machine by address (asked by binding, nothing sent), never by a DNS lookup
+    assert Host("127.0.0.1").is_local and Host("127.0.1.1").is_local
+    for address in control.local_addresses().values():
+        assert Host(address).is_local, address
+    assert not Host("198.51.100.254").is_local  # TEST-NET-2: no machine has it
+    # node 0 listens at --master: an address it does not hold is refused with its addresses
+    with pytest.raises(LaunchError) as raised:
+        multinode.listen_address(("198.51.100.254", 29500), 2)
+    assert (f"--master 198.51.100.254:29500: this machine ({socket.gethostname()}) has no "
+            "address 198.51.100.254; node 0 hosts the rendezvous there") in str(raised.value)
+    assert "127.0.0.1 (lo)" in str(raised.value)
+    assert multinode.listen_address(("127.0.0.1", 29500), 2) == "127.0.0.1"
+    assert multinode.listen_address(("localhost", 29500), 2) == "localhost"
 
 
 def _handshake(server_secret: str, client_secret: str) -> list:

@@ -153,7 +153,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     from tandem import doctor
 
-    return doctor.main(clean_first=args.clean)
+    hosts = tuple(name.strip() for name in (args.hosts or "").split(",") if name.strip())
+    return doctor.main(clean_first=args.clean, hosts=hosts)
 
 
 def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -167,6 +168,9 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--clean", action="store_true",
                         help="first remove the shared-memory segments in /dev/shm that killed "
                         "MPI jobs left behind (only those no running process uses)")
+    parser.add_argument("--hosts", metavar="H1,H2,...",
+                        help="also say how this machine reaches each host: its address, and "
+                        "the interface and local address the route leaves from")
     parser.set_defaults(handler=_doctor)
 
 

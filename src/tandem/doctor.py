@@ -11,11 +11,19 @@ communicates, starts MPI or changes anything, so it is safe to run anywhere, any
 command always exits 0: it reports, it does not judge. `tandem doctor --clean` changes one
 thing first: it removes the MPI shared-memory segments in /dev/shm that killed jobs left
 (`launch.shm.remove_stale`: only those no process maps or holds open).
+
+`tandem doctor --hosts node1,node2` adds one `route` line per host: its address, and the
+interface and local address this machine reaches it from (a routing-table lookup, no packet
+sent), the interface `tandem run`'s agents point Gloo at; or that the name is this machine, or
+does not resolve, or has no route.
+
+    route      node2 (10.0.0.2): via eth0 from 10.0.0.1
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -177,20 +185,52 @@ def check_shm() -> Check:
     return Check("shm", False, what, command)
 
 
+def check_route(name: str) -> Check:
+    """How this machine reaches host `name` (see the module docstring)."""
+    import ipaddress
+
+    from tandem.launch import control
+    from tandem.launch.hosts import holds_address
+
+    try:
+        address = socket.gethostbyname(name)
+    except OSError as error:
+        return Check("route", False, f"{name}: cannot resolve it ({error.strerror or error})",
+                     "check the name, or give its address")
+    label = name if name == address else f"{name} ({address})"
+    if holds_address(address):
+        loopback = ipaddress.ip_address(address).is_loopback
+        interface = "lo" if loopback else control.interface_of(address) or "?"
+        if loopback and name not in (address, "localhost"):
+            return Check("route", True, f"{label}: this machine ({interface})",
+                         "other hosts cannot reach this machine at a loopback address: for "
+                         "jobs without `tandem run` agents (torchrun, srun) give MASTER_ADDR a "
+                         "network address of this machine, or map its name to one in /etc/hosts")
+        return Check("route", True, f"{label}: this machine ({interface})")
+    try:
+        local = control.local_address_towards(address)
+    except OSError as error:
+        return Check("route", False, f"{label}: no route to it ({error.strerror or error})",
+                     "this machine has no network that reaches it: check its address and the "
+                     "interfaces above")
+    return Check("route", True, f"{label}: via {control.interface_of(local) or '?'} from {local}")
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
     check_versions, check_gloo, check_nccl, check_mpi, check_cuda, check_cores,
     check_network, check_ports, check_shm,
 )
 
 
-def run_checks() -> list[Check]:
-    """Every check; one that breaks becomes a failed `Check` naming the error."""
+def run_checks(hosts: tuple[str, ...] = ()) -> list[Check]:
+    """Every check (and a route to each of `hosts`); one that breaks becomes a failed `Check`
+    naming the error."""
     results = []
-    for check in CHECKS:
+    for check in (*CHECKS, *(functools.partial(check_route, host) for host in hosts)):
         try:
             results.append(check())
         except Exception as error:  # a broken probe must not hide the other lines
-            name = check.__name__.removeprefix("check_")
+            name = getattr(check, "__name__", "route").removeprefix("check_")
             results.append(Check(name, False, f"check failed: {type(error).__name__}: {error}"))
     return results
 
@@ -203,10 +243,11 @@ def clean() -> str:
     return shm.describe_removed(names, size) if names else f"nothing stale in {shm.SHM_DIR}"
 
 
-def main(clean_first: bool = False) -> int:
-    """Print one line per check (after `clean()` when asked); always 0."""
+def main(clean_first: bool = False, hosts: tuple[str, ...] = ()) -> int:
+    """Print one line per check (after `clean()` when asked, a route to each of `hosts`);
+    always 0."""
     if clean_first:
         print(Check("clean", True, clean()).line(), flush=True)
-    for check in run_checks():
+    for check in run_checks(hosts):
         print(check.line(), flush=True)
     return 0

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tandem.launch.hosts import Host, parse_hosts, read_hostfile, total_slots
+from tandem.launch.hosts import Host, check_unique, parse_hosts, read_hostfile, total_slots
 from tandem.launch.programs import file_problem, is_command, shape_problem
 from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
 
@@ -196,6 +196,11 @@ class LaunchConfig:
             )
         if self.timeline is not None:
             _check_writable(self.timeline)
+        if self.hosts:
+            try:
+                check_unique(self.hosts, "-H/--hostfile")
+            except ValueError as error:
+                raise LaunchError(str(error)) from None
         if self.hosts and self.np > total_slots(self.hosts):
             listed = ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
             raise LaunchError(

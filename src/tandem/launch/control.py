@@ -12,12 +12,16 @@ every `HEARTBEAT_S`, and a peer that says nothing for `lost_after` seconds is re
 unreachable (an event on the agent's queue, like everything else the agent reacts to).
 
 Also here: which local address and network interface lead to a given host, so that an agent
-can advertise an address its peers can reach and point Gloo at the right interface.
+can advertise an address its peers can reach and point Gloo at the right interface; and the
+address an accepted connection reached this machine at (`reached_at`): node 0 points its own
+ranks' Gloo at that interface, the one the other nodes demonstrably reach it through, even
+where its own name resolves to loopback (Debian's `127.0.1.1 <hostname>` line).
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import queue
 import socket
 import struct
@@ -32,7 +36,8 @@ CONNECT_RETRY_S = 0.25
 _SIOCGIFADDR = 0x8915
 
 __all__ = ["AuthenticationFailed", "ControlServer", "Peer", "authenticate", "connect",
-           "interface_of", "local_address_towards", "new_secret"]
+           "interface_of", "local_address_towards", "local_addresses", "new_secret",
+           "reached_at"]
 
 
 class Peer:
@@ -185,8 +190,9 @@ def local_address_towards(host: str, port: int = 9) -> str:
         probe.close()
 
 
-def interface_of(address: str) -> str | None:
-    """The network interface that holds IPv4 `address` (`lo`, `eth0`...), or None."""
+def local_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address (its first), by name: {"lo": "127.0.0.1", ...}."""
+    found = {}
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         for _, name in socket.if_nameindex():
@@ -195,8 +201,21 @@ def interface_of(address: str) -> str | None:
                 reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
             except OSError:
                 continue  # no IPv4 address on this interface
-            if socket.inet_ntoa(reply[20:24]) == address:
-                return name
+            found[name] = socket.inet_ntoa(reply[20:24])
     finally:
         probe.close()
-    return None
+    return found
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 `address` (`lo`, `eth0`...), or None."""
+    return next((name for name, held in local_addresses().items() if held == address), None)
+
+
+def reached_at(conn: Connection) -> str | None:
+    """The local address an accepted connection came in at (None if it cannot be read)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            return sock.getsockname()[0]
+    except (OSError, ValueError):
+        return None

@@ -23,6 +23,7 @@ every node (SIGTERM, then SIGKILL after `STOP_GRACE_S`). When everything is down
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import signal
 import time
@@ -30,7 +31,7 @@ from typing import TextIO
 
 from tandem import rendezvous
 from tandem.launch.config import LaunchConfig
-from tandem.launch.control import ControlServer, Peer
+from tandem.launch.control import ControlServer, Peer, interface_of, reached_at
 from tandem.launch.joined import JoinWatch
 from tandem.launch.output import signals_blocked
 from tandem.launch.processes import KILL_WAIT_S, STOP_GRACE_S, describe
@@ -53,14 +54,19 @@ class Coordinator(Agent):
     def __init__(self, config: LaunchConfig, *, nproc: int, nnodes: int = 1,
                  store: tuple[str, int] = ("127.0.0.1", 0), secret: str | None = None,
                  gloo_interface: str | None = None, host: str = "localhost",
+                 listen: str | None = None,
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
         super().__init__(config, nproc=nproc, stdout=stdout, stderr=stderr)
         self.nproc, self.nnodes = nproc, nnodes
         self.store_address, self.secret, self.host = store, secret, host
+        # where the store and the control plane listen; `store` is what everyone is told
+        self.listen = listen or store[0]
         self.gloo_interface = gloo_interface
         self.peers: dict[int, Peer] = {}
         self.nprocs: dict[int, int] = {0: nproc}
         self.hosts: dict[int, str] = {0: host}
+        self.reached: dict[int, str] = {}  # node -> the local address its agent came in at
+        self.lost: set[int] = set()  # nodes whose agent went silent or away
         self.on_listening = None  # -H: starts the remote agents once the store port is known
         self.store = None
         self._server: ControlServer | None = None
@@ -84,9 +90,9 @@ class Coordinator(Agent):
             # An agent with the wrong secret is refused by the store first: report it as the
             # control plane would.
             refused = self._refused if self.nnodes > 1 else None
-            self.store = rendezvous.StoreServer(*self.store_address, key, refused)
+            self.store = rendezvous.StoreServer(self.listen, self.store_address[1], key, refused)
             if self.nnodes > 1:
-                self._server = ControlServer(self.store_address[0], self.secret, self.events)
+                self._server = ControlServer(self.listen, self.secret, self.events)
         port = self.store.port
         if self._server is not None:
             self.store.set("tandem/control", f"{self.store_address[0]}:{self._server.port}")
@@ -95,6 +101,7 @@ class Coordinator(Agent):
             failure = self._gather(timeout)
             if failure is not None:
                 return self._finish(failure)
+            self._point_gloo_at_the_others()
         offsets, start = {}, 0
         for node in sorted(self.nprocs):
             offsets[node], start = start, start + self.nprocs[node]
@@ -138,6 +145,18 @@ class Coordinator(Agent):
         return code
 
     # -- joining ---------------------------------------------------------------------------
+    def _point_gloo_at_the_others(self) -> None:
+        """Node 0's ranks use the interface the other agents reached it through: the route to
+        the master's name can be loopback here (`127.0.1.1 node0` in /etc/hosts) even where
+        the others reach node 0 over the network."""
+        if "GLOO_SOCKET_IFNAME" in os.environ:
+            return
+        for node in sorted(self.reached):
+            interface = interface_of(self.reached[node])
+            if interface is not None and interface != "lo":
+                self.gloo_interface = interface
+                return
+
     def _refused(self, where: str, why: str) -> None:
         self.events.put(("rejected", where, why))
 
@@ -173,6 +192,7 @@ class Coordinator(Agent):
                 node = event[1]
                 self.peers.pop(node, None)
                 self.nprocs.pop(node, None)
+                self.reached.pop(node, None)
                 self.output.message(f"tandem run: node {node} left before the job started")
         return None
 
@@ -200,6 +220,9 @@ class Coordinator(Agent):
         self.peers[node] = peer
         self.nprocs[node] = int(hello["nproc"])
         self.hosts[node] = str(hello.get("host", where))
+        address = reached_at(conn)
+        if address is not None:
+            self.reached[node] = address
         peer.start()
         peer.send(("welcome", {"node_rank": node}))
 
@@ -220,7 +243,7 @@ class Coordinator(Agent):
                 self.watch = JoinWatch(self.store, torch["torch_port"]).start()
         self.ranks.start(Placement(attempt, offsets[0], world, (host, port), self.store.key,
                                    self.gloo_interface, node=0, **torch))
-        run = _Attempt(self, attempt)
+        run = _Attempt(self, attempt, offsets)
         run.run()
         self.output.join(DRAIN_S)
         failure = run.failure
@@ -236,9 +259,9 @@ class _Attempt(Supervisor):
 
     kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
 
-    def __init__(self, job: Coordinator, attempt: int) -> None:
+    def __init__(self, job: Coordinator, attempt: int, offsets: dict[int, int]) -> None:
         super().__init__(job.ranks, job.events, job.output, node=0, host=job.host)
-        self.job, self.attempt = job, attempt
+        self.job, self.attempt, self.offsets = job, attempt, offsets
         self.running = set(job.peers)  # other nodes whose ranks have not all ended
         self.tails: dict[int, tuple[str, ...]] = {}
 
@@ -267,7 +290,10 @@ class _Attempt(Supervisor):
         if kind == "lost":
             node = event[1]
             self.running.discard(node)
-            lost = Failure(node=node, host=job.hosts.get(node, "?"), lost=event[2])
+            job.lost.add(node)
+            first = self.offsets.get(node, 0)
+            lost = Failure(node=node, host=job.hosts.get(node, "?"), lost=event[2],
+                           ranks=(first, first + job.nprocs.get(node, 1) - 1))
             job.output.message(f"tandem run: {lost.headline()}; stopping the job")
             if self.failure is None:
                 self.stop(lost)

@@ -1,11 +1,16 @@
 """Host lists as `horovodrun` spells them: `-H node1:4,node2:4` and `--hostfile`.
 
 Pure parsing, no network: a `Host` is a name and a number of slots (processes it may run).
-`is_local` says whether a name is this machine, so `-H localhost:4` runs like a plain `-np 4`.
+`is_local` says whether a name is this machine, so `-H localhost:4` runs like a plain `-np 4`:
+a loopback name or address, this machine's hostname, or an address one of its interfaces holds
+(asked by binding a socket to it, which sends nothing; names are never looked up here, so a
+typo costs no DNS query). A host listed twice is an error (`check_unique`).
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +40,42 @@ class Host:
         if self.name in LOCAL_NAMES:
             return True
         hostname = socket.gethostname()
-        return self.name in (hostname, hostname.split(".")[0])
+        return self.name in (hostname, hostname.split(".")[0]) or holds_address(self.name)
+
+
+@functools.cache
+def holds_address(text: str) -> bool:
+    """True when `text` is an IP address of this machine (loopback, or held by an interface)."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return False  # a name: not resolved here
+    if address.is_loopback:
+        return True
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((text, 0))  # EADDRNOTAVAIL unless an interface here holds it
+        except OSError:
+            return False
+    return True
+
+
+def check_unique(hosts: tuple[Host, ...], where: str) -> tuple[Host, ...]:
+    """`hosts`, or a ValueError naming a host given twice (its ranks would collide on
+    local ranks, GPUs and ports as two agents of one machine)."""
+    seen: dict[str, Host] = {}
+    for host in hosts:
+        key = host.name.lower()
+        if key in seen:
+            first = seen[key]
+            raise ValueError(
+                f"{where}: host {host.name!r} is listed twice ({first.name}:{first.slots} and "
+                f"{host.name}:{host.slots}): list it once with all its slots "
+                f"({host.name}:{first.slots + host.slots})"
+            )
+        seen[key] = host
+    return hosts
 
 
 def _host(text: str, where: str) -> Host:
@@ -57,7 +97,7 @@ def parse_hosts(spec: str) -> tuple[Host, ...]:
     parts = [part for part in spec.split(",") if part.strip()]
     if not parts:
         raise ValueError(f"-H {spec!r} names no host: write it as node1:4,node2:4")
-    return tuple(_host(part, "-H") for part in parts)
+    return check_unique(tuple(_host(part, "-H") for part in parts), f"-H {spec}")
 
 
 def read_hostfile(path: str | Path) -> tuple[Host, ...]:
@@ -84,7 +124,7 @@ def read_hostfile(path: str | Path) -> tuple[Host, ...]:
             )
     if not hosts:
         raise ValueError(f"the hostfile {str(path)!r} names no host")
-    return tuple(hosts)
+    return check_unique(tuple(hosts), f"the hostfile {str(path)!r}")
 
 
 def total_slots(hosts: tuple[Host, ...]) -> int:

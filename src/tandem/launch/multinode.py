@@ -20,12 +20,18 @@ others stop their ranks and say so. `tandem run --max-restarts K` on one machine
 coordinator with no other nodes and a store on 127.0.0.1 only.
 
 Gloo must reach the other nodes: unless GLOO_SOCKET_IFNAME is set, each agent points its ranks
-at the interface that routes to the master address.
+at the interface that routes to the master address, and node 0 at the interface the other
+agents reached it through. Node 0 listens at the master address, which must be one of its own
+(`listen_address`: another is an error naming this machine's addresses); a master *name* that
+resolves to loopback here (Debian's `127.0.1.1 node0` line in /etc/hosts) while the other
+nodes know it by a network address makes node 0 listen on every interface instead, since the
+store and the control plane admit only holders of the job's secret.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import signal
 import socket
@@ -39,6 +45,7 @@ from tandem import rendezvous
 from tandem.launch import control, ssh
 from tandem.launch.config import LaunchConfig, LaunchError
 from tandem.launch.coordinator import REMOTE_STOP_S, Coordinator, lost_after
+from tandem.launch.hosts import LOCAL_NAMES, holds_address
 from tandem.launch.output import block_agent_signals
 from tandem.launch.processes import KILL_WAIT_S, signal_group
 from tandem.launch.ranks import Placement
@@ -54,6 +61,36 @@ def gloo_interface(master_host: str) -> str | None:
         return control.interface_of(control.local_address_towards(master_host))
     except OSError:
         return None
+
+
+def listen_address(master: tuple[str, int], nnodes: int) -> str:
+    """Where node 0 listens for --master ADDR:PORT (see the module docstring); a `LaunchError`
+    when ADDR is not this machine's."""
+    host, port = master
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as error:
+        raise LaunchError(f"--master {host}:{port}: cannot resolve {host!r} "
+                          f"({error.strerror or error}); give node 0's address") from None
+    literal = host in LOCAL_NAMES or _is_address(host)
+    if nnodes > 1 and not literal and ipaddress.ip_address(address).is_loopback:
+        return "0.0.0.0"  # reachable from the others at whatever address they know it by
+    if not holds_address(address):
+        here = ", ".join(f"{ip} ({name})" for name, ip in control.local_addresses().items())
+        raise LaunchError(
+            f"--master {host}:{port}: this machine ({socket.gethostname()}) has no address "
+            f"{address}; node 0 hosts the rendezvous there, so --master must name one of node "
+            f"0's addresses (here: {here}), the same on every node"
+        )
+    return host
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str | None:
@@ -207,13 +244,14 @@ class _MemberAttempt(Supervisor):
 
 def _coordinate(config: LaunchConfig, secret: str | None) -> int:
     host, port = config.master
+    listen = listen_address(config.master, config.nnodes)  # before a secret is printed
     if secret is None:
         secret = control.new_secret()
         print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
               f"nodes with --secret {secret} (or TANDEM_SECRET={secret})",
               file=sys.stderr, flush=True)
     coordinator = Coordinator(config, nproc=config.np, nnodes=config.nnodes,
-                              store=(host, port), secret=secret,
+                              store=(host, port), secret=secret, listen=listen,
                               gloo_interface=gloo_interface(host), host=socket.gethostname())
     return coordinator.run()
 
@@ -221,11 +259,18 @@ def _coordinate(config: LaunchConfig, secret: str | None) -> int:
 def launch_hosts(config: LaunchConfig) -> int:
     """-H/--hostfile with remote hosts: this machine coordinates, the others get agents."""
     placed = ssh.place(config.np, config.hosts)
-    ssh.check_hosts([host for host, _ in placed])  # unknown names, no ssh: before anything starts
     first, first_count = placed[0]
     here = first_count if first.is_local else 0
     others = placed[1:] if first.is_local else placed
     nnodes = 1 + len(others)
+    # Before anything starts: a master that is not this machine's, unknown names, no ssh,
+    # hosts that ssh cannot reach.
+    listen = listen_address(config.master, nnodes) if config.master is not None else None
+    addresses = ssh.check_hosts([host for host, _ in placed])
+    ssh.check_reachable(addresses)
+    note = ssh.unused(config.np, config.hosts)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     remote = next((h for h, _ in others if not h.is_local), None)
     if config.master is not None:
         master_host, port = config.master
@@ -236,7 +281,7 @@ def launch_hosts(config: LaunchConfig) -> int:
     local_config = dataclasses.replace(config, np=max(here, 1), hosts=())  # this node's share
     coordinator = Coordinator(local_config, nproc=here, nnodes=nnodes, store=(master_host, port),
                               secret=secret, gloo_interface=gloo_interface(master_host),
-                              host=socket.gethostname())
+                              host=socket.gethostname(), listen=listen)
     agents: list[subprocess.Popen] = []
 
     def start_agents(store_port: int) -> None:
@@ -257,7 +302,9 @@ def launch_hosts(config: LaunchConfig) -> int:
         return coordinator.run()
     finally:
         deadline = time.monotonic() + AGENTS_EXIT_S
-        for agent in agents:
+        for node, agent in enumerate(agents, start=1):
+            if node in coordinator.lost:  # its ssh may wait for a host that is gone
+                signal_group(agent.pid, signal.SIGKILL)
             try:
                 agent.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -4,14 +4,21 @@ Ranks fill the hosts in order, as many as each host has slots, until `-np` are p
 (horovodrun's rule). This machine coordinates the job (it is node 0, see `restart`): when it is
 the first host it also runs that host's ranks, otherwise it runs none. Every other host gets an
 agent, `tandem run --nnodes N --node-rank R --master ADDR:PORT --secret - -np n ...`, started
-over ssh (`ssh -o BatchMode=yes host 'cd <cwd> && exec <python> -m tandem run ...'`), or as a
-plain local process when the host is this machine. The job's secret goes to each agent on its
-standard input, never on a command line that `ps` would show. Like horovodrun, this assumes
-the same Python, the same tandem and the same working directory on every host, and
-password-less ssh.
+over ssh (`ssh -o BatchMode=yes host 'cd <cwd> && exec env PYTHONPATH=... <python> -m tandem
+run ...'`), or as a plain local process when the host is this machine. The job's secret goes to
+each agent on its standard input, never on a command line that `ps` would show. Like
+horovodrun, this assumes the same Python, the same tandem and the same working directory on
+every host, and password-less ssh. An ssh session starts with a fresh environment, so the
+agent gets the variables that decide which tandem runs and how (`forwarded_environment`:
+PYTHONPATH, the thread limits, the `TANDEM_*` settings; never the secret nor `tandem run`'s own
+options, which travel as flags).
 
-The command construction is pure and unit-tested; running it needs sshd on the hosts, which
-the test machine does not have (the local-host path is tested end to end instead).
+Before anything starts, each remote host is asked to run `true` over ssh, all at once
+(`check_reachable`, horovodrun's check): a host that cannot be reached is named with its
+address and ssh's own words, instead of a job that waits for an agent that never comes.
+
+The command construction is pure and unit-tested; tests/test_cluster.py runs it for real
+against an sshd per host in network namespaces (scripts/netns-cluster.sh).
 """
 
 from __future__ import annotations
@@ -22,12 +29,19 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
-from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.config import OPTIONS, LaunchConfig, LaunchError
 from tandem.launch.hosts import Host
 
-SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+CONNECT_TIMEOUT_S = 10
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}")
+CHECK_S = CONNECT_TIMEOUT_S + 20.0  # `ssh host true`: connect, authenticate, run, exit
+FORWARDED = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# `tandem run`'s own options reach an agent as flags (agent_arguments), and an agent given
+# both --nnodes and TANDEM_HOSTS would refuse to start; the secret goes over stdin.
+NOT_FORWARDED = frozenset(option.variable for option in OPTIONS) | {"TANDEM_SECRET"}
 
 
 def place(np: int, hosts: Sequence[Host]) -> list[tuple[Host, int]]:
@@ -41,19 +55,66 @@ def place(np: int, hosts: Sequence[Host]) -> list[tuple[Host, int]]:
     return placed
 
 
-def check_hosts(hosts: Sequence[Host]) -> None:
-    """A `LaunchError` for a remote host whose name does not resolve, or when ssh is missing."""
+def unused(np: int, hosts: Sequence[Host]) -> str | None:
+    """A note naming the hosts that `place` gives no rank (more slots than -np), or None."""
+    placed = {host for host, _ in place(np, hosts)}
+    idle = [host for host in hosts if host not in placed]
+    if not idle:
+        return None
+    names = ", ".join(f"{host.name}:{host.slots}" for host in idle)
+    total = sum(host.slots for host in hosts)
+    return (f"tandem run: -np {np} fills the first host(s); {names} get(s) no rank and no "
+            f"agent (the hosts offer {total} slots: give -np {total} to use them all)")
+
+
+def check_hosts(hosts: Sequence[Host]) -> dict[str, str]:
+    """Each remote host's address; a `LaunchError` for a name that does not resolve, or when
+    ssh is missing."""
     remote = [host for host in hosts if not host.is_local]
     if remote and shutil.which("ssh") is None:
         raise LaunchError("remote hosts need ssh, and there is no `ssh` on PATH")
+    addresses = {}
     for host in remote:
         try:
-            socket.getaddrinfo(host.name, None)
+            addresses[host.name] = socket.getaddrinfo(host.name, None)[0][4][0]
         except OSError as error:
             raise LaunchError(
                 f"cannot resolve the host {host.name!r} ({error.strerror or error}): check the "
                 "name in -H/--hostfile, or give its address"
             ) from None
+    return addresses
+
+
+def check_reachable(addresses: Mapping[str, str], timeout: float = CHECK_S) -> None:
+    """Run `ssh host true` on every host at once; a `LaunchError` naming each that failed."""
+    problems: dict[str, str] = {}
+
+    def probe(name: str) -> None:
+        try:
+            done = subprocess.run(["ssh", *SSH_OPTIONS, name, "true"], stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            problems[name] = f"`ssh {name} true` did not finish within {timeout:g} s"
+            return
+        except OSError as error:
+            problems[name] = f"cannot run ssh: {error.strerror or error}"
+            return
+        if done.returncode:
+            words = " ".join(done.stderr.split()) or "no message"
+            problems[name] = f"ssh exited with code {done.returncode}: {words}"
+
+    threads = [threading.Thread(target=probe, args=(name,), daemon=True) for name in addresses]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 5.0)  # subprocess.run's timeout ends each one before this
+    if problems:
+        lines = [f"  {name} ({addresses[name]}): {problems[name]}" for name in sorted(problems)]
+        raise LaunchError(
+            "cannot reach {} over ssh:\n{}\n-H hosts must accept `ssh -o BatchMode=yes HOST` from "
+            "this machine without a password (keys in ~/.ssh, the host in known_hosts)".format(
+                ", ".join(sorted(problems)), "\n".join(lines))
+        )
 
 
 def agent_arguments(config: LaunchConfig, *, node_rank: int, nnodes: int,
@@ -74,11 +135,23 @@ def agent_arguments(config: LaunchConfig, *, node_rank: int, nnodes: int,
     return [*args, config.program, *config.args]
 
 
-def agent_command(host: Host, arguments: Sequence[str], cwd: str) -> list[str]:
-    """`arguments` as a local command, or wrapped in ssh for a remote host."""
+def forwarded_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a remote agent gets from ours: which tandem runs (PYTHONPATH), thread limits, and
+    the `TANDEM_*` settings the ranks read (TANDEM_TIMEOUT, TANDEM_DEBUG...)."""
+    return {name: value for name, value in sorted(environ.items())
+            if (name in FORWARDED or name.startswith("TANDEM_")) and name not in NOT_FORWARDED}
+
+
+def agent_command(host: Host, arguments: Sequence[str], cwd: str,
+                  environ: Mapping[str, str] | None = None) -> list[str]:
+    """`arguments` as a local command, or wrapped in ssh for a remote host (with our
+    `forwarded_environment`: an ssh session starts without it)."""
     if host.is_local:
         return list(arguments)
-    remote = f"cd {shlex.quote(cwd)} && exec {shlex.join(arguments)}"
+    env = forwarded_environment(os.environ if environ is None else environ)
+    prefix = shlex.join(["env", *(f"{name}={value}" for name, value in env.items())]) + " " \
+        if env else ""
+    remote = f"cd {shlex.quote(cwd)} && exec {prefix}{shlex.join(arguments)}"
     return ["ssh", *SSH_OPTIONS, host.name, remote]
 
 

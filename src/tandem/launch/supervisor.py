@@ -53,6 +53,7 @@ class Failure:
     returncode: int | None = None
     tail: tuple[str, ...] = ()
     lost: str | None = None  # why the node is unreachable
+    ranks: tuple[int, int] | None = None  # the lost node's first and last rank
     interrupt: int | None = None  # the signal that stopped the job, when a person did
     startup: bool = False  # ... while every rank was still starting (see `Supervisor.stop`)
 
@@ -72,7 +73,11 @@ class Failure:
             return (f"interrupted by {signal.Signals(self.interrupt).name} on node {self.node} "
                     f"({self.host})")
         if self.lost is not None:
-            return f"node {self.node} ({self.host}) is unreachable: {self.lost}"
+            where = self.host
+            if self.ranks is not None:
+                first, last = self.ranks
+                where += f", rank {first}" if first == last else f", ranks {first}-{last}"
+            return f"node {self.node} ({where}) is unreachable: {self.lost}"
         where = f", node {self.node} on {self.host}" if self.node is not None else ""
         return (f"rank {self.rank} (pid {self.pid}{where}) {describe(self.returncode)}; "
                 "it was the first rank to fail")
