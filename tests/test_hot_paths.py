@@ -214,3 +214,45 @@ def test_branch_sizes_are_exchanged_once_and_a_change_on_some_ranks_is_named():
         assert "sizes along dim -1 changed on some ranks only" in message, message
         assert "rank 0: branches 0..0: (2, *) float32; sizes along dim 1: [3, 5]" in message, message
         assert "rank 1: branches 1..1: (2, *) float32; sizes along dim 1: new" in message, message
+
+
+def check_horovod_costs():
+    import tandem.horovod as hvd
+
+    hvd.init()
+    t = torch.ones(256)
+    hvd.allreduce(t)  # the first call of each kind warms up
+    costs = {}
+    for name, call in [("allreduce", lambda: hvd.allreduce(t, op=hvd.Sum)),
+                       ("allreduce_", lambda: hvd.allreduce_(t.clone())),
+                       ("grouped", lambda: hvd.grouped_allreduce([t, t * 2])),
+                       ("broadcast", lambda: hvd.broadcast(t, root_rank=0)),
+                       ("set", lambda: hvd.allreduce(t, process_set=hvd.global_process_set))]:
+        costs[name] = _per_step(call)[0]
+    x = torch.ones(4, requires_grad=True)
+    costs["differentiable"] = _per_step(lambda: hvd.allreduce(x, op=hvd.Sum).sum().backward())[0]
+    # A rank in hvd.join() meeting another kind of operation: every agreement has one size, so
+    # the active rank's argument check meets the joined rank's answer, and it is named.
+    said = None
+    if hvd.rank() == 0:
+        last = hvd.join()
+    else:
+        try:
+            td.barrier()
+        except td.CollectiveMismatchError as error:
+            said = str(error)
+        last = hvd.join()
+    return costs, said, last
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_horovod_ops_negotiate_once_and_join_answers_the_agreement(backend):
+    for rank, (costs, said, last) in enumerate(run_distributed(check_horovod_costs, 2, backend)):
+        # One negotiation (tandem's agreement) and one message per operation, forward and
+        # backward; never td.allreduce's check on top.
+        assert costs == {"allreduce": 2, "allreduce_": 2, "grouped": 4, "broadcast": 2,
+                         "set": 2, "differentiable": 4}, costs
+        assert last == 1, last  # rank 1 joined last
+        if rank == 1:
+            assert "rank 0: (joined: hvd.join() answers allreduces only)" in said, said
+            assert "rank 1: barrier()" in said, said

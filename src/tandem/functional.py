@@ -30,7 +30,9 @@ turns it off). Sizes are exchanged once per call, never twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -49,53 +51,73 @@ def _linear_op(op: str, name: str) -> str:
     return op
 
 
-def _checked(group: Group | None, root: int | None = None) -> bool:
-    """Whether this call is checked alone: no model's agreement covers it (see module doc)."""
+Check = Callable[..., None]  # (collective, tensor, group, *, op=, root=, ignore_dim0=)
+_local = threading.local()
+
+
+@contextmanager
+def checked_by(check: Check) -> Iterator[None]:
+    """Check every call made inside (its forward and, later, its backward) with `check`, the
+    per-call agreement of a front end that has its own (`tandem.horovod`'s negotiation, which
+    joined ranks answer), instead of tandem's argument check."""
+    before, _local.check = getattr(_local, "check", None), check
+    try:
+        yield
+    finally:
+        _local.check = before
+
+
+def _checker(group: Group | None, root: int | None = None) -> Check | None:
+    """How this call is checked: None when a model's agreement covers it (see module doc)."""
     if group is not None and group.rank < 0:
         raise ValueError(f"rank {context.current().world.rank} is not a member of {group!r}; "
                          "only members may call it")
     if root is not None and root not in group_ranks(group):
         raise ValueError(f"root={root} is not a rank of the group {list(group_ranks(group))}")
-    return direct.frame(group) is None
+    check = getattr(_local, "check", None)
+    if check is not None:
+        return check
+    return None if direct.frame(group) is not None else checks.agree
 
 
-def _agree(checked: bool, collective: str, tensor: torch.Tensor, group: Group | None, **kw) -> None:
-    if checked:
-        checks.agree(collective, tensor, group, **kw)
+def _agree(check: Check | None, collective: str, tensor: torch.Tensor, group: Group | None,
+           **kw) -> None:
+    if check is not None:
+        check(collective, tensor, group, **kw)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
     """The sum (or mean) over ranks, on every rank; differentiable."""
-    return _AllReduce.apply(tensor, _linear_op(op, "all_reduce"), group, _checked(group))
+    return _AllReduce.apply(tensor, _linear_op(op, "all_reduce"), group, _checker(group))
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, group, checked):
-        ctx.op, ctx.group, ctx.checked = op, group, checked
-        _agree(checked, "allreduce", tensor, group, op=op)
+    def forward(ctx, tensor, op, group, check):
+        ctx.op, ctx.group, ctx.check = op, group, check
+        _agree(check, "allreduce", tensor, group, op=op)
         return direct.allreduce(tensor, op, group)
 
     @staticmethod
     def backward(ctx, grad):
-        _agree(ctx.checked, "allreduce", grad, ctx.group, op=ctx.op)
+        _agree(ctx.check, "allreduce", grad, ctx.group, op=ctx.op)
         return direct.allreduce(grad, ctx.op, ctx.group), None, None, None
 
 
 def all_gather(tensor: torch.Tensor, dim: int = 0, group: Group | None = None) -> torch.Tensor:
     """Every rank's tensor concatenated along `dim` in rank order; sizes along `dim` may differ."""
-    return _AllGather.apply(tensor, dim, group, _checked(group))
+    return _AllGather.apply(tensor, dim, group, _checker(group))
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, dim, group, checked):
+    def forward(ctx, tensor, dim, group, check):
         moved = tensor.movedim(dim, 0).contiguous()
-        _agree(checked, "allgather", moved, group, ignore_dim0=True)
+        _agree(check, "allgather", moved, group, ignore_dim0=True)
         # Each rank's length along `dim`: the output's size, and where this rank's slice of
         # the gradient lies in backward (one exchange).
         lengths = exchange.lengths(moved.shape[0], group, context.current())
-        ctx.dim, ctx.group, ctx.checked, ctx.lengths = dim, group, checked, lengths
+        ctx.dim, ctx.group, ctx.check, ctx.lengths = dim, group, check, lengths
         return direct.allgather_uneven(moved, lengths, group).movedim(0, dim)
 
     @staticmethod
@@ -103,10 +125,10 @@ class _AllGather(torch.autograd.Function):
         moved = grad.movedim(ctx.dim, 0).contiguous()
         lengths = ctx.lengths
         if len(set(lengths)) == 1:
-            _agree(ctx.checked, "reducescatter", moved, ctx.group, op="sum")
+            _agree(ctx.check, "reducescatter", moved, ctx.group, op="sum")
             mine = direct.reducescatter(moved, "sum", ctx.group)
         else:
-            _agree(ctx.checked, "allreduce", moved, ctx.group, op="sum")
+            _agree(ctx.check, "allreduce", moved, ctx.group, op="sum")
             summed = direct.allreduce(moved, "sum", ctx.group)
             start = sum(lengths[: group_rank(ctx.group)])
             mine = summed[start : start + lengths[group_rank(ctx.group)]]
@@ -122,21 +144,21 @@ def reduce_scatter(
         raise ValueError(f"reduce_scatter needs dim {dim} divisible by the group size {n}; got "
                          f"shape {tuple(tensor.shape)}. Pad the tensor or use all_reduce.")
     return _ReduceScatter.apply(tensor, _linear_op(op, "reduce_scatter"), dim, group,
-                                _checked(group))
+                                _checker(group))
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, dim, group, checked):
-        ctx.op, ctx.dim, ctx.group, ctx.checked = op, dim, group, checked
+    def forward(ctx, tensor, op, dim, group, check):
+        ctx.op, ctx.dim, ctx.group, ctx.check = op, dim, group, check
         moved = tensor.movedim(dim, 0).contiguous()
-        _agree(checked, "reducescatter", moved, group, op=op)
+        _agree(check, "reducescatter", moved, group, op=op)
         return direct.reducescatter(moved, op, group).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         moved = grad.movedim(ctx.dim, 0).contiguous()
-        _agree(ctx.checked, "allgather", moved, ctx.group)
+        _agree(ctx.check, "allgather", moved, ctx.group)
         gathered = direct.allgather(moved, ctx.group)
         if ctx.op == "mean":
             gathered = gathered / group_size(ctx.group)
@@ -145,19 +167,19 @@ class _ReduceScatter(torch.autograd.Function):
 
 def broadcast(tensor: torch.Tensor, root: int = 0, group: Group | None = None) -> torch.Tensor:
     """`root`'s tensor on every rank; the root's input receives every rank's gradient."""
-    return _Broadcast.apply(tensor, root, group, _checked(group, root))
+    return _Broadcast.apply(tensor, root, group, _checker(group, root))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root, group, checked):
-        ctx.root, ctx.group, ctx.checked = root, group, checked
-        _agree(checked, "broadcast", tensor, group, root=root)
+    def forward(ctx, tensor, root, group, check):
+        ctx.root, ctx.group, ctx.check = root, group, check
+        _agree(check, "broadcast", tensor, group, root=root)
         return direct.broadcast(tensor, root, group)
 
     @staticmethod
     def backward(ctx, grad):
-        _agree(ctx.checked, "reduce", grad, ctx.group, op="sum", root=ctx.root)
+        _agree(ctx.check, "reduce", grad, ctx.group, op="sum", root=ctx.root)
         total = direct.reduce(grad, ctx.root, "sum", ctx.group)
         if context.current().world.rank != ctx.root:
             total = torch.zeros_like(grad)
@@ -181,24 +203,24 @@ def all_to_all(
         if len(splits) != n or sum(splits) != rows or min(splits) < 0:
             raise ValueError(f"all_to_all splits {splits} must be {n} non-negative counts summing "
                              f"to dim 0 ({rows})")
-    return _AllToAll.apply(tensor, splits, even, group, _checked(group))
+    return _AllToAll.apply(tensor, splits, even, group, _checker(group))
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, sent, even, group, checked):
+    def forward(ctx, tensor, sent, even, group, check):
         # Ranks that pass splits and ranks that do not make different exchanges: named apart.
-        _agree(checked, "alltoall" if even else "alltoall_uneven", tensor, group, ignore_dim0=True)
+        _agree(check, "alltoall" if even else "alltoall_uneven", tensor, group, ignore_dim0=True)
         received = list(sent)  # equal parts: as many arrive from each rank as go to it
         if not even:  # what arrives from each rank is what goes back to it in backward
             counts = torch.tensor(sent, dtype=torch.int64)
             received = direct.alltoall(counts, [1] * len(sent), [1] * len(sent), group).tolist()
-        ctx.sent, ctx.received, ctx.group, ctx.checked = sent, received, group, checked
+        ctx.sent, ctx.received, ctx.group, ctx.check = sent, received, group, check
         return direct.alltoall(tensor.contiguous(), received, sent, group)
 
     @staticmethod
     def backward(ctx, grad):
-        _agree(ctx.checked, "alltoall", grad, ctx.group, ignore_dim0=True)
+        _agree(ctx.check, "alltoall", grad, ctx.group, ignore_dim0=True)
         back = direct.alltoall(grad.contiguous(), ctx.sent, ctx.received, ctx.group)
         return back, None, None, None, None
 

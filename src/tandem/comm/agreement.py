@@ -76,6 +76,7 @@ class _Anything(tuple):
 
 
 ANY: Sequence[int] = _Anything()  # `codes=ANY`: take part in an agreement without a say in it
+NO_SAY = _NO_SAY  # one code with no say: the others' highest and lowest there are theirs alone
 
 
 def _fixed(codes: Sequence[int]) -> list[int]:
@@ -99,9 +100,14 @@ def post(codes: Sequence[int], group: Group | None, engine: context.Context) -> 
     group's next operation. The reducer posts at the round's first gradient, so the message
     travels while backward computes and the first bucket rarely waits for it."""
     # ANY (a rank with no say, e.g. one out of data answering td.join's rounds) sends the
-    # lowest value in both halves: the others' highest and lowest are then theirs alone.
+    # lowest value in both halves: the others' highest and lowest are then theirs alone. A
+    # NO_SAY code does the same for one code (hvd.join's rank has a say in its flag only).
     n = WIDTH
-    values = [_NO_SAY] * (2 * n) if codes is ANY else (lambda c: c + [-x for x in c])(_fixed(codes))
+    if codes is ANY:
+        values = [_NO_SAY] * (2 * n)
+    else:
+        fixed = _fixed(codes)
+        values = fixed + [_NO_SAY if c == _NO_SAY else -c for c in fixed]
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
     both = on_wire(torch.tensor(values, dtype=torch.int64), engine.backend)
@@ -119,6 +125,13 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
     result = posted.message.tolist()
     return {i: (result[i], -result[n + i]) for i in range(n)
             if result[i] != -result[n + i] and result[i] != _NO_SAY}
+
+
+def highest(posted: Posted) -> list[int]:
+    """The highest value of each code over the group (NO_SAY where no rank had a say), once
+    `posted`'s agreement is finished (`agree(..., posted=posted)`): what a rank with no say
+    learns of the others' operation (hvd.join's rank answers it)."""
+    return posted.message[:WIDTH].tolist()
 
 
 def everyone(mine: Any, group: Group | None = None, engine: context.Context | None = None) -> list:

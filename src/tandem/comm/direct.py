@@ -28,8 +28,9 @@ from contextlib import contextmanager
 
 import torch
 
-from tandem.comm import context
-from tandem.comm.backend import Group, on_wire
+from tandem.comm import collectives, context
+from tandem.comm.backend import Group
+from tandem.comm.collectives import _divide, _Staging
 from tandem.comm.members import group_size
 
 
@@ -91,37 +92,51 @@ def covering(group: Group | None) -> Iterator[Frame]:
 
 
 # -- the engine calls --------------------------------------------------------------------------
+# Each stages through `collectives._Staging`: the tensor itself where the engine takes it, else
+# a copy on the device it does take (Gloo: the CPU; int16 carried as int32), copied back.
 
 
-def _wire(tensor: torch.Tensor, engine) -> torch.Tensor:
-    return on_wire(tensor, engine.backend).contiguous()
+def _staged(tensor: torch.Tensor, engine) -> _Staging:
+    return _Staging(tensor, engine)
+
+
+def _empty(shape, like: torch.Tensor, engine) -> _Staging:
+    return _Staging(torch.empty(shape, dtype=like.dtype, device=like.device), engine)
 
 
 def allreduce(tensor: torch.Tensor, op: str, group: Group | None, *,
               inplace: bool = False) -> torch.Tensor:
     """The reduction over `group` (`op`: a native op or "mean"), as a new tensor unless `inplace`."""
     engine = context.current()
-    data = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
-    wire = _wire(data, engine)
-    work = engine.backend.allreduce_now(wire, "sum" if op == "mean" else op, group)
+    staging = _staged(tensor if inplace else tensor.clone(memory_format=torch.contiguous_format),
+                      engine)
+    work = engine.backend.allreduce_now(staging.buffer, "sum" if op == "mean" else op, group)
     if work is not None:
         work.wait(engine.timeout)
-    if wire is not data:
-        data.copy_(wire)
-    if op == "mean":
-        data.div_(group_size(group))
-    return data
+    result = staging.copy_back()
+    return _divide(result, group_size(group)) if op == "mean" else result
+
+
+def start_allreduce(tensor: torch.Tensor, op: str, group: Group | None) -> collectives.Handle:
+    """`allreduce` of `tensor` in place, started: the handle's `wait()` gives `tensor`."""
+    engine = context.current()
+    staging = _staged(tensor, engine)
+    work = engine.backend.allreduce(staging.buffer, "sum" if op == "mean" else op, group)
+
+    def finish() -> torch.Tensor:
+        result = staging.copy_back()
+        return _divide(result, group_size(group)) if op == "mean" else result
+
+    return collectives.Handle(work, finish)
 
 
 def allgather(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Every rank's `tensor` (the same shape on every rank) concatenated along dim 0."""
     engine = context.current()
-    source = _wire(tensor, engine)
-    n = group_size(group)
-    output = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
-                         device=source.device)
-    engine.backend.allgather_into(output, source, group).wait(engine.timeout)
-    return output if output.device == tensor.device else output.to(tensor.device)
+    source = _staged(tensor, engine)
+    output = _empty((group_size(group) * tensor.shape[0], *tensor.shape[1:]), tensor, engine)
+    engine.backend.allgather_into(output.buffer, source.buffer, group).wait(engine.timeout)
+    return output.copy_back()
 
 
 def allgather_uneven(tensor: torch.Tensor, lengths: Sequence[int], group: Group | None) -> torch.Tensor:
@@ -142,40 +157,37 @@ def reducescatter(tensor: torch.Tensor, op: str, group: Group | None) -> torch.T
     """Reduce, then this rank's of `size` equal chunks along dim 0 (`op`: native or "mean")."""
     engine = context.current()
     n = group_size(group)
-    source = _wire(tensor, engine)
-    output = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
-                         device=source.device)
+    source = _staged(tensor, engine)
+    output = _empty((tensor.shape[0] // n, *tensor.shape[1:]), tensor, engine)
     native = "sum" if op == "mean" else op
-    engine.backend.reducescatter_into(output, source, native, group).wait(engine.timeout)
-    output = output if output.device == tensor.device else output.to(tensor.device)
-    return output.div_(n) if op == "mean" else output
+    engine.backend.reducescatter_into(output.buffer, source.buffer, native, group).wait(
+        engine.timeout)
+    result = output.copy_back()
+    return _divide(result, n) if op == "mean" else result
 
 
 def broadcast(tensor: torch.Tensor, root: int, group: Group | None) -> torch.Tensor:
     """`root`'s tensor (a global rank), as a new tensor on every rank."""
     engine = context.current()
-    data = tensor.clone(memory_format=torch.contiguous_format)
-    wire = _wire(data, engine)
-    engine.backend.broadcast(wire, root, group).wait(engine.timeout)
-    return data.copy_(wire) if wire is not data else data
+    staging = _staged(tensor.clone(memory_format=torch.contiguous_format), engine)
+    engine.backend.broadcast(staging.buffer, root, group).wait(engine.timeout)
+    return staging.copy_back()
 
 
 def reduce(tensor: torch.Tensor, root: int, op: str, group: Group | None) -> torch.Tensor:
     """The reduction onto `root` (a global rank); other ranks get an unspecified tensor."""
     engine = context.current()
-    data = tensor.clone(memory_format=torch.contiguous_format)
-    wire = _wire(data, engine)
-    engine.backend.reduce(wire, root, op, group).wait(engine.timeout)
-    return data.copy_(wire) if wire is not data else data
+    staging = _staged(tensor.clone(memory_format=torch.contiguous_format), engine)
+    engine.backend.reduce(staging.buffer, root, op, group).wait(engine.timeout)
+    return staging.copy_back()
 
 
 def alltoall(tensor: torch.Tensor, received: Sequence[int], sent: Sequence[int],
              group: Group | None) -> torch.Tensor:
     """Rows `sent[j]` of `tensor` to group rank j; `received[i]` rows arrive from i, in order."""
     engine = context.current()
-    source = _wire(tensor, engine)
-    output = torch.empty((sum(received), *tensor.shape[1:]), dtype=tensor.dtype,
-                         device=source.device)
-    engine.backend.alltoall_into(output, source, list(received), list(sent), group).wait(
-        engine.timeout)
-    return output if output.device == tensor.device else output.to(tensor.device)
+    source = _staged(tensor, engine)
+    output = _empty((sum(received), *tensor.shape[1:]), tensor, engine)
+    engine.backend.alltoall_into(output.buffer, source.buffer, list(received), list(sent),
+                                 group).wait(engine.timeout)
+    return output.copy_back()
