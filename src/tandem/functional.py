@@ -197,24 +197,21 @@ def all_to_all(
             raise ValueError(f"all_to_all without splits needs dim 0 divisible by the group size "
                              f"{n}; got shape {tuple(tensor.shape)}. Pass splits=[rows for each rank].")
         splits = [rows // n] * n
-        even = True
-    else:
-        splits, even = [int(k) for k in splits], False
-        if len(splits) != n or sum(splits) != rows or min(splits) < 0:
-            raise ValueError(f"all_to_all splits {splits} must be {n} non-negative counts summing "
-                             f"to dim 0 ({rows})")
-    return _AllToAll.apply(tensor, splits, even, group, _checker(group))
+    splits = [int(k) for k in splits]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(f"all_to_all splits {splits} must be {n} non-negative counts summing "
+                         f"to dim 0 ({rows})")
+    return _AllToAll.apply(tensor, splits, group, _checker(group))
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, sent, even, group, check):
-        # Ranks that pass splits and ranks that do not make different exchanges: named apart.
-        _agree(check, "alltoall" if even else "alltoall_uneven", tensor, group, ignore_dim0=True)
-        received = list(sent)  # equal parts: as many arrive from each rank as go to it
-        if not even:  # what arrives from each rank is what goes back to it in backward
-            counts = torch.tensor(sent, dtype=torch.int64)
-            received = direct.alltoall(counts, [1] * len(sent), [1] * len(sent), group).tolist()
+    def forward(ctx, tensor, sent, group, check):
+        _agree(check, "alltoall", tensor, group, ignore_dim0=True)
+        # What arrives from each rank (ranks may hold different numbers of rows, even in equal
+        # parts) is what goes back to it in backward: one exchange of counts.
+        counts = torch.tensor(sent, dtype=torch.int64)
+        received = direct.alltoall(counts, [1] * len(sent), [1] * len(sent), group).tolist()
         ctx.sent, ctx.received, ctx.group, ctx.check = sent, received, group, check
         return direct.alltoall(tensor.contiguous(), received, sent, group)
 
@@ -222,7 +219,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         _agree(ctx.check, "alltoall", grad, ctx.group, ignore_dim0=True)
         back = direct.alltoall(grad.contiguous(), ctx.sent, ctx.received, ctx.group)
-        return back, None, None, None, None
+        return back, None, None, None
 
 
 def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: Group | None = None) -> torch.Tensor:

@@ -132,38 +132,56 @@ def start_allreduce(tensor: torch.Tensor, op: str, group: Group | None) -> colle
 
 def allgather(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Every rank's `tensor` (the same shape on every rank) concatenated along dim 0."""
-    engine = context.current()
-    source = _staged(tensor, engine)
-    output = _empty((group_size(group) * tensor.shape[0], *tensor.shape[1:]), tensor, engine)
-    engine.backend.allgather_into(output.buffer, source.buffer, group).wait(engine.timeout)
-    return output.copy_back()
+    return start_allgather(tensor, [tensor.shape[0]] * group_size(group), group).wait()
 
 
 def allgather_uneven(tensor: torch.Tensor, lengths: Sequence[int], group: Group | None) -> torch.Tensor:
     """Every rank's `tensor` concatenated along dim 0, where rank i's has `lengths[i]` rows
     (known to every rank: nothing is exchanged but the data, padded to the longest)."""
+    return start_allgather(tensor, lengths, group).wait()
+
+
+def start_allgather(tensor: torch.Tensor, lengths: Sequence[int], group: Group | None
+                    ) -> collectives.Handle:
+    """`allgather_uneven`, started: the handle's `wait()` gives the result."""
+    engine = context.current()
     longest = max(lengths)
-    if min(lengths) == longest:
-        return allgather(tensor, group)
     padded = tensor
     if tensor.shape[0] < longest:
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
-    gathered = allgather(padded, group)
-    return torch.cat([gathered[i * longest : i * longest + n] for i, n in enumerate(lengths)])
+    source = _staged(padded, engine)
+    output = _empty((len(lengths) * longest, *tensor.shape[1:]), tensor, engine)
+    work = engine.backend.allgather_into(output.buffer, source.buffer, group)
+
+    def finish() -> torch.Tensor:
+        gathered = output.copy_back()
+        if min(lengths) == longest:
+            return gathered
+        return torch.cat([gathered[i * longest : i * longest + n] for i, n in enumerate(lengths)])
+
+    return collectives.Handle(work, finish)
 
 
 def reducescatter(tensor: torch.Tensor, op: str, group: Group | None) -> torch.Tensor:
     """Reduce, then this rank's of `size` equal chunks along dim 0 (`op`: native or "mean")."""
+    return start_reducescatter(tensor, op, group).wait()
+
+
+def start_reducescatter(tensor: torch.Tensor, op: str, group: Group | None) -> collectives.Handle:
+    """`reducescatter`, started: the handle's `wait()` gives the result."""
     engine = context.current()
     n = group_size(group)
     source = _staged(tensor, engine)
     output = _empty((tensor.shape[0] // n, *tensor.shape[1:]), tensor, engine)
     native = "sum" if op == "mean" else op
-    engine.backend.reducescatter_into(output.buffer, source.buffer, native, group).wait(
-        engine.timeout)
-    result = output.copy_back()
-    return _divide(result, n) if op == "mean" else result
+    work = engine.backend.reducescatter_into(output.buffer, source.buffer, native, group)
+
+    def finish() -> torch.Tensor:
+        result = output.copy_back()
+        return _divide(result, n) if op == "mean" else result
+
+    return collectives.Handle(work, finish)
 
 
 def broadcast(tensor: torch.Tensor, root: int, group: Group | None) -> torch.Tensor:

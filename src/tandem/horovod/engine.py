@@ -45,8 +45,7 @@ from tandem.comm.agreement import NO_SAY, CollectiveMismatchError
 from tandem.horovod import timeline
 from tandem.horovod.basics import HorovodMismatchError
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "reduce",
-         "alltoall_uneven")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "reduce")
 _OPS = ("sum", "mean", "min", "max", "product")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)

@@ -112,13 +112,15 @@ def checked(group, negotiator: Negotiator | None = None):
     return functional.checked_by(negotiator or Negotiator())
 
 
-def allgathered(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's tensor along dim 0 (first dims may differ), after the negotiation: the
-    lengths, then the data, straight to the engine (a process set: td.allgather, checked)."""
+def allgathered(tensor: torch.Tensor, group):
+    """Every rank's tensor along dim 0 (first dims may differ), started after the negotiation:
+    the lengths, then the data, straight to the engine (a process set: td.allgather, checked).
+    Returns a handle."""
     if group is not None:
-        return td.allgather(tensor, group=group)
-    lengths = exchange.lengths(tensor.shape[0] if tensor.dim() else 1, None, runtime.state())
-    return direct.allgather_uneven(tensor.reshape(-1) if tensor.dim() == 0 else tensor, lengths, None)
+        return td.allgather(tensor, async_op=True, group=group)
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    lengths = exchange.lengths(tensor.shape[0], None, runtime.state())
+    return direct.start_allgather(tensor, lengths, None)
 
 
 # -- allreduce --------------------------------------------------------------------------------
@@ -261,9 +263,9 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 
     def start():
         negotiated(group, Description("allgather", values))
-        gathered = allgathered(values, group)
+        gathered = allgathered(values, group).wait()
         negotiated(group, Description("allgather", indices))
-        where = allgathered(indices, group).t()
+        where = allgathered(indices, group).wait().t()
         if op == Average:
             gathered = gathered / set_size(group)
         return engine.ready(torch.sparse_coo_tensor(where, gathered, sparse.shape).coalesce())
@@ -280,9 +282,7 @@ def _allgather_start(tensor, group):
             with checked(group):
                 return engine.ready(functional.all_gather(averaged, 0, group))
         negotiated(group, Description("allgather", tensor))
-        if group is None:
-            return engine.ready(allgathered(tensor, None))
-        return td.allgather(tensor, async_op=True, group=group)
+        return allgathered(tensor, group)
 
     return start, None
 

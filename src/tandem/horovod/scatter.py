@@ -132,7 +132,7 @@ def _reducescatter_start(tensor, op, group, prescale, postscale):
                 out = functional.reduce_scatter(ScaleGrad.apply(data, float(n)), "sum", 0, group)
             return engine.ready(scale(out / n if op == Average else out, postscale)[: counts[me]])
         if group is None:
-            return engine.ready(direct.reducescatter(data.contiguous(), "sum", None))
+            return direct.start_reducescatter(data.contiguous(), "sum", None)
         return td.reducescatter(data.contiguous(), op="sum", async_op=True, group=group)
 
     def finish(out):
