@@ -131,6 +131,16 @@ def post(codes: Sequence[int], group: Group | None, engine: context.Context) -> 
     return Posted(codes, engine.backend.allreduce(both, "max", group), both)
 
 
+_CPU = torch.device("cpu")
+_takes: list = [None, False]  # the last backend asked, and whether it takes CPU tensors
+
+
+def _takes_cpu(backend) -> bool:
+    if _takes[0] is not backend:
+        _takes[:] = [backend, backend.supports_device(_CPU)]
+    return _takes[1]
+
+
 def differing(codes: Sequence[int], group: Group | None, engine: context.Context,
               posted: Posted | None = None, prepared: Prepared | None = None
               ) -> dict[int, tuple[int, int]]:
@@ -143,7 +153,9 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
         result = posted.message.tolist()
     else:
         prepared = prepared or prepare(codes)
-        both = on_wire(prepared.tensor.clone(), engine.backend)
+        both = prepared.tensor.clone()
+        if not _takes_cpu(engine.backend):
+            both = on_wire(both, engine.backend)
         # Waited for at once: the engine may finish it on the spot (Backend.allreduce_now).
         work = engine.backend.allreduce_now(both, "max", group)
         if work is not None:
@@ -178,6 +190,7 @@ def agree(
     engine: context.Context | None = None,
     posted: Posted | None = None,
     prepared: Prepared | None = None,
+    differ: dict[int, tuple[int, int]] | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Raise on every rank unless every rank of `group` holds the same `mine`.
 
@@ -188,7 +201,8 @@ def agree(
     codes listed in `tolerated` alone are not an error: they are returned, as
     `{index: (highest, lowest)}` (else {}). `posted`: this agreement's message, already sent
     with `post(codes, ...)` (its codes are used); `prepared`: its message, made once by
-    `prepare(codes)` for codes that recur (its codes are used).
+    `prepare(codes)` for codes that recur (its codes are used); `differ`: what `differing`
+    already found for `codes` (the message was exchanged: only the slow path is left).
     """
     engine = engine or context.current()
     if group_size(group) == 1:
@@ -197,7 +211,8 @@ def agree(
         codes = (posted or prepared).codes
     elif codes is None:
         codes = [checksum(_describe(mine))]
-    differ = differing(codes, group, engine, posted, prepared)
+    if differ is None:
+        differ = differing(codes, group, engine, posted, prepared)
     if not differ or set(differ) <= set(tolerated):
         return differ
     # Every rank tags its description with the kind of agreement it is in: ranks whose code

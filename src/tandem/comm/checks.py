@@ -89,19 +89,19 @@ def agree(
     engine = context.current()
     if not (engine.checks or engine.debug) or group_size(group) == 1:
         return
-    fingerprint = None
-    if engine.debug:
-        stream = "world" if group is None else tuple(group.ranks)
-        fingerprint = fingerprints.next_fingerprint(collective, stream)
+    if not engine.debug:  # the same codes whenever this collective meets this shape again
+        prepared = _prepared(collective, tensor, op, root, ignore_dim0)
+        differ = agreement.differing(prepared.codes, group, engine, prepared=prepared)
+        if differ:  # the slow path: every rank saw the same difference, and names every call
+            agreement.agree(lambda: describe(collective, tensor, op, root, ignore_dim0), group,
+                            codes=prepared.codes, engine=engine, explain=_explain, differ=differ)
+        return
+    stream = "world" if group is None else tuple(group.ranks)
+    fingerprint = fingerprints.next_fingerprint(collective, stream)
 
     def mine() -> str:  # the readable call, only made on a mismatch
         text = describe(collective, tensor, op, root, ignore_dim0)
-        return text if fingerprint is None else f"#{fingerprint.seq} {text} at {fingerprint.site}"
-
-    if fingerprint is None:  # the same codes whenever this collective meets this shape again
-        agreement.agree(mine, group, prepared=_prepared(collective, tensor, op, root, ignore_dim0),
-                        engine=engine, explain=_explain)
-        return
+        return f"#{fingerprint.seq} {text} at {fingerprint.site}"
     # The same collective from different lines is legitimate when the code branches on the
     # rank (`if rank == 0: barrier() else: barrier()`): a warning, not an error.
     differ = agreement.agree(
