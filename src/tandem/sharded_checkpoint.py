@@ -332,13 +332,17 @@ def _optimizer_plan(name: str, optimizer: Any, models: list[Any], metadata: Any)
     state: dict[int, dict[str, Any]] = {}
     reads: dict[str, list[tuple[layout.Chunk, torch.Tensor]]] = {}
     blobs: list[tuple[int, str, str]] = []
+    # '<optimizer>.state.<parameter name>.<state key>', indexed once by parameter name (a scan
+    # of every key per parameter would be quadratic in the model's size).
+    saved: dict[str, list[tuple[str, str, Any]]] = {}
+    prefix = f"{name}.state."
+    for key, md in keys.items():
+        if key.startswith(prefix):
+            parameter, _, k = key[len(prefix):].rpartition(".")
+            saved.setdefault(parameter, []).append((k, key, md))
     for i, (p, placements) in enumerate(params):
         for placement in placements:
-            prefix = f"{name}.state.{placement.name}."
-            for key, md in keys.items():
-                if not key.startswith(prefix) or "." in key[len(prefix):]:
-                    continue
-                k = key[len(prefix):]
+            for k, key, md in saved.get(placement.name, []):
                 entry = state.setdefault(i, {})
                 if isinstance(md, BytesStorageMetadata):
                     if k not in entry:
