@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -77,9 +76,11 @@ def _finish(*jobs: subprocess.Popen, timeout: float = JOB_S) -> list[tuple[int, 
     return results
 
 
-def _where(out: str) -> dict[int, dict]:
-    """Each rank's `where {json}` line (see cluster_train.py), by rank."""
-    found = [json.loads(line) for line in re.findall(r"^(?:\[\d+\] )?where (.*)$", out, re.M)]
+def _where(out_file: Path) -> dict[int, dict]:
+    """Each rank's `where` record (see cluster_train.py), by rank: read from the files the ranks
+    wrote beside `out_file`, since a launcher may join two ranks' output lines into one."""
+    found = [json.loads(path.read_text())
+             for path in out_file.parent.glob(f"{out_file.name}.where.*.json")]
     return {entry["rank"]: entry for entry in found}
 
 
@@ -131,7 +132,7 @@ def test_hosts_over_ssh_train_as_one_process_on_their_own_addresses(hosts, refer
     (code, stdout, stderr), = _finish(job)
     assert code == 0, stderr
     _equal_to_one_process(out, reference)
-    where = _where(stdout)
+    where = _where(out)
     assert sorted(where) == [0, 1, 2, 3], stdout
     assert [where[r]["host"] for r in range(4)] == ["h1", "h1", "h2", "h2"]
     for rank, entry in where.items():
@@ -164,7 +165,7 @@ def test_one_agent_per_host_trains_as_one_process(hosts, reference, tmp_path):
                                                                  str(out)))
     assert code0 == 0 and code1 == 0, err0 + err1
     _equal_to_one_process(out, reference)
-    where = {**_where(out0), **_where(out1)}
+    where = _where(out)
     assert [where[r]["host"] for r in (0, 1)] == ["h1", "h2"]
     for entry in where.values():
         mine = hosts.address(entry["host"])
@@ -185,7 +186,7 @@ def test_a_slurm_style_job_meets_at_its_first_host(hosts, reference, tmp_path):
     (code0, out0, err0), (code1, out1, err1) = _finish(*jobs)
     assert code0 == 0 and code1 == 0, err0 + err1
     _equal_to_one_process(out, reference)
-    where = {**_where(out0), **_where(out1)}
+    where = _where(out)
     assert [where[r]["host"] for r in (0, 1)] == ["h1", "h2"]
     store = f"{hosts.address('h1')}:{20000 + 4242}"  # SLURM's port: 20000 + job id % 20000
     assert {"local": store, "remote": "0.0.0.0:0", "state": "0A"} in where[0]["sockets"], where
@@ -212,7 +213,7 @@ def test_mpich_hydra_runs_ranks_on_both_hosts_over_ssh(hosts, reference, tmp_pat
     (code, stdout, stderr), = _finish(job)
     assert code == 0, stderr
     _equal_to_one_process(out, reference)
-    where = _where(stdout)
+    where = _where(out)
     assert [(where[r]["host"], where[r]["backend"]) for r in (0, 1)] == [("h1", "mpi"),
                                                                         ("h2", "mpi")]
 
@@ -256,7 +257,7 @@ def test_a_master_name_that_is_loopback_on_node_0_still_joins_the_hosts(referenc
                             timeout=JOB_S)
     assert code0 == 0 and code1 == 0, err0 + err1
     _equal_to_one_process(out, reference)
-    where = {**_where(out0), **_where(out1)}
+    where = _where(out)
     a1, a2 = debian.address("h1"), debian.address("h2")
     gloo = [sock for sock in where[0]["sockets"] if sock["remote"].startswith(a2 + ":")]
     assert gloo and all(sock["local"].startswith(a1 + ":") for sock in gloo), where[0]

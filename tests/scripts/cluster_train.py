@@ -6,10 +6,11 @@
 Every step takes the next `--batch` rows of one fixed data set; each of k ranks trains on its
 1/k of them (float64, mean loss, equal shards), so k ranks end with the parameters of one
 process that trains on all of them (tandem's correctness contract). Rank 0 writes the flat
-parameters to --out. Each rank prints one line, `where {json}`: its rank, the job's size and
-backend, its hostname, which tandem it imported, and the TCP sockets it holds (local and
-remote address, state) read from /proc, so a test can check that the ranks bind and connect
-on their hosts' addresses.
+parameters to --out. Each rank writes `<out>.where.<rank>.json` (and prints it as `where {json}`):
+its rank, the job's size and backend, its hostname, which tandem it imported, and the TCP
+sockets it holds (local and remote address, state) read from /proc, so a test can check that
+the ranks bind and connect on their hosts' addresses. The tests read the files: a launcher that
+forwards several ranks' output (MPICH's Hydra) may join two ranks' lines into one.
 """
 
 import argparse
@@ -78,9 +79,12 @@ def tcp_sockets() -> list[dict]:
     return found
 
 
-print("where " + json.dumps({"rank": rank, "size": size, "backend": world.backend,
-                             "host": socket.gethostname(), "tandem": td.__file__,
-                             "sockets": tcp_sockets()}), flush=True)
+where = json.dumps({"rank": rank, "size": size, "backend": world.backend,
+                    "host": socket.gethostname(), "tandem": td.__file__, "sockets": tcp_sockets()})
+print("where " + where, flush=True)
+if args.out:
+    with open(f"{args.out}.where.{rank}.json", "w") as record:
+        record.write(where)
 if rank == 0 and args.out:
     torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), args.out)
 td.shutdown()
