@@ -2,12 +2,14 @@
 
     python benchmarks/horovod_ops.py [--np 2] [--iters 200] [--out results/horovod_ops.json]
 
-Every `hvd` operation on the global set runs one small negotiation all-reduce first (how a
-joined rank learns what to answer, and how a mismatch becomes Horovod's RuntimeError), on top of
-tandem's own argument check. This measures the time per blocking allreduce, at a few sizes, of
-`hvd.allreduce`, `td.allreduce` and plain `torch.distributed.all_reduce` (the PyTorch
-equivalent, on the same Gloo process group), interleaved in one run on `np` local ranks, and
-prints the ratios. It is a latency claim, so it lives here and not in the unit tests.
+Every `hvd` operation on the global set runs one negotiation first, tandem's fixed-size
+agreement (how a joined rank learns what to answer, and how a mismatch becomes Horovod's
+RuntimeError), then hands the data to the engine: two messages, as `td.allreduce` with its
+argument check. This measures the time per blocking allreduce, at a few sizes, of
+`hvd.allreduce`, `td.allreduce` (checks on) and plain `torch.distributed.all_reduce` (the
+PyTorch equivalent, on the same Gloo process group, no check), interleaved in one run on `np`
+local ranks, and prints the ratios. It is a latency claim, so it lives here and not in the
+unit tests.
 """
 
 from __future__ import annotations
@@ -35,7 +37,17 @@ def _time(call, tensor, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def measure(iters: int) -> dict:
+def _messages(call, tensor) -> int:
+    """Operations one call hands the engine (the watchdog counts every one of tandem's)."""
+    from tandem import runtime
+
+    issued = runtime.get_backend().watchdog._issued
+    before = sum(issued.values())
+    call(tensor)
+    return sum(issued.values()) - before
+
+
+def measure(iters: int, rounds: int) -> dict:
     import torch.distributed as dist
 
     import tandem.horovod as hvd
@@ -50,10 +62,12 @@ def measure(iters: int) -> dict:
     for numel in SIZES:
         tensor = torch.ones(numel)
         samples: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(3):  # interleaved, so a load that drifts hits all three alike
+        for _ in range(rounds):  # interleaved, so a load that drifts hits all three alike
             for name, call in calls.items():
                 samples[name].append(_time(call, tensor, iters))
         rows[numel] = {name: statistics.median(values) for name, values in samples.items()}
+        rows[numel]["messages"] = {name: _messages(calls[name], tensor)
+                                   for name in ("td.allreduce", "hvd.allreduce")}
     return rows
 
 
@@ -62,19 +76,24 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--out", default="results/horovod_ops.json")
     args = parser.parse_args()
-    rows = td.spawn(measure, args.np, args=(args.iters,), backend="gloo")[0]
-    print(f"{args.np} ranks on Gloo, blocking allreduce (sum), median of 3 x {args.iters} calls")
+    rows = td.spawn(measure, args.np, args=(args.iters, args.rounds), backend="gloo")[0]
+    print(f"{args.np} ranks on Gloo, blocking allreduce (sum), median of {args.rounds} x "
+          f"{args.iters} calls; messages per call: torch 1, td and hvd as counted")
     print(f"{'elements':>10}{'torch (us)':>12}{'td (us)':>10}{'hvd (us)':>10}"
-          f"{'td/torch':>10}{'hvd/torch':>11}{'hvd/td':>8}")
+          f"{'td/torch':>10}{'hvd/torch':>11}{'hvd/td':>8}{'td msgs':>9}{'hvd msgs':>9}")
     for numel, row in rows.items():
         base, mine, front = row["torch.distributed"], row["td.allreduce"], row["hvd.allreduce"]
+        counted = row["messages"]
         print(f"{numel:>10}{base * 1e6:>12.1f}{mine * 1e6:>10.1f}{front * 1e6:>10.1f}"
-              f"{mine / base:>10.2f}{front / base:>11.2f}{front / mine:>8.2f}")
+              f"{mine / base:>10.2f}{front / base:>11.2f}{front / mine:>8.2f}"
+              f"{counted['td.allreduce']:>9}{counted['hvd.allreduce']:>9}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"np": args.np, "iters": args.iters, "seconds_per_call": rows},
+    out.write_text(json.dumps({"np": args.np, "iters": args.iters, "rounds": args.rounds,
+                               "seconds_per_call": rows},
                               indent=1))
     print(f"wrote {out}")
     return 0

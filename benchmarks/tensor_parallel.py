@@ -12,11 +12,14 @@ written for one process. Three runs in the same job, on the same batches:
 * DTensor tp=2: `torch.distributed.tensor.parallel.parallelize_module` with the same plan
   (ColwiseParallel / RowwiseParallel) on a CPU DeviceMesh over the same Gloo ranks.
 
-Per run: median step time (forward, backward, SGD step), parameters per rank (bytes), and the
-all-reduces per step with their bytes (tandem's, counted at its collectives; DTensor's are not
-counted: `CommDebugMode` fails in its module hooks on this block in torch 2.13). The
-theoretical minimum for a block is 4 all-reduces of batch x seq x embed values: one forward
-and one backward per split pair (attention, MLP).
+Per run: median step time (forward, backward, SGD step), parameters per rank (bytes), the
+all-reduces of data per step with their bytes, and the agreements (the fixed-size message
+each forward and each backward opens with; none with checks off or on NCCL): tandem's are
+counted where it hands them to the engine; DTensor's are not counted (`CommDebugMode` fails in
+its module hooks on this block in torch 2.13). The theoretical minimum for a block is 4
+all-reduces of batch x seq x embed values: one forward and one backward per split pair
+(attention, MLP); tandem's separate q, k and v projections share one (their input enters the
+split region once).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem as td
+from tandem import runtime
 from tandem.bench.results import write_json
-from tandem.comm import collectives
+from tandem.comm import agreement
 
 
 class Attention(nn.Module):
@@ -71,37 +75,68 @@ def _local_bytes(model: nn.Module) -> int:
     return total
 
 
-def _time_steps(model, batches, steps: int) -> list[float]:
+class _Counter:
+    """Counts what tandem hands the engine while active: all-reduces of data (calls, bytes)
+    and agreements (the fixed-size messages each forward and backward opens with). A thin
+    wrapper around the engine, installed for the run; nothing else changes."""
+
+    def __init__(self) -> None:
+        self.calls = self.bytes = self.agreements = 0
+        self.paused = False
+
+    def note(self, tensor, op) -> None:
+        if self.paused:
+            return
+        if op == "max" and tensor.dtype == torch.int64 and tensor.numel() == 2 * agreement.WIDTH:
+            self.agreements += 1
+        else:
+            self.calls += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+
+    def __enter__(self):
+        self._state = runtime.state()
+        self._engine = self._state.backend
+        self._state.backend = _Counting(self._engine, self)
+        return self
+
+    def __exit__(self, *exc):
+        self._state.backend = self._engine
+
+
+class _Counting:
+    """The engine, with its all-reduces counted."""
+
+    def __init__(self, inner, counter: _Counter) -> None:
+        self._inner, self._counter = inner, counter
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def allreduce(self, tensor, op, group):
+        self._counter.note(tensor, op)
+        return self._inner.allreduce(tensor, op, group)
+
+    def allreduce_now(self, tensor, op, group):
+        self._counter.note(tensor, op)
+        return self._inner.allreduce_now(tensor, op, group)
+
+
+def _time_steps(model, batches, steps: int, counter: _Counter | None = None) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
     for i in range(steps):
         x = batches[i % len(batches)]
+        if counter is not None:
+            counter.paused = True  # the barrier's own check is the benchmark's, not the step's
         td.barrier()  # every rank starts the step together
+        if counter is not None:
+            counter.paused = False
         start = time.perf_counter()
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
     return times[2:]  # the first steps warm the allocator and the connections
-
-
-class _Counter:
-    """Counts tandem's all-reduces (calls and bytes) while active."""
-
-    def __init__(self) -> None:
-        self.calls = self.bytes = 0
-        self._original = collectives.allreduce
-
-    def __enter__(self):
-        def counted(tensor, *args, **kwargs):
-            self.calls += 1
-            self.bytes += tensor.numel() * tensor.element_size()
-            return self._original(tensor, *args, **kwargs)
-        collectives.allreduce = counted
-        return self
-
-    def __exit__(self, *exc):
-        collectives.allreduce = self._original
 
 
 def _dtensor(block: Block, tp: int):
@@ -141,16 +176,17 @@ def main() -> int:
     alone = Block(args.embed, args.heads)
     rows.append({"run": "tp=1 (one process)", "step_s": statistics.median(
         _time_steps(alone, batches, args.steps)), "param_bytes": _local_bytes(alone),
-        "allreduces": 0, "allreduce_bytes": 0})
+        "allreduces": 0, "allreduce_bytes": 0, "agreements": 0})
 
     torch.manual_seed(0)
     ours = td.parallelize(Block(args.embed, args.heads), PLAN)
     with _Counter() as counter:
-        times = _time_steps(ours, batches, args.steps)
+        times = _time_steps(ours, batches, args.steps, counter)
     per_step = args.steps
     rows.append({"run": f"tandem tp={tp}", "step_s": statistics.median(times),
                  "param_bytes": _local_bytes(ours), "allreduces": counter.calls // per_step,
-                 "allreduce_bytes": counter.bytes // per_step})
+                 "allreduce_bytes": counter.bytes // per_step,
+                 "agreements": counter.agreements // per_step})
 
     torch.manual_seed(0)
     theirs, error = _dtensor(Block(args.embed, args.heads), tp)
@@ -159,18 +195,19 @@ def main() -> int:
         times = _time_steps(theirs, batches, args.steps)
         rows.append({"run": f"DTensor tp={tp}", "step_s": statistics.median(times),
                      "param_bytes": _local_bytes(theirs), "allreduces": None,
-                     "allreduce_bytes": None})
+                     "allreduce_bytes": None, "agreements": None})
     minimum = 4 * args.batch * args.seq * args.embed * 4
     if td.rank() == 0:
         base = rows[0]["step_s"]
         print(f"block: embed {args.embed}, heads {args.heads}, batch {args.batch} x seq "
               f"{args.seq}; {tp} ranks; theoretical minimum: 4 all-reduces, {minimum} bytes")
-        print(f"{'run':<22}{'step ms':>9}{'vs tp=1':>9}{'param MB':>10}{'allreduces':>12}{'bytes':>12}")
+        print(f"{'run':<22}{'step ms':>9}{'vs tp=1':>9}{'param MB':>10}{'allreduces':>12}"
+              f"{'bytes':>12}{'agreements':>12}")
         for row in rows:
-            calls, nbytes = ("-" if row[k] is None else str(row[k])
-                             for k in ("allreduces", "allreduce_bytes"))
+            calls, nbytes, agreed = ("-" if row[k] is None else str(row[k])
+                                     for k in ("allreduces", "allreduce_bytes", "agreements"))
             print(f"{row['run']:<22}{row['step_s'] * 1e3:>9.1f}{row['step_s'] / base:>9.2f}"
-                  f"{row['param_bytes'] / 2**20:>10.2f}{calls:>12}{nbytes:>12}")
+                  f"{row['param_bytes'] / 2**20:>10.2f}{calls:>12}{nbytes:>12}{agreed:>12}")
         if error:
             print(f"DTensor did not run here: {error}")
         mine = next(r for r in rows if r["run"].startswith("tandem"))

@@ -56,6 +56,11 @@ def _cases(n: int):
 
     yield ("all_to_all uneven", lambda r: (sum(_splits(r, n)), 2),
            lambda x: F.all_to_all(x, _splits(td.rank(), n)), alltoall_reference)
+    # Equal parts of each rank's rows, where ranks hold different numbers of rows: rank j
+    # sends j + 1 rows to each rank.
+    yield ("all_to_all equal parts of uneven rows", lambda r: (n * (r + 1), 2),
+           lambda x: F.all_to_all(x),
+           lambda xs, r: torch.cat([x[r * (j + 1) : (r + 1) * (j + 1)] for j, x in enumerate(xs)]))
 
 
 def check_gradients():

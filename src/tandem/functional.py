@@ -19,16 +19,25 @@ the *sum over ranks* of every rank's loss. Under it
 Front ends that define another convention (Horovod's averages some of these) scale on top.
 Roots, sources and destinations are global ranks, as everywhere in tandem; every rank of the
 group must call each function, in the same order, and run the backward too.
+
+Inside the forward of a tensor-parallel model (`td.parallelize`, `td.Branches`, a model with
+tensor-parallel layers), whose forward and backward each open with one agreement over the group,
+these go straight to the engine (`comm/direct.py`): no check, nothing read on the host but the
+sizes an uneven `all_gather` or `all_to_all` must learn. Elsewhere each call, forward and
+backward, is checked as `td.allreduce` is (one small agreement, then the data; `checks=False`
+turns it off). Sizes are exchanged once per call, never twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from tandem.comm import collectives, context
-from tandem.comm.groups import Group, group_rank, group_size
+from tandem.comm import checks, collectives, context, direct, exchange
+from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 
 _LINEAR_OPS = ("sum", "mean")
 
@@ -42,112 +51,175 @@ def _linear_op(op: str, name: str) -> str:
     return op
 
 
+Check = Callable[..., None]  # (collective, tensor, group, *, op=, root=, ignore_dim0=)
+_local = threading.local()
+
+
+@contextmanager
+def checked_by(check: Check) -> Iterator[None]:
+    """Check every call made inside (its forward and, later, its backward) with `check`, the
+    per-call agreement of a front end that has its own (`tandem.horovod`'s negotiation, which
+    joined ranks answer), instead of tandem's argument check."""
+    before, _local.check = getattr(_local, "check", None), check
+    try:
+        yield
+    finally:
+        _local.check = before
+
+
+def _checker(group: Group | None, root: int | None = None) -> Check | None:
+    """How this call is checked: None when a model's agreement covers it (see module doc)."""
+    if group is not None and group.rank < 0:
+        raise ValueError(f"rank {context.current().world.rank} is not a member of {group!r}; "
+                         "only members may call it")
+    if root is not None and root not in group_ranks(group):
+        raise ValueError(f"root={root} is not a rank of the group {list(group_ranks(group))}")
+    check = getattr(_local, "check", None)
+    if check is not None:
+        return check
+    return None if direct.frame(group) is not None else checks.agree
+
+
+def _agree(check: Check | None, collective: str, tensor: torch.Tensor, group: Group | None,
+           **kw) -> None:
+    if check is not None:
+        check(collective, tensor, group, **kw)
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
     """The sum (or mean) over ranks, on every rank; differentiable."""
-    return _AllReduce.apply(tensor, _linear_op(op, "all_reduce"), group)
+    return _AllReduce.apply(tensor, _linear_op(op, "all_reduce"), group, _checker(group))
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, group):
-        ctx.op, ctx.group = op, group
-        return collectives.allreduce(tensor.contiguous(), op, group=group)
+    def forward(ctx, tensor, op, group, check):
+        ctx.op, ctx.group, ctx.check = op, group, check
+        _agree(check, "allreduce", tensor, group, op=op)
+        return direct.allreduce(tensor, op, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.allreduce(grad.contiguous(), ctx.op, group=ctx.group), None, None
+        _agree(ctx.check, "allreduce", grad, ctx.group, op=ctx.op)
+        return direct.allreduce(grad, ctx.op, ctx.group), None, None, None
 
 
 def all_gather(tensor: torch.Tensor, dim: int = 0, group: Group | None = None) -> torch.Tensor:
     """Every rank's tensor concatenated along `dim` in rank order; sizes along `dim` may differ."""
-    return _AllGather.apply(tensor, dim, group)
+    return _AllGather.apply(tensor, dim, group, _checker(group))
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, dim, group):
+    def forward(ctx, tensor, dim, group, check):
         moved = tensor.movedim(dim, 0).contiguous()
-        # Each rank's length along `dim` places its slice of the gradient in backward.
-        lengths = collectives.allgather(torch.tensor([moved.shape[0]], dtype=torch.int64), group=group)
-        ctx.dim, ctx.group = dim, group
-        ctx.lengths = [int(n) for n in lengths]
-        return collectives.allgather(moved, group=group).movedim(0, dim)
+        _agree(check, "allgather", moved, group, ignore_dim0=True)
+        # Each rank's length along `dim`: the output's size, and where this rank's slice of
+        # the gradient lies in backward (one exchange).
+        lengths = exchange.lengths(moved.shape[0], group, context.current())
+        ctx.dim, ctx.group, ctx.check, ctx.lengths = dim, group, check, lengths
+        return direct.allgather_uneven(moved, lengths, group).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         moved = grad.movedim(ctx.dim, 0).contiguous()
         lengths = ctx.lengths
         if len(set(lengths)) == 1:
-            mine = collectives.reducescatter(moved, "sum", group=ctx.group)
+            _agree(ctx.check, "reducescatter", moved, ctx.group, op="sum")
+            mine = direct.reducescatter(moved, "sum", ctx.group)
         else:
-            summed = collectives.allreduce(moved, "sum", group=ctx.group)
+            _agree(ctx.check, "allreduce", moved, ctx.group, op="sum")
+            summed = direct.allreduce(moved, "sum", ctx.group)
             start = sum(lengths[: group_rank(ctx.group)])
             mine = summed[start : start + lengths[group_rank(ctx.group)]]
-        return mine.movedim(0, ctx.dim), None, None
+        return mine.movedim(0, ctx.dim), None, None, None
 
 
 def reduce_scatter(
     tensor: torch.Tensor, op: str = "sum", dim: int = 0, group: Group | None = None
 ) -> torch.Tensor:
     """Reduce over ranks, then give group rank i the i-th of n equal chunks along `dim`."""
-    return _ReduceScatter.apply(tensor, _linear_op(op, "reduce_scatter"), dim, group)
+    n = group_size(group)
+    if tensor.dim() == 0 or tensor.shape[dim] % n:
+        raise ValueError(f"reduce_scatter needs dim {dim} divisible by the group size {n}; got "
+                         f"shape {tuple(tensor.shape)}. Pad the tensor or use all_reduce.")
+    return _ReduceScatter.apply(tensor, _linear_op(op, "reduce_scatter"), dim, group,
+                                _checker(group))
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, dim, group):
-        ctx.op, ctx.dim, ctx.group = op, dim, group
+    def forward(ctx, tensor, op, dim, group, check):
+        ctx.op, ctx.dim, ctx.group, ctx.check = op, dim, group, check
         moved = tensor.movedim(dim, 0).contiguous()
-        return collectives.reducescatter(moved, op, group=group).movedim(0, dim)
+        _agree(check, "reducescatter", moved, group, op=op)
+        return direct.reducescatter(moved, op, group).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = collectives.allgather(grad.movedim(ctx.dim, 0).contiguous(), group=ctx.group)
+        moved = grad.movedim(ctx.dim, 0).contiguous()
+        _agree(ctx.check, "allgather", moved, ctx.group)
+        gathered = direct.allgather(moved, ctx.group)
         if ctx.op == "mean":
             gathered = gathered / group_size(ctx.group)
-        return gathered.movedim(0, ctx.dim), None, None, None
+        return gathered.movedim(0, ctx.dim), None, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0, group: Group | None = None) -> torch.Tensor:
     """`root`'s tensor on every rank; the root's input receives every rank's gradient."""
-    return _Broadcast.apply(tensor, root, group)
+    return _Broadcast.apply(tensor, root, group, _checker(group, root))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root, group):
-        ctx.root, ctx.group = root, group
-        return collectives.broadcast(tensor.contiguous(), root, group=group)
+    def forward(ctx, tensor, root, group, check):
+        ctx.root, ctx.group, ctx.check = root, group, check
+        _agree(check, "broadcast", tensor, group, root=root)
+        return direct.broadcast(tensor, root, group)
 
     @staticmethod
     def backward(ctx, grad):
-        total = collectives.reduce(grad.contiguous(), ctx.root, "sum", group=ctx.group)
+        _agree(ctx.check, "reduce", grad, ctx.group, op="sum", root=ctx.root)
+        total = direct.reduce(grad, ctx.root, "sum", ctx.group)
         if context.current().world.rank != ctx.root:
             total = torch.zeros_like(grad)
-        return total, None, None
+        return total, None, None, None
 
 
 def all_to_all(
     tensor: torch.Tensor, splits: Sequence[int] | None = None, group: Group | None = None
 ) -> torch.Tensor:
     """Send `splits[j]` rows (dim 0) to group rank j, equal parts when None; differentiable."""
-    return _AllToAll.apply(tensor, splits, group)
+    n = group_size(group)
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"all_to_all without splits needs dim 0 divisible by the group size "
+                             f"{n}; got shape {tuple(tensor.shape)}. Pass splits=[rows for each rank].")
+        splits = [rows // n] * n
+    splits = [int(k) for k in splits]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(f"all_to_all splits {splits} must be {n} non-negative counts summing "
+                         f"to dim 0 ({rows})")
+    return _AllToAll.apply(tensor, splits, group, _checker(group))
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, group):
-        n = group_size(group)
-        output = collectives.alltoall(tensor.contiguous(), splits, group=group)
-        sent = [int(k) for k in splits] if splits is not None else [tensor.shape[0] // n] * n
-        # What arrived from each rank is what goes back to it in backward.
-        arrived = collectives.alltoall(torch.tensor(sent, dtype=torch.int64), [1] * n, group=group)
-        ctx.received, ctx.group = [int(k) for k in arrived], group
-        return output
+    def forward(ctx, tensor, sent, group, check):
+        _agree(check, "alltoall", tensor, group, ignore_dim0=True)
+        # What arrives from each rank (ranks may hold different numbers of rows, even in equal
+        # parts) is what goes back to it in backward: one exchange of counts.
+        counts = torch.tensor(sent, dtype=torch.int64)
+        received = direct.alltoall(counts, [1] * len(sent), [1] * len(sent), group).tolist()
+        ctx.sent, ctx.received, ctx.group, ctx.check = sent, received, group, check
+        return direct.alltoall(tensor.contiguous(), received, sent, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.alltoall(grad.contiguous(), ctx.received, group=ctx.group), None, None
+        _agree(ctx.check, "alltoall", grad, ctx.group, ignore_dim0=True)
+        back = direct.alltoall(grad.contiguous(), ctx.sent, ctx.received, ctx.group)
+        return back, None, None, None
 
 
 def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: Group | None = None) -> torch.Tensor:

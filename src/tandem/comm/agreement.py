@@ -76,6 +76,7 @@ class _Anything(tuple):
 
 
 ANY: Sequence[int] = _Anything()  # `codes=ANY`: take part in an agreement without a say in it
+NO_SAY = _NO_SAY  # one code with no say: the others' highest and lowest there are theirs alone
 
 
 def _fixed(codes: Sequence[int]) -> list[int]:
@@ -94,31 +95,83 @@ class Posted(NamedTuple):
     message: torch.Tensor
 
 
+class Prepared(NamedTuple):
+    """An agreement's message made once for codes that recur (`prepare`; the argument check
+    keeps one per collective and shape): a copy of `tensor` is sent, and a result equal to
+    `values` is the whole answer, all ranks agree."""
+
+    codes: Sequence[int]
+    tensor: torch.Tensor
+    values: list[int]
+
+
+def _values(codes: Sequence[int]) -> list[int]:
+    # ANY (a rank with no say, e.g. one out of data answering td.join's rounds) sends the
+    # lowest value in both halves: the others' highest and lowest are then theirs alone. A
+    # NO_SAY code does the same for one code (hvd.join's rank has a say in its flag only).
+    if codes is ANY:
+        return [_NO_SAY] * (2 * WIDTH)
+    fixed = _fixed(codes)
+    return fixed + [_NO_SAY if c == _NO_SAY else -c for c in fixed]
+
+
+def prepare(codes: Sequence[int]) -> Prepared:
+    """The message of `codes`, made once (see `Prepared`)."""
+    values = _values(codes)
+    return Prepared(codes, torch.tensor(values, dtype=torch.int64), values)
+
+
 def post(codes: Sequence[int], group: Group | None, engine: context.Context) -> Posted:
     """Start the agreement's all-reduce now; whoever posts must finish it (`agree`) before the
     group's next operation. The reducer posts at the round's first gradient, so the message
     travels while backward computes and the first bucket rarely waits for it."""
-    # ANY (a rank with no say, e.g. one out of data answering td.join's rounds) sends the
-    # lowest value in both halves: the others' highest and lowest are then theirs alone.
-    n = WIDTH
-    values = [_NO_SAY] * (2 * n) if codes is ANY else (lambda c: c + [-x for x in c])(_fixed(codes))
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
-    both = on_wire(torch.tensor(values, dtype=torch.int64), engine.backend)
+    both = on_wire(torch.tensor(_values(codes), dtype=torch.int64), engine.backend)
     return Posted(codes, engine.backend.allreduce(both, "max", group), both)
 
 
+_CPU = torch.device("cpu")
+_takes: list = [None, False]  # the last backend asked, and whether it takes CPU tensors
+
+
+def _takes_cpu(backend) -> bool:
+    if _takes[0] is not backend:
+        _takes[:] = [backend, backend.supports_device(_CPU)]
+    return _takes[1]
+
+
 def differing(codes: Sequence[int], group: Group | None, engine: context.Context,
-              posted: Posted | None = None) -> dict[int, tuple[int, int]]:
+              posted: Posted | None = None, prepared: Prepared | None = None
+              ) -> dict[int, tuple[int, int]]:
     """{index: (highest, lowest)} for the codes on which the ranks differ ({} when they agree):
     one all-reduce of 2 x WIDTH int64, the same message for every agreement (`posted`: already
-    on its way)."""
+    on its way; `prepared`: its message, made before)."""
     n = WIDTH
-    posted = posted or post(codes, group, engine)
-    posted.work.wait(engine.timeout)
-    result = posted.message.tolist()
+    if posted is not None:
+        posted.work.wait(engine.timeout)
+        result = posted.message.tolist()
+    else:
+        prepared = prepared or prepare(codes)
+        both = prepared.tensor.clone()
+        if not _takes_cpu(engine.backend):
+            both = on_wire(both, engine.backend)
+        # Waited for at once: the engine may finish it on the spot (Backend.allreduce_now).
+        work = engine.backend.allreduce_now(both, "max", group)
+        if work is not None:
+            work.wait(engine.timeout)
+        result = both.tolist()
+        if result == prepared.values:  # every rank's codes equal this rank's: they agree
+            return {}
     return {i: (result[i], -result[n + i]) for i in range(n)
             if result[i] != -result[n + i] and result[i] != _NO_SAY}
+
+
+def highest(posted: Posted) -> list[int]:
+    """The highest value of each code over the group (NO_SAY where no rank had a say), once
+    `posted`'s agreement is finished (`agree(..., posted=posted)`): what a rank with no say
+    learns of the others' operation (hvd.join's rank answers it)."""
+    return posted.message[:WIDTH].tolist()
 
 
 def everyone(mine: Any, group: Group | None = None, engine: context.Context | None = None) -> list:
@@ -136,6 +189,8 @@ def agree(
     error: type[CollectiveMismatchError] = CollectiveMismatchError,
     engine: context.Context | None = None,
     posted: Posted | None = None,
+    prepared: Prepared | None = None,
+    differ: dict[int, tuple[int, int]] | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Raise on every rank unless every rank of `group` holds the same `mine`.
 
@@ -145,16 +200,19 @@ def agree(
     returns the message of `error` (or an exception to raise as it is). Differences in the
     codes listed in `tolerated` alone are not an error: they are returned, as
     `{index: (highest, lowest)}` (else {}). `posted`: this agreement's message, already sent
-    with `post(codes, ...)` (its codes are used).
+    with `post(codes, ...)` (its codes are used); `prepared`: its message, made once by
+    `prepare(codes)` for codes that recur (its codes are used); `differ`: what `differing`
+    already found for `codes` (the message was exchanged: only the slow path is left).
     """
     engine = engine or context.current()
     if group_size(group, engine) == 1:
         return {}
-    if posted is not None:
-        codes = posted.codes
+    if posted is not None or prepared is not None:
+        codes = (posted or prepared).codes
     elif codes is None:
         codes = [checksum(_describe(mine))]
-    differ = differing(codes, group, engine, posted)
+    if differ is None:
+        differ = differing(codes, group, engine, posted, prepared)
     if not differ or set(differ) <= set(tolerated):
         return differ
     # Every rank tags its description with the kind of agreement it is in: ranks whose code

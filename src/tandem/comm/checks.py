@@ -89,23 +89,43 @@ def agree(
     engine = context.current()
     if not (engine.checks or engine.debug) or group_size(group) == 1:
         return
-    fingerprint = None
-    if engine.debug:
-        stream = "world" if group is None else tuple(group.ranks)
-        fingerprint = fingerprints.next_fingerprint(collective, stream)
+    if not engine.debug:  # the same codes whenever this collective meets this shape again
+        prepared = _prepared(collective, tensor, op, root, ignore_dim0)
+        differ = agreement.differing(prepared.codes, group, engine, prepared=prepared)
+        if differ:  # the slow path: every rank saw the same difference, and names every call
+            agreement.agree(lambda: describe(collective, tensor, op, root, ignore_dim0), group,
+                            codes=prepared.codes, engine=engine, explain=_explain, differ=differ)
+        return
+    stream = "world" if group is None else tuple(group.ranks)
+    fingerprint = fingerprints.next_fingerprint(collective, stream)
 
     def mine() -> str:  # the readable call, only made on a mismatch
         text = describe(collective, tensor, op, root, ignore_dim0)
-        return text if fingerprint is None else f"#{fingerprint.seq} {text} at {fingerprint.site}"
-
+        return f"#{fingerprint.seq} {text} at {fingerprint.site}"
     # The same collective from different lines is legitimate when the code branches on the
     # rank (`if rank == 0: barrier() else: barrier()`): a warning, not an error.
     differ = agreement.agree(
         mine, group, codes=_encode(collective, tensor, op, root, ignore_dim0, fingerprint),
-        tolerated=(_SITE,) if fingerprint is not None else (), engine=engine,
-        explain=_explain_debug if fingerprint is not None else _explain)
+        tolerated=(_SITE,), engine=engine, explain=_explain_debug)
     if differ:
         _warn_sites(mine(), group, engine, differ[_SITE])
+
+
+_PREPARED: dict[tuple, agreement.Prepared] = {}
+_MOST_PREPARED = 4096  # kinds of call kept (a job makes a few dozen); past it, start again
+
+
+def _prepared(collective, tensor, op, root, ignore_dim0) -> agreement.Prepared:
+    """The message of this call, made once per collective, shape, dtype, op and root: a small
+    message takes MPI a few microseconds, so encoding it again each time would cost more."""
+    key = (collective, tensor.shape, tensor.dtype, op, root, ignore_dim0, tensor.device.type)
+    found = _PREPARED.get(key)
+    if found is None:
+        if len(_PREPARED) >= _MOST_PREPARED:
+            _PREPARED.clear()
+        found = _PREPARED[key] = agreement.prepare(
+            _encode(collective, tensor, op, root, ignore_dim0))
+    return found
 
 
 def _lines(ranks, calls) -> str:

@@ -102,12 +102,11 @@ class _Staging:
         return self.original
 
 
-def _divide(tensor: torch.Tensor, n: int) -> None:
+def _divide(tensor: torch.Tensor, n: int) -> torch.Tensor:
     if tensor.is_floating_point() or tensor.is_complex():
-        tensor.div_(n)
-    else:
-        # Integer mean rounds down, as NumPy's `sum // n` does.
-        torch.div(tensor, n, rounding_mode="floor", out=tensor)
+        return tensor.div_(n)
+    # Integer mean rounds down, as NumPy's `sum // n` does.
+    return torch.div(tensor, n, rounding_mode="floor", out=tensor)
 
 
 def allreduce(

@@ -12,17 +12,23 @@ and Horovod's tests rely on:
 - **Names.** `name=` identifies an operation in flight: posting a second one with the name of
   one not yet synchronized is a `ValueError` on that rank, as in Horovod.
 
-**Join.** A rank that called `hvd.join()` must answer whatever the others still run. So every
-operation on the global process set starts with a small *negotiation*: one all-reduce (max)
-of a fixed-size vector holding, per rank, a "joined" flag, and the operation's description
-(kind, dtype, op, root, shape) as its maximum and its negated minimum. A joined rank posts
-flags only. From the result every rank learns the same things at once: whether the ranks
-agree (if not, every rank raises `HorovodMismatchError` naming what each passed, as Horovod
-raises a RuntimeError), who has joined, and what the active ranks are running. Joined ranks
-answer an allreduce with zeros of the described shape (Horovod's semantics: an average still
-divides by the full size); an allgather, broadcast, alltoall or reducescatter cannot be
-answered, so the active ranks raise an error that says so. When every flag is set, `join`
-returns on every rank the highest of the ranks that joined last.
+**Negotiation and join.** Every operation on the global process set starts with one
+negotiation, which is tandem's agreement (`tandem.comm.agreement`: the same fixed-size message
+as every other agreement, so a rank in another operation is named, never misread): its codes
+are the operation's description (kind, dtype, op, root, shape), a "joined" flag and, from
+ranks that called `hvd.join()`, how many rounds they have answered. Ranks that agree then hand the
+data straight to the engine: one negotiation and one message per operation (`td.allreduce`'s
+own argument check is not run again). A rank in `hvd.join()` answers as td.join's ranks out of
+data do: it takes part in every agreement with no say in the description (`NO_SAY`), learns
+from the result what the others run (a rank in another kind of operation differs from it, and
+every rank raises), and answers an allreduce with zeros (Horovod's semantics:
+an average still divides by the full size); an allgather, broadcast, alltoall or reducescatter
+cannot be answered, so the active ranks raise an error that says so. When no rank is active
+any more, every rank has its answer from that last round: the last rank to join is the one
+that had answered the fewest rounds (the highest of those), as td.join's ranks learn together
+from one all-reduce who stepped the most.
+Ranks that disagree raise `HorovodMismatchError` naming what each passed (Horovod raises a
+RuntimeError there).
 """
 
 from __future__ import annotations
@@ -34,121 +40,122 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm.agreement import CollectiveMismatchError
-from tandem.comm.backend import on_wire
-from tandem.comm.collectives import allgather_object
+from tandem.comm import agreement
+from tandem.comm.agreement import NO_SAY, CollectiveMismatchError
 from tandem.horovod import timeline
 from tandem.horovod.basics import HorovodMismatchError
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "reduce")
 _OPS = ("sum", "mean", "min", "max", "product")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _DIMS = 8
-# kind, dtype, op, root, ndim, then the shape (dim 0 is not compared where it may differ)
-_FIELDS = 5 + _DIMS
-_ABSENT = -(2**62)  # what a joined rank posts for every field: never the max
+_HOROVOD = agreement.checksum("horovod operation")
+# The codes: who (0), kind, dtype, op, root, ndim (1-5), the shape (6-13, dim 0 not compared
+# where it may differ), then the join's two codes in the last places of the message, where
+# every other agreement holds padding: a joined rank meeting another operation differs there.
+_DESCRIBED = 6 + _DIMS
+_JOINED = agreement.WIDTH - 2  # 0 from an active rank, _JOIN_FLAG from a joined one
+_COUNT = agreement.WIDTH - 1  # from a joined rank: rank - rounds it answered * size
+_JOIN_FLAG = agreement.checksum("hvd.join() answering")
 
 
 class Description:
     """What an operation is, in the fields that the ranks compare and joined ranks rebuild."""
 
-    def __init__(self, kind: str, tensor: torch.Tensor, op: str = "sum", root: int = -1) -> None:
+    def __init__(self, kind: str, tensor: torch.Tensor, op: str = "sum", root: int = -1,
+                 ignore_dim0: bool | None = None) -> None:
         self.kind, self.dtype, self.op, self.root = kind, tensor.dtype, op, root
         self.shape = tuple(tensor.shape)
+        self.ignore_dim0 = kind in ("allgather", "alltoall") if ignore_dim0 is None else ignore_dim0
 
-    def fields(self) -> list[int]:
+    def codes(self) -> list[int]:
         shape = list(self.shape)
-        if self.kind in ("allgather", "alltoall") and shape:
+        if self.ignore_dim0 and shape:
             shape[0] = -1  # first dimensions may differ
         if len(shape) > _DIMS:  # fold the tail: still equal exactly when the shapes agree
             shape = shape[: _DIMS - 1] + [int(torch.tensor(shape[_DIMS - 1:]).prod())]
         dtype = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else 99
-        return [KINDS.index(self.kind), dtype, _OPS.index(self.op), self.root, len(self.shape),
-                *shape, *([-1] * (_DIMS - len(shape)))]
+        described = [_HOROVOD, KINDS.index(self.kind), dtype, _OPS.index(self.op), self.root,
+                     len(self.shape), *shape, *([-1] * (_DIMS - len(shape)))]
+        return described + [NO_SAY] * (_JOINED - _DESCRIBED) + [0, NO_SAY]
 
     def __str__(self) -> str:
-        root = f", root={self.root}" if self.kind == "broadcast" else ""
-        op = f", op={self.op}" if self.kind in ("allreduce", "reducescatter") else ""
+        root = f", root={self.root}" if self.kind in ("broadcast", "reduce") else ""
+        op = f", op={self.op}" if self.kind in ("allreduce", "reducescatter", "reduce") else ""
         return f"{self.kind}(shape={list(self.shape)}, dtype={self.dtype}{op}{root})"
 
 
-def _decode(fields: list[int]) -> tuple[str, torch.dtype, str, list[int]]:
-    kind, dtype, op, _root, ndim = fields[:5]
-    return KINDS[kind], _DTYPES[dtype], _OPS[op], fields[5 : 5 + ndim]
+def _decode(codes: list[int]) -> tuple[str, torch.dtype, str, list[int]]:
+    _who, kind, dtype, op, _root, ndim = codes[:6]
+    return KINDS[kind], _DTYPES[dtype], _OPS[op], codes[6 : 6 + ndim]
 
 
 class _State:
-    joined_before: list[int] = []  # the flags seen at the previous negotiation
     starting: HorovodHandle | None = None  # the handle whose operation is being started
 
 
-def _negotiate(mine: Description | None) -> tuple[list[int], list[int] | None, bool]:
-    """One round: (joined flags, the agreed fields or None when nobody is active, agreement)."""
-    n, me = runtime.size(), runtime.rank()
-    flags = [0] * n
+def _explain(ranks, described) -> str:
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in zip(ranks, described, strict=True))
+    return (f"ranks called a collective with different arguments:\n{lines}\nMake every rank "
+            "pass the same shape, dtype, op and root (a name= is matched by order here, not by "
+            "name).")
+
+
+def _agree(mine: Description | None, answered: int = 0
+           ) -> tuple[dict[int, tuple[int, int]], agreement.Posted]:
+    """One negotiation: the agreement over the world, raised on every rank on a mismatch
+    (`mine` None: a joined rank's, after `answered` rounds)."""
+    engine = runtime.state()
     if mine is None:
-        flags[me] = 1
-        fields = [_ABSENT] * (2 * _FIELDS)
+        # A say in the first code only (a Horovod operation: a rank in another one differs
+        # there, and every rank raises), in the flag and in the answered rounds.
+        codes = [_HOROVOD] + [NO_SAY] * (_JOINED - 1) + [
+            _JOIN_FLAG, runtime.rank() - answered * runtime.size()]
     else:
-        own = mine.fields()
-        fields = own + [-value for value in own]
-    backend = runtime.get_backend()
-    message = on_wire(torch.tensor(flags + fields, dtype=torch.int64), backend)
-    backend.allreduce(message, "max", None).wait(runtime.state().timeout)
-    values = message.tolist()
-    joined, high, low = values[:n], values[n : n + _FIELDS], values[n + _FIELDS :]
-    if all(joined):
-        return joined, None, True
-    agreed = all(h == -lo for h, lo in zip(high, low, strict=True))
-    return joined, high, agreed
-
-
-def _mismatch(mine: Description | None) -> HorovodMismatchError:
-    """Every rank calls this on the same round: one exchange of readable descriptions."""
-    described = allgather_object(None if mine is None else str(mine))
-    lines = "\n".join(f"  rank {r}: {'(joined)' if d is None else d}" for r, d in enumerate(described))
-    return HorovodMismatchError(
-        f"ranks called a collective with different arguments:\n{lines}\n"
-        "Make every rank pass the same shape, dtype, op and root (a name= is matched by order "
-        "here, not by name)."
-    )
+        codes = mine.codes()
+    posted = agreement.post(codes, None, engine)
+    said = "(joined: hvd.join() answers allreduces only)" if mine is None else str(mine)
+    differ = agreement.agree(said, None, codes=codes, posted=posted, tolerated=(_JOINED, _COUNT),
+                             error=HorovodMismatchError, explain=_explain, engine=engine)
+    return differ, posted
 
 
 def negotiate(mine: Description) -> None:
     """Before an operation on the global set: agree on it, and refuse what joined ranks can't do."""
+    if runtime.size() == 1:
+        return
     begin = time.time_ns() // 1000
-    joined, _fields, agreed = _negotiate(mine)
+    differ, _ = _agree(mine)
     handle = _State.starting
     if handle is not None:
         handle.kind = mine.kind
         timeline.span(mine.kind, handle.name, f"NEGOTIATE_{mine.kind.upper()}", begin,
                       time.time_ns() // 1000)
-    _State.joined_before = joined
-    if not agreed:
-        raise _mismatch(mine)
-    if any(joined) and mine.kind != "allreduce":
-        ranks = [r for r, flag in enumerate(joined) if flag]
+    if _JOINED in differ and mine.kind != "allreduce":
         raise RuntimeError(
-            f"rank {runtime.rank()}: {mine} cannot run: rank(s) {ranks} called hvd.join() and "
-            "can only answer allreduce (as in Horovod); run it before join or on every rank"
-        )
+            f"rank {runtime.rank()}: {mine} cannot run: a rank called hvd.join() and can only "
+            "answer allreduce (as in Horovod); run it before join or on every rank")
 
 
 def join_rounds(answer_allreduce: Callable[[torch.dtype, list[int], str], None]) -> int:
-    """The joined rank's loop: answer negotiations until every rank has joined."""
-    before = _State.joined_before or [0] * runtime.size()
+    """The joined rank's loop: answer negotiations until no rank is active; returns the last
+    rank to join."""
+    n = runtime.size()
+    if n == 1:
+        return 0
+    answered = 0
     while True:
-        joined, fields, agreed = _negotiate(None)
-        if fields is None:  # everyone has joined: the last ones are those new this round
-            newly = [r for r, flag in enumerate(joined) if flag and not before[r]]
-            _State.joined_before = []
-            return max(newly) if newly else runtime.size() - 1
-        before = joined
-        if not agreed:
-            _mismatch(None)  # the active ranks raise it; this rank keeps answering
-            continue
-        kind, dtype, op, shape = _decode(fields)
+        try:
+            _, posted = _agree(None, answered)
+        except CollectiveMismatchError:
+            continue  # the active ranks disagreed (or ran something else): they raise it
+        finally:
+            answered += 1
+        highest = agreement.highest(posted)
+        if highest[1] == NO_SAY:  # no active rank: every rank has joined
+            return highest[_COUNT] % n
+        kind, dtype, op, shape = _decode(highest)
         if kind == "allreduce":
             answer_allreduce(dtype, shape, op)
 
@@ -266,4 +273,4 @@ def forget() -> None:
     """At shutdown: operations never synchronized are dropped, as Horovod drops them."""
     _pending.clear()
     _in_flight.clear()
-    _State.joined_before = []
+    _State.starting = None

@@ -9,17 +9,25 @@
 - `reducescatter` accepts a first dimension not divisible by the set's size: the first
   `rows % size` ranks get one row more, as in Horovod.
 - Operations run in posting order (see `engine`); `process_set=` picks the group.
+
+On the global set each operation is one negotiation (`engine.negotiate`: tandem's agreement,
+which joined ranks answer) and then its data, straight to the engine (`comm/direct.py`); a
+differentiable one negotiates its backward's collective too (`functional.checked_by`). On a
+process set, which joined ranks do not answer, tandem's own collectives run, with their
+argument check: two messages per operation either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
 import torch
 
 import tandem as td
-from tandem import functional
+from tandem import functional, runtime
+from tandem.comm import direct, exchange
 from tandem.horovod import engine
 from tandem.horovod.basics import (
     Average,
@@ -80,6 +88,41 @@ def negotiated(group, description: Description) -> None:
         engine.negotiate(description)
 
 
+class Negotiator:
+    """`td.functional`'s per-call check on the global set: Horovod's negotiation, in forward and
+    backward alike. `after_first`: the forward was negotiated already, by its caller."""
+
+    def __init__(self, after_first: bool = False) -> None:
+        self.skip = after_first
+
+    def __call__(self, collective: str, tensor: torch.Tensor, group, *, op: str | None = None,
+                 root: int | None = None, ignore_dim0: bool = False) -> None:
+        if self.skip:
+            self.skip = False
+            return
+        engine.negotiate(Description(collective, tensor, op or "sum",
+                                     -1 if root is None else root, ignore_dim0))
+
+
+def checked(group, negotiator: Negotiator | None = None):
+    """Where `td.functional` runs for Horovod: negotiated on the global set (joined ranks answer
+    its allreduces), tandem's own check on a process set."""
+    if group is not None:
+        return contextlib.nullcontext()
+    return functional.checked_by(negotiator or Negotiator())
+
+
+def allgathered(tensor: torch.Tensor, group):
+    """Every rank's tensor along dim 0 (first dims may differ), started after the negotiation:
+    the lengths, then the data, straight to the engine (a process set: td.allgather, checked).
+    Returns a handle."""
+    if group is not None:
+        return td.allgather(tensor, async_op=True, group=group)
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    lengths = exchange.lengths(tensor.shape[0], None, runtime.state())
+    return direct.start_allgather(tensor, lengths, None)
+
+
 # -- allreduce --------------------------------------------------------------------------------
 def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
     """What starts one allreduce: returns a waitable whose result is the reduced tensor."""
@@ -90,14 +133,16 @@ def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
             if op not in LINEAR:
                 raise ValueError(f"allreduce of a tensor that requires grad needs op=Average or "
                                  f"Sum, got {op!r}")
-            negotiated(group, Description("allreduce", tensor, op))
-            reduced = functional.all_reduce(scale(tensor, prescale), op, group)
+            with checked(group):  # the negotiation is the call's check, forward and backward
+                reduced = functional.all_reduce(scale(tensor, prescale), op, group)
             return engine.ready(scale(reduced, postscale))
         native = "sum" if op == Average else op
         negotiated(group, Description("allreduce", tensor, native))
         work = tensor if inplace else tensor.detach()
         scaled = scale(work, prescale)
         work = scaled if scaled is not work or inplace else work.clone()
+        if group is None:  # negotiated: the data goes straight to the engine
+            return direct.start_allreduce(work, native, None)
         return td.allreduce(work, op=native, inplace=True, async_op=True, group=group)
 
     def finish(result):
@@ -115,8 +160,9 @@ def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
 
 
 def answer_allreduce(dtype: torch.dtype, shape: list[int], op: str) -> None:
-    """A joined rank's share of an allreduce: zeros."""
-    td.allreduce(torch.zeros(shape, dtype=dtype), op=op)
+    """A joined rank's share of an allreduce: zeros (the others' data goes to the engine as it
+    is, after the negotiation this rank answered)."""
+    direct.allreduce(torch.zeros(shape, dtype=dtype), op, None, inplace=True)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -217,9 +263,9 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 
     def start():
         negotiated(group, Description("allgather", values))
-        gathered = td.allgather(values, group=group)
+        gathered = allgathered(values, group).wait()
         negotiated(group, Description("allgather", indices))
-        where = td.allgather(indices, group=group).t()
+        where = allgathered(indices, group).wait().t()
         if op == Average:
             gathered = gathered / set_size(group)
         return engine.ready(torch.sparse_coo_tensor(where, gathered, sparse.shape).coalesce())
@@ -231,11 +277,12 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 # -- allgather and broadcast --------------------------------------------------------------------
 def _allgather_start(tensor, group):
     def start():
-        negotiated(group, Description("allgather", tensor))
         if differentiable(tensor):
             averaged = ScaleGrad.apply(tensor, 1.0 / set_size(group))
-            return engine.ready(functional.all_gather(averaged, 0, group))
-        return td.allgather(tensor, async_op=True, group=group)
+            with checked(group):
+                return engine.ready(functional.all_gather(averaged, 0, group))
+        negotiated(group, Description("allgather", tensor))
+        return allgathered(tensor, group)
 
     return start, None
 
@@ -260,15 +307,21 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 def _broadcast_start(tensor, root_rank, group, inplace):
-    if not isinstance(root_rank, int) or root_rank < 0:
-        raise ValueError(f"root_rank={root_rank!r}: give the global rank of the root")
+    if not isinstance(root_rank, int) or not 0 <= root_rank < td.size():
+        raise ValueError(f"root_rank={root_rank!r}: give the global rank of the root (the job "
+                         f"has {td.size()} ranks)")
 
     def start():
-        negotiated(group, Description("broadcast", tensor, root=root_rank))
         if differentiable(tensor) and not inplace:
             averaged = ScaleGrad.apply(tensor, 1.0 / set_size(group))
-            return engine.ready(functional.broadcast(averaged, root_rank, group))
-        return td.broadcast(tensor, root=root_rank, inplace=inplace, async_op=True, group=group)
+            with checked(group):
+                return engine.ready(functional.broadcast(averaged, root_rank, group))
+        negotiated(group, Description("broadcast", tensor, root=root_rank))
+        if group is not None:
+            return td.broadcast(tensor, root=root_rank, inplace=inplace, async_op=True,
+                                group=group)
+        result = direct.broadcast(tensor, root_rank, None)
+        return engine.ready(tensor.copy_(result) if inplace else result)
 
     return start, None
 

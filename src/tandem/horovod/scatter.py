@@ -13,6 +13,7 @@ import torch
 
 import tandem as td
 from tandem import functional
+from tandem.comm import direct
 from tandem.horovod import engine
 from tandem.horovod.basics import (
     Adasum,
@@ -26,7 +27,9 @@ from tandem.horovod.basics import (
 from tandem.horovod.engine import Description
 from tandem.horovod.ops import (
     LINEAR,
+    Negotiator,
     ScaleGrad,
+    checked,
     differentiable,
     grouped,
     negotiated,
@@ -63,13 +66,21 @@ def _alltoall_start(tensor, splits, group):
     used = tensor if sent is None or sum(sent) == tensor.shape[0] else tensor[: sum(sent)]
 
     def start():
-        negotiated(group, Description("alltoall", used))
         counts = torch.tensor(sent or [used.shape[0] // n] * n, dtype=torch.int64)
-        received = td.alltoall(counts, splits=[1] * n, group=group).to(torch.int32)
         if differentiable(used):
-            return engine.ready((functional.all_to_all(used, sent, group), received))
-        output = td.alltoall(used, splits=sent, group=group)
-        return engine.ready((output, received))
+            with checked(group):  # negotiated in forward and backward
+                output = functional.all_to_all(used, sent, group)
+        else:
+            negotiated(group, Description("alltoall", used))
+            output = None
+        if group is not None:
+            received = td.alltoall(counts, splits=[1] * n, group=group)
+            output = td.alltoall(used, splits=sent, group=group) if output is None else output
+        else:  # negotiated: the counts, then the data, straight to the engine
+            received = direct.alltoall(counts, [1] * n, [1] * n, None)
+            if output is None:
+                output = direct.alltoall(used, received.tolist(), counts.tolist(), None)
+        return engine.ready((output, received.to(torch.int32)))
 
     def finish(result):
         return result[0] if splits is None else result
@@ -106,7 +117,7 @@ def _reducescatter_start(tensor, op, group, prescale, postscale):
     through_autograd = differentiable(tensor)
 
     def start():
-        negotiated(group, Description("reducescatter", tensor, "sum"))
+        negotiated(group, Description("reducescatter", tensor, "sum"))  # the user's shape
         data = scale(tensor if through_autograd else tensor.detach(), prescale)
         if rows % n:  # pad every rank's share to the longest, then cut the padding off
             longest = counts[0]
@@ -116,9 +127,12 @@ def _reducescatter_start(tensor, op, group, prescale, postscale):
                 parts.append(part if not pad else torch.cat(
                     [part, part.new_zeros((pad, *part.shape[1:]))]))
             data = torch.cat(parts)
-        if through_autograd:
-            out = functional.reduce_scatter(ScaleGrad.apply(data, float(n)), "sum", 0, group)
+        if through_autograd:  # its forward negotiated above; its backward is negotiated too
+            with checked(group, Negotiator(after_first=True)):
+                out = functional.reduce_scatter(ScaleGrad.apply(data, float(n)), "sum", 0, group)
             return engine.ready(scale(out / n if op == Average else out, postscale)[: counts[me]])
+        if group is None:
+            return direct.start_reducescatter(data.contiguous(), "sum", None)
         return td.reducescatter(data.contiguous(), op="sum", async_op=True, group=group)
 
     def finish(out):

@@ -13,7 +13,11 @@ branch's parameters get their gradient on the rank that holds them.
 Each forward opens its communication with one agreement over the group (after the local
 branches ran, so it carries their joined output's shape) and each backward with another
 (`parallel/model_check.py`): a rank that skipped one, or whose branches return another shape,
-is named before the join.
+is named before the join. The join itself then goes straight to the engine (`comm/direct.py`):
+one all-reduce (`join="sum"`) or one all-gather (`join="cat"`) per forward, none backward. The
+ranks' sizes along `dim` are exchanged once per shape of this rank's output and cached; the
+agreement carries each rank's cached sizes, so ranks whose sizes changed on some ranks only
+(sizes that depend on the data, not on the input's shape) are named instead of misjoined.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tandem.comm import collectives
+from tandem import runtime
+from tandem.comm import direct, exchange
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_ranks, group_size
 from tandem.parallel import model_check
@@ -50,37 +55,56 @@ class Branches(nn.Module):
         mark_sliced(group, *self.mine.parameters())  # the ranks of `group` hold different ones
         self.first_branch, self.count = first, len(branches)
         self.group, self.join, self.dim = group, join, dim
+        self._sizes: dict[tuple[int, ...], list[int]] = {}  # this rank's output shape -> all sizes
         names = [type(b).__name__ for b in branches]
         owner = f"[{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}]"
         _checks[self] = model_check.ModelCheck.make(
             "Branches", owner, [f"{names} join={join} dim={dim}"], group, self.mine.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with direct.covering(self.group):  # this forward's agreement covers the join
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to(x, self.group)
         outputs = [branch(x) for branch in self.mine]
         local = torch.stack(outputs).sum(0) if self.join == "sum" else torch.cat(outputs, dim=self.dim)
+        cat = self.join == "cat" and group_size(self.group) > 1
+        dim = self.dim % local.dim()
+        sizes = self._sizes.get(tuple(local.shape)) if cat else None
         check = _checks.get(self)
         if check is not None:  # before the join: every rank in this forward, with a shape that joins
             shape = list(local.shape)
             if self.join == "cat":
-                shape[self.dim % local.dim()] = "*"
-            dtype = str(local.dtype).replace("torch.", "")
-            check.forward_starts(f"({', '.join(map(str, shape))}) {dtype}", self._explain_shapes)
+                shape[dim] = "*"
+            detail = f"({', '.join(map(str, shape))}) {str(local.dtype).replace('torch.', '')}"
+            if cat:  # the sizes each rank will join with: cached alike, or new on every rank
+                detail += f"; sizes along dim {dim}: {sizes or 'new'}"
+            check.forward_starts(detail, self._explain_shapes)
         if self.join == "sum":
             out = reduce_from(local, self.group)
-        elif group_size(self.group) == 1:
+        elif not cat:
             return local
         else:
-            out = _GatherUneven.apply(local, self.dim % local.dim(), self.group)
+            if sizes is None:
+                sizes = exchange.lengths(local.shape[dim], self.group, runtime.state())
+                self._sizes[tuple(local.shape)] = sizes
+            out = _GatherUneven.apply(local, dim, self.group, sizes)
         if check is not None:
             model_check.expect_backward_of(check, out)
         return out
 
-    def _explain_shapes(self, ranks: tuple[int, ...], shapes: list) -> str:
+    def _explain_shapes(self, ranks: tuple[int, ...], details: list) -> str:
         n = group_size(self.group)
         spans = [(r * self.count // n, (r + 1) * self.count // n) for r in range(n)]
-        lines = "\n".join(f"  rank {rank}: branches {a}..{b - 1}: {shape}"
-                          for rank, shape, (a, b) in zip(ranks, shapes, spans, strict=True))
+        lines = "\n".join(f"  rank {rank}: branches {a}..{b - 1}: {detail}"
+                          for rank, detail, (a, b) in zip(ranks, details, spans, strict=True))
+        if len({d.split("; ")[0] for d in details}) == 1:  # the same shape: sizes that changed
+            return (f"Branches over ranks {list(group_ranks(self.group))}: the branches' sizes "
+                    f"along dim {self.dim} changed on some ranks only, for an input of the same "
+                    f"shape (nothing was sent):\n{lines}\nThe sizes a branch returns along the "
+                    f"joined dim must follow from the input's shape (the ranks agree on them once "
+                    f"per shape); pad data-dependent outputs to a size fixed by the input.")
         need = (f"the same dtype and size in every dimension but dim {self.dim} (join='cat')"
                 if self.join == "cat" else "the same shape and dtype (join='sum')")
         return (f"Branches over ranks {list(group_ranks(self.group))}: the ranks' branches "
@@ -96,17 +120,16 @@ _checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Branches -> 
 
 
 class _GatherUneven(torch.autograd.Function):
-    """Concatenate every rank's tensor along `dim` (sizes may differ); backward keeps this
-    rank's slice (the loss after the join is replicated)."""
+    """Concatenate every rank's tensor along `dim` (rank i's is `sizes[i]` long there);
+    backward keeps this rank's slice (the loss after the join is replicated)."""
 
     @staticmethod
-    def forward(ctx, tensor, dim, group):
+    def forward(ctx, tensor, dim, group, sizes):
         moved = tensor.movedim(dim, 0).contiguous()
-        lengths = collectives.allgather(torch.tensor([moved.shape[0]]), group=group).tolist()
         rank = group_rank(group)
-        ctx.dim, ctx.start, ctx.length = dim, sum(lengths[:rank]), lengths[rank]
-        return collectives.allgather(moved, group=group).movedim(0, dim)
+        ctx.dim, ctx.start, ctx.length = dim, sum(sizes[:rank]), sizes[rank]
+        return direct.allgather_uneven(moved, sizes, group).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None

@@ -6,8 +6,9 @@
   product; one all-reduce sums them. Column then row: one all-reduce forward, one backward.
 - `VocabParallelEmbedding`: each rank holds a slice of the vocabulary's rows.
 - `vocab_parallel_cross_entropy`: the loss over logits split along the vocabulary, without
-  ever gathering them (a max, a sum of exponentials and the target's logit: three all-reduces
-  of one number per token).
+  ever gathering them (a max, then the sum of exponentials and the target's logit: two
+  all-reduces of one and two numbers per token, straight to the engine after one check of the
+  call when no model's agreement covers it).
 
 Every layer is built from the full layer (`from_linear`, `from_embedding`) so that its shards
 are slices of the one-process weights, or from sizes, with the one-process initialisation
@@ -20,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.comm import collectives
+from tandem.comm import checks, collectives, direct
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel import split_grads, splits, state_hooks
 from tandem.parallel.pieces import Held, sliced, whole
+from tandem.parallel.tensor import guard
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
@@ -227,6 +229,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     `logits` is (..., vocab / tp) on each rank, as a `ColumnParallelLinear` head gives it;
     `target` holds global class indices. Equals `F.cross_entropy` of the gathered logits.
     """
+    if group_size(group) > 1 and guard.ensure(group):
+        # Outside a covered forward (the usual place of a loss): one check of the whole call,
+        # then its two all-reduces go straight to the engine.
+        checks.agree("vocab_parallel_cross_entropy", logits, group)
     per_token = _VocabParallelCrossEntropy.apply(logits, target, group)
     return per_token.mean()
 
@@ -244,7 +250,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Stable softmax: subtract the global maximum (no gradient flows through it).
         top = logits.detach().amax(dim=-1)
         if group_size(group) > 1:
-            top = collectives.allreduce(top, "max", group=group)
+            top = direct.allreduce(top, "max", group, inplace=True)
         shifted = logits - top.unsqueeze(-1)
         mine = (target >= start) & (target < start + part)
         local = (target - start).masked_fill(~mine, 0)
@@ -252,7 +258,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         sums = torch.stack([exp.sum(dim=-1), picked])
         if group_size(group) > 1:
-            sums = collectives.allreduce(sums, "sum", group=group)
+            sums = direct.allreduce(sums, "sum", group, inplace=True)
         total, target_logit = sums[0], sums[1]
         softmax = exp / total.unsqueeze(-1)
         ctx.save_for_backward(softmax, local, mine)

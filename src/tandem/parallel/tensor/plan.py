@@ -22,7 +22,8 @@ A "colwise" layer's output stays split: the layer that reads it must be its "row
 `nn.Sequential` is refused here; elsewhere the first forward names it (instead of torch's
 "mat1 and mat2 shapes cannot be multiplied"). The model's forwards and backwards then each
 open with one agreement over the group (`parallel/model_check.py`): a rank that skips one is
-named, as are ranks given inputs of different shapes.
+named, as are ranks given inputs of different shapes. That agreement covers every collective
+of the layers inside (`guard`): they go straight to the engine, with no check of their own.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tandem.comm import agreement, context
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_ranks, group_size
 from tandem.parallel import model_check
+from tandem.parallel.tensor import guard
 from tandem.parallel.tensor.attention import ParallelSelfAttention
 from tandem.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -88,7 +90,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None =
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _STYLES[style][1](modules[name], group))
     _guard_first_inputs(model, plan, split, group_size(group))
-    model_check.watch(model, "tensor-parallel", layout, group, explain_inputs=_explain_inputs)
+    model_check.watch(model, "tensor-parallel", layout, group, explain_inputs=guard.explain_inputs)
+    guard.cover(model, group, None)  # its layers' collectives then go straight to the engine
     return model
 
 
@@ -142,14 +145,6 @@ def _first_input(name: str, split: dict[str, int], tp: int, handles: list, modul
     for producer, full in split.items():
         if full == module.in_features and got == full // tp:
             raise ValueError(_unsplit(name, module.in_features, got, producer, full, tp))
-
-
-def _explain_inputs(ranks: tuple[int, ...], shapes: list) -> str:
-    lines = "\n".join(f"  rank {r}: {s}" for r, s in zip(ranks, shapes, strict=True))
-    return ("the ranks of a tensor-parallel group called the model with inputs of different "
-            f"shapes:\n{lines}\nEvery rank of the group computes the same batch (its layers split "
-            "the weights, not the data): give each the same input (split the batch across the "
-            "data-parallel group only).")
 
 
 def _check_groups(group: Group | None) -> None:

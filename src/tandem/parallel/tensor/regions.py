@@ -12,15 +12,22 @@ convention the pairs are
 so a column-parallel layer followed by a row-parallel one communicates once forward
 (`reduce_from`) and once backward (`copy_to`). They differ from `td.functional`, whose
 convention is a loss summed over ranks (data parallelism, branches that feed one rank each).
+
+Their collectives go straight to the engine (`comm/direct.py`): the forward they run in opens
+with one agreement over the group, and so does its backward (`guard`); shards are equal, so no
+size is exchanged. A tensor that enters the split region several times in one forward (the
+input of separate q, k and v projections) enters once: its gradient is summed locally and
+all-reduced once, as a fused projection's would be.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.comm import collectives
+from tandem.comm import collectives, direct
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.tensor import guard
 
 
 def _split(tensor: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
@@ -28,69 +35,96 @@ def _split(tensor: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
     return tensor.narrow(dim, group_rank(group) * size, size).contiguous()
 
 
-def _gather(tensor: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
+def _gather(tensor: torch.Tensor, dim: int, group: Group | None, checked: bool) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
-    return collectives.allgather(moved, group=group).movedim(0, dim)
+    if checked:  # no agreement covers it yet (see `guard`): checked alone
+        return collectives.allgather(moved, group=group).movedim(0, dim)
+    return direct.allgather(moved, group).movedim(0, dim)
+
+
+def _sum(tensor: torch.Tensor, group: Group | None, checked: bool) -> torch.Tensor:
+    if checked:
+        return collectives.allreduce(tensor.contiguous(), "sum", group=group)
+    return direct.allreduce(tensor, "sum", group)
 
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
+    def forward(ctx, tensor, group, checked):
+        ctx.group, ctx.checked = group, checked
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.allreduce(grad.contiguous(), "sum", group=ctx.group), None
+        return _sum(grad, ctx.group, ctx.checked), None, None
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, group):
-        return collectives.allreduce(tensor.contiguous(), "sum", group=group)
+    def forward(ctx, tensor, group, checked):
+        return _sum(tensor, group, checked)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, dim, group):
+    def forward(ctx, tensor, dim, group, checked):
         ctx.dim, ctx.group = dim, group
-        return _gather(tensor, dim, group)
+        return _gather(tensor, dim, group, checked)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.group), None, None
+        return _split(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, dim, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, tensor, dim, group, checked):
+        ctx.dim, ctx.group, ctx.checked = dim, group, checked
         return _split(tensor, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+        return _gather(grad, ctx.dim, ctx.group, ctx.checked), None, None, None
 
 
 def copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Enter a split region: identity forward, gradients summed over the group backward."""
-    return _CopyTo.apply(tensor, group) if group_size(group) > 1 else tensor
+    if group_size(group) == 1:
+        return tensor
+    checked = guard.ensure(group)
+    frame = None if checked else direct.frame(group)
+    if frame is None or not (tensor.requires_grad and torch.is_grad_enabled()):
+        return _CopyTo.apply(tensor, group, checked)
+    # Entered already in this forward (and not modified since): the same entry, so that the
+    # gradients of its readers add up locally and travel once.
+    known = frame.entered.get(id(tensor))
+    if known is not None and known[0] is tensor and known[1] == tensor._version:
+        return known[2]
+    entered = _CopyTo.apply(tensor, group, checked)
+    frame.entered[id(tensor)] = (tensor, tensor._version, entered)
+    return entered
 
 
 def reduce_from(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Leave a split region by summing the partial results: all-reduce forward, identity back."""
-    return _ReduceFrom.apply(tensor, group) if group_size(group) > 1 else tensor
+    if group_size(group) == 1:
+        return tensor
+    return _ReduceFrom.apply(tensor, group, guard.ensure(group))
 
 
 def gather_from(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
     """Leave a split region by concatenating the shards along `dim`."""
-    return _GatherFrom.apply(tensor, dim % tensor.dim(), group) if group_size(group) > 1 else tensor
+    if group_size(group) == 1:
+        return tensor
+    return _GatherFrom.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))
 
 
 def scatter_to(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
     """Enter a split region by keeping this rank's equal slice along `dim`."""
-    return _ScatterTo.apply(tensor, dim % tensor.dim(), group) if group_size(group) > 1 else tensor
+    if group_size(group) == 1:
+        return tensor
+    return _ScatterTo.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))

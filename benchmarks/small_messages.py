@@ -1,0 +1,104 @@
+"""Small all-reduces on MPI: tandem's call against raw mpi4py, in the same job.
+
+    tandem run -np 2 --backend mpi benchmarks/small_messages.py     # results/small_messages.json
+    tandem run -np 2 --backend mpi benchmarks/small_messages.py --sizes 4K,64K --batches 60
+
+Each rank times, for float32 messages of 4 KB to 64 KB, in batches of back-to-back calls
+after a barrier, taking turns batch after batch:
+
+* mpi4py: `comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)` on a NumPy view (the anchor);
+* engine: tandem's engine call (`get_backend().allreduce_now`), what its hot paths make;
+* td, checks off: `td.allreduce(t, op="sum", inplace=True)` with `checks=False`;
+* td, checks on: the same call with the argument check (the default): one fixed-size
+  agreement message before the data.
+
+A batch's time is the slowest rank's. Printed per variant: the best batch (what the call
+costs when the machine lets it run: robust on a shared machine, where other processes take
+the cores) and the median batch, and each one's ratio to mpi4py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tandem as td
+from tandem import runtime
+from tandem.bench.results import write_json
+
+UNITS = {"K": 1 << 10, "M": 1 << 20}
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="4K,16K,64K")
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=100, help="calls per batch")
+    parser.add_argument("--out", default="results/small_messages.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    td.init(backend="mpi")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    engine = runtime.get_backend()
+    state = runtime.state()
+    results = {}
+    for nbytes in map(_size, args.sizes.split(",")):
+        buffer = torch.zeros(nbytes // 4)  # zeros: repeated in-place sums stay finite
+        array = buffer.numpy()
+
+        def now(buffer=buffer):
+            work = engine.allreduce_now(buffer, "sum", None)
+            if work is not None:
+                work.wait(state.timeout)
+
+        variants = {
+            "mpi4py": (None, lambda array=array: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)),
+            "engine": (None, now),
+            "td": (False, lambda buffer=buffer: td.allreduce(buffer, op="sum", inplace=True)),
+            "td+checks": (True, lambda buffer=buffer: td.allreduce(buffer, op="sum", inplace=True)),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.batches):
+            for name, (checks, call) in variants.items():
+                if checks is not None:
+                    state.checks = checks
+                for _ in range(3):
+                    call()
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    call()
+                seconds = (time.perf_counter() - start) / args.calls
+                samples[name].append(comm.allreduce(seconds, op=MPI.MAX))
+        state.checks = True
+        results[nbytes] = {name: {"best": min(s), "median": statistics.median(s)}
+                           for name, s in samples.items()}
+    if td.rank() == 0:
+        print(f"float32 all-reduce (sum, in place), {td.size()} ranks on MPI; per call, slowest "
+              f"rank, {args.batches} batches of {args.calls} calls; ratio = time / mpi4py's")
+        print(f"{'size':>6}  {'variant':<10}{'best us':>9}{'ratio':>7}{'median us':>11}{'ratio':>7}")
+        for nbytes, row in results.items():
+            anchor = row["mpi4py"]
+            for name, timing in row.items():
+                print(f"{nbytes // 1024:>4} K  {name:<10}{timing['best'] * 1e6:>9.1f}"
+                      f"{timing['best'] / anchor['best']:>7.2f}{timing['median'] * 1e6:>11.1f}"
+                      f"{timing['median'] / anchor['median']:>7.2f}")
+        write_json({"config": vars(args), "ranks": td.size(), "seconds_per_call": results},
+                   args.out)
+    td.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,258 @@
+"""Hot paths pay their safety once: operations and host reads counted per training step.
+
+Tensor-parallel layers, `td.Branches` and `td.functional` inside a tensor-parallel model go
+straight to the engine: each forward and each backward opens with one agreement
+(`parallel/model_check.py`), and the layers' collectives follow with no check of their own and
+no tensor read on the host. Counted without patching anything: the operations this rank issued
+are the watchdog's counter (every engine call passes through it), the host reads are the
+`.item()`, `.tolist()` ... calls seen by a torch function mode. With checks off (what NCCL does:
+no agreement there, it would be a host synchronisation) a step reads nothing on the host.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import tandem as td
+from tandem import runtime
+from tandem.testing import run_distributed
+
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None, reason="no mpi4py"))]
+READ_METHODS = {"tolist", "item", "numpy"}  # seen as calls into C, in backward too
+READ_CONVERSIONS = {"__int__", "__float__", "__bool__", "__index__"}  # int(t), if t: ...
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to Python (on a GPU: a device sync).
+
+    `.tolist()`, `.item()` and `.numpy()` are seen by a profile function (autograd runs a CPU
+    backward in the calling thread, where torch function modes are off); `int(t)`, `float(t)`
+    and `bool(t)` by the torch function mode (in forward code)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        return super().__exit__(*exc)
+
+    def _profile(self, frame, event, arg):
+        # (a read in forward code passes through the mode first: counted where it was made)
+        if event == "c_call" and getattr(arg, "__name__", "") in READ_METHODS \
+                and frame.f_code is not HostReads.__torch_function__.__code__:
+            self.seen.append(arg.__name__)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READ_CONVERSIONS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _issued() -> int:
+    return sum(runtime.get_backend().watchdog._issued.values())
+
+
+def _per_step(step) -> tuple[int, list[str]]:
+    """(operations issued, host reads) of one call of `step`."""
+    before = _issued()
+    with HostReads() as reads:
+        step()
+    return _issued() - before, reads.seen
+
+
+class Attention(nn.Module):
+    """Separate q, k, v and o projections (benchmarks/tensor_parallel.py's block)."""
+
+    def __init__(self, embed: int = 8, heads: int = 2):
+        super().__init__()
+        self.head_dim = embed // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(embed, embed) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, embed: int = 8):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(embed), nn.LayerNorm(embed)
+        self.attn = Attention(embed)
+        self.up, self.down = nn.Linear(embed, 4 * embed), nn.Linear(4 * embed, embed)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+PLAN = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+        "up": "colwise", "down": "rowwise"}
+
+
+class HandBuilt(nn.Module):
+    """Two column/row pairs built by hand, not by td.parallelize."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up1, self.down1 = td.ColumnParallelLinear(4, 8), td.RowParallelLinear(8, 4)
+        self.up2, self.down2 = td.ColumnParallelLinear(4, 8), td.RowParallelLinear(8, 2)
+
+    def forward(self, x):
+        return self.down2(torch.relu(self.up2(torch.relu(self.down1(torch.relu(self.up1(x)))))))
+
+
+def _steps(model, x, count: int = 2) -> list[tuple[int, list[str]]]:
+    return [_per_step(lambda: model(x).square().mean().backward()) for _ in range(count)]
+
+
+def check_counts(checks: bool) -> dict:
+    runtime.state().checks = checks  # read when each model is built, as by td.init(checks=)
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, 8)
+        counted = {"block": _steps(td.parallelize(Block(), PLAN), x)}
+        branches = td.Branches([nn.Linear(8, 3), nn.Linear(8, 5)], join="cat")
+        counted["branches"] = _steps(branches, x)
+        counted["hand-built"] = _steps(HandBuilt(), torch.randn(3, 4))
+        y = torch.randn(3, 2, requires_grad=True)
+        counted["functional"] = _steps(lambda t: td.functional.all_reduce(t, "sum"), y, 1)
+    finally:
+        runtime.state().checks = True
+    return counted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_steps_make_the_theoretical_collectives_and_read_nothing(backend):
+    on, off = (run_distributed(check_counts, 2, backend, args=(flag,))[0] for flag in (True, False))
+    # One transformer block: 4 all-reduces (attention and MLP, forward and backward; the
+    # separate q, k and v projections share one), plus one agreement each for the forward and
+    # the backward; the agreements are the step's only host reads.
+    assert on["block"][1] == (6, ["tolist", "tolist"]), on["block"]
+    assert off["block"][1] == (4, []), off["block"]
+    # Branches, join="cat": one all-gather forward (sizes exchanged at the first forward
+    # only), nothing backward.
+    assert on["branches"][1] == (3, ["tolist", "tolist"]), on["branches"]
+    assert off["branches"][0] == (2, ["tolist"]) and off["branches"][1] == (1, []), off["branches"]
+    # Layers built by hand: 3 all-reduces a step (two forward, one backward: the model's input
+    # needs no gradient). Each is checked alone in the first step (2 operations each); from
+    # then on their model's forward and backward open with one agreement each.
+    assert on["hand-built"] == [(6, ["tolist"] * 3), (5, ["tolist"] * 2)], on["hand-built"]
+    assert off["hand-built"] == [(3, []), (3, [])], off["hand-built"]
+    # td.functional outside a tensor-parallel model: checked as td.allreduce is, once per call
+    # forward and backward (sizes never exchanged twice).
+    assert on["functional"] == [(4, ["tolist", "tolist"])], on["functional"]
+    assert off["functional"] == [(2, [])], off["functional"]
+
+
+def _train_hand_built(steps: int = 5):
+    model = HandBuilt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = -1
+    try:
+        for step in range(steps):
+            loss = model(torch.full((3, 4), (step + 1) / 4)).pow(2).mean()
+            if td.rank() == 1 and step == 2:
+                continue  # this rank alone skips backward and step
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    except td.CollectiveMismatchError as error:
+        return step, type(error).__name__, str(error)
+    return None, None, None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_skips_a_step_of_hand_built_layers_is_named(backend):
+    results = run_distributed(_train_hand_built, 2, backend, timeout=120)
+    for step, kind, message in results:
+        assert step in (2, 3) and kind == "DivergedError", (step, kind, message)
+        assert "rank 0: tensor-parallel backward #2 of HandBuilt" in message, message
+        assert "rank 1: tensor-parallel forward #3 of HandBuilt" in message, message
+        assert "td.all_finite" in message, message
+
+
+class Narrowing(nn.Module):
+    """A branch whose output size depends on the data, not on the input's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x[..., : 5 if self.calls < 3 else 4]
+
+
+def check_branch_sizes_that_change_on_one_rank():
+    branches = td.Branches([nn.Linear(8, 3), Narrowing()], join="cat")
+    sizes = []
+    try:
+        for _ in range(3):
+            sizes.append(branches(torch.ones(2, 8)).shape[-1])
+    except td.CollectiveMismatchError as error:
+        return sizes, str(error)
+    return sizes, None
+
+
+def test_branch_sizes_are_exchanged_once_and_a_change_on_some_ranks_is_named():
+    for sizes, message in run_distributed(check_branch_sizes_that_change_on_one_rank, 2):
+        assert sizes == [8, 8], sizes  # the third forward is refused before anything is sent
+        assert "sizes along dim -1 changed on some ranks only" in message, message
+        assert "rank 0: branches 0..0: (2, *) float32; sizes along dim 1: [3, 5]" in message, message
+        assert "rank 1: branches 1..1: (2, *) float32; sizes along dim 1: new" in message, message
+
+
+def check_horovod_costs():
+    import tandem.horovod as hvd
+
+    hvd.init()
+    t = torch.ones(256)
+    hvd.allreduce(t)  # the first call of each kind warms up
+    costs = {}
+    for name, call in [("allreduce", lambda: hvd.allreduce(t, op=hvd.Sum)),
+                       ("allreduce_", lambda: hvd.allreduce_(t.clone())),
+                       ("grouped", lambda: hvd.grouped_allreduce([t, t * 2])),
+                       ("broadcast", lambda: hvd.broadcast(t, root_rank=0)),
+                       ("set", lambda: hvd.allreduce(t, process_set=hvd.global_process_set))]:
+        costs[name] = _per_step(call)[0]
+    x = torch.ones(4, requires_grad=True)
+    costs["differentiable"] = _per_step(lambda: hvd.allreduce(x, op=hvd.Sum).sum().backward())[0]
+    # A rank in hvd.join() meeting another kind of operation: every agreement has one size, so
+    # the active rank's argument check meets the joined rank's answer, and it is named.
+    said = None
+    if hvd.rank() == 0:
+        last = hvd.join()
+    else:
+        try:
+            td.barrier()
+        except td.CollectiveMismatchError as error:
+            said = str(error)
+        last = hvd.join()
+    return costs, said, last
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_horovod_ops_negotiate_once_and_join_answers_the_agreement(backend):
+    for rank, (costs, said, last) in enumerate(run_distributed(check_horovod_costs, 2, backend)):
+        # One negotiation (tandem's agreement) and one message per operation, forward and
+        # backward; never td.allreduce's check on top.
+        assert costs == {"allreduce": 2, "allreduce_": 2, "grouped": 4, "broadcast": 2,
+                         "set": 2, "differentiable": 4}, costs
+        assert last == 1, last  # rank 1 joined last
+        if rank == 1:
+            assert "rank 0: (joined: hvd.join() answers allreduces only)" in said, said
+            assert "rank 1: barrier()" in said, said
