@@ -1,4 +1,5 @@
-"""Per-rank memory and step time: DDP, ZeroOptimizer, td.fully_shard and torch's FSDP2.
+"""Per-rank memory and step time: DDP, ZeroOptimizer, td.fully_shard, torch's FSDP2, td.Pipeline
+and td.parallelize, against the README's "Which wrapper?" formulas.
 
     python benchmarks/sharding.py                           # 1, 2 and 4 ranks, Gloo, CPU
     python benchmarks/sharding.py --ranks 2 --steps 10 --width 256
@@ -10,7 +11,11 @@ the sharded methods, the root last) with Adam, per-rank batch 32, one thread per
 - `zero`: `td.ZeroOptimizer` on `td.DistributedDataParallel`-free plain backward (state 1/N);
 - `fully_shard`: `td.fully_shard` per block and the root (parameters, gradients, state 1/N);
 - `fsdp2`: `torch.distributed.fsdp.fully_shard`, the same wrapping, when it runs on CPU/Gloo
-  (if it does not, its error is reported and the comparison is with DDP).
+  (if it does not, its error is reported and the comparison is with DDP);
+- `pipeline`: `td.Pipeline` over every rank (`balance="params"`, 4 micro-batches): each rank its
+  stage's layers, parameters, gradients and state (the largest stage is the one reported);
+- `tp`: `td.parallelize` over every rank, the blocks' Linear layers in colwise/rowwise pairs
+  (a row-parallel layer keeps its bias whole), the head replicated; every rank the same batch.
 
 Memory per rank is counted from the tensors each method keeps between steps (parameters,
 gradients, optimizer state: CPU has no allocator statistics), and for the sharded methods the
@@ -49,11 +54,26 @@ def model(config: dict) -> nn.Sequential:
 # The README's table: bytes per rank kept between steps, fp32 parameters with Adam (two moments),
 # P parameters over N ranks. The benchmark prints measured / predicted (target within 10 %).
 PREDICTED = {
-    "ddp": lambda p, n: 16 * p,                 # parameters 4P, gradients 4P, Adam 8P
-    "zero": lambda p, n: 8 * p + 8 * p / n,     # parameters and gradients whole, Adam sharded
-    "fully_shard": lambda p, n: 16 * p / n,     # everything sharded (+ padding to a multiple of N)
-    "fsdp2": lambda p, n: 16 * p / n,
+    "ddp": lambda p, n, split: 16 * p,               # parameters 4P, gradients 4P, Adam 8P
+    "zero": lambda p, n, split: 8 * p + 8 * p / n,   # parameters and gradients whole, Adam sharded
+    "fully_shard": lambda p, n, split: 16 * p / n,   # everything sharded (+ padding to N)
+    "fsdp2": lambda p, n, split: 16 * p / n,
+    "pipeline": lambda p, n, split: 16 * p / n,      # balanced stages; layers come whole
+    "tp": lambda p, n, split: 16 * split / n + 16 * (p - split),
 }
+
+
+def tp_plan(config: dict) -> dict[str, str]:
+    """The blocks' Linear layers in colwise/rowwise pairs (an odd last block stays whole)."""
+    pairs = config["blocks"] - config["blocks"] % 2
+    return {f"{i}.0": "colwise" if i % 2 == 0 else "rowwise" for i in range(pairs)}
+
+
+def split_parameters(config: dict) -> int:
+    """P_split of the README's tp row: every split weight, and the column-parallel biases."""
+    width = config["width"]
+    return sum(width * width + (width if style == "colwise" else 0)
+               for style in tp_plan(config).values())
 
 
 def _bytes(tensors) -> int:
@@ -123,6 +143,26 @@ def methods(config: dict) -> tuple[dict, dict, dict]:
     except Exception as error:  # reported in the table, compared with DDP instead
         steps.pop("fsdp2", None)
         errors["fsdp2"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    # pipeline stages and tensor-parallel ranks all see the same batch
+    g = torch.Generator().manual_seed(0)
+    same_x = torch.randn(BATCH, config["width"], generator=g)
+    same_y = torch.randint(0, 10, (BATCH,), generator=g)
+    pipe = td.Pipeline(model(config), chunks=4, balance="params")
+    pipe_optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+
+    def pipeline_step():
+        pipe_optimizer.zero_grad(set_to_none=False)
+        pipe.train_step(same_x, same_y, F.cross_entropy)
+        pipe_optimizer.step()
+    steps["pipeline"], objects["pipeline"] = pipeline_step, (pipe, pipe_optimizer)
+    net = td.parallelize(model(config), tp_plan(config))
+    tp_optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+
+    def tp_step():
+        tp_optimizer.zero_grad(set_to_none=False)
+        F.cross_entropy(net(same_x), same_y).backward()
+        tp_optimizer.step()
+    steps["tp"], objects["tp"] = tp_step, (net, tp_optimizer)
     return steps, objects, errors
 
 
@@ -166,6 +206,7 @@ def main() -> None:
     print(f"{'ranks':>5} {'method':<12} {'state MB/rank':>13} {'predicted':>9} {'meas/pred':>9} "
           f"{'peak MB/rank':>12} {'vs ddp':>7} {'step ms':>8} {'time/ddp':>9} {'time/fsdp2':>10}")
     parameters = sum(p.numel() for p in model(config).parameters())
+    split = split_parameters(config)
     for n in (int(r) for r in args.ranks.split(",")):
         everyone = td.spawn(worker, nprocs=n, args=(config,), backend="gloo")[0]
         rank0 = everyone[0]
@@ -179,7 +220,7 @@ def main() -> None:
                            "memory": [r["methods"][name]["memory"] for r in everyone]}
         for name, row in table.items():
             row["memory_over_ddp"] = row["peak_mb"] / table["ddp"]["peak_mb"]
-            row["predicted_mb"] = PREDICTED[name](parameters, n) / 2**20
+            row["predicted_mb"] = PREDICTED[name](parameters, n, split) / 2**20
             row["measured_over_predicted"] = row["state_mb"] / row["predicted_mb"]
             row["time_over_ddp"] = row["step_ms"] / table["ddp"]["step_ms"]
             if "fsdp2" in table:

@@ -36,7 +36,7 @@ RTOL = 1e-12  # float64 sums in another order: a few units in the last place, fa
 @pytest.fixture(scope="module")
 def cluster():
     try:
-        built = Cluster.up(2)
+        built = Cluster.up(3)  # h3 has no ranks but when it takes a lost host's place
     except Unavailable as reason:
         pytest.skip(f"no network-namespace cluster here: {reason}")
     with built:
@@ -319,6 +319,63 @@ def test_a_host_whose_processes_die_is_named(hosts):
     err = _ends_naming_h2(hosts, lambda _: killed.extend(hosts.kill_processes("h2")))
     assert killed  # the agent, its ssh session and the rank
     assert "its connection closed (its agent exited or was killed)" in err
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_host_with_restarts_left_is_replaced_and_the_job_ends_as_one_process(hosts,
+                                                                                    tmp_path):
+    """`--max-restarts` across hosts: h2's link is cut mid-training; node 1 goes on at h3, the
+    host of -H without ranks, and the job resumes from its checkpoint with the result of one
+    uninterrupted process."""
+    steps = ("--steps", "40")
+    reference = tmp_path / "reference.pt"
+    done = subprocess.run([PYTHON, TRAIN, *steps, "--out", str(reference)], cwd=ROOT,
+                          env=environment(), capture_output=True, text=True, timeout=JOB_S)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "params.pt"
+    job = hosts.popen("h1", PYTHON, "-m", "tandem", "run", "-np", "2", "-H", "h1:1,h2:1,h3:1",
+                      "--max-restarts", "1", TRAIN, *steps, "--step-seconds", "0.1",
+                      "--checkpoint", str(tmp_path / "checkpoints"), "--out", str(out),
+                      env=environment(TANDEM_TIMEOUT=TIMEOUT))
+    lines, errors = Lines(job.stdout), Lines(job.stderr)
+    try:
+        assert lines.wait_for("[0] step 3"), errors.text()[-3000:]
+        hosts.link("h2", up=False)
+        assert errors.wait_for(None, JOB_S), "the job did not end"
+        job.wait(10)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+    stderr = errors.text()
+    assert job.returncode == 0, stderr
+    assert "tandem run: job failed (attempt 1 of 2): node 1 (h2, rank 1) is unreachable" in stderr
+    assert "tandem run: node 1 goes on at h3: starting its agent there" in stderr
+    assert "tandem run: the job succeeded after 1 restart(s)" in stderr
+    _equal_to_one_process(out, torch.load(reference))
+    where = _where(out)  # written by the attempt that finished
+    assert [where[r]["host"] for r in (0, 1)] == ["h1", "h3"], where
+
+
+def test_a_lost_host_without_a_spare_ends_the_job_saying_so(hosts):
+    """The same loss with restarts left but no host to take h2's place: named, not waited on."""
+    job = hosts.popen("h1", PYTHON, "-m", "tandem", "run", "-np", "2", "-H", "h1:1,h2:1",
+                      "--max-restarts", "1", TRAIN, "--steps", "400", "--step-seconds", "0.1",
+                      env=environment(TANDEM_TIMEOUT=TIMEOUT))
+    lines, errors = Lines(job.stdout), Lines(job.stderr)
+    try:
+        assert lines.wait_for("[0] step 3"), errors.text()[-3000:]
+        hosts.link("h2", up=False)
+        assert errors.wait_for(None, JOB_S), "the job did not end"
+        job.wait(10)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+    stderr = errors.text()
+    assert job.returncode == 1, stderr
+    assert "no host of -H/--hostfile is left to take its place (one without ranks and with " \
+           "1 slot(s) or more)" in stderr, stderr
 
 
 @pytest.mark.timeout(150)

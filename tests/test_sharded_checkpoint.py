@@ -116,16 +116,19 @@ def check_bad_inputs(directory: str) -> dict[str, str]:
     return errors
 
 
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.timeout(300)
-def test_resume_on_any_world_size(tmp_path):
-    files = run_distributed(check_save, world_size=2, args=(str(tmp_path),))[0]
+def test_resume_on_any_world_size(tmp_path, backend):
+    files = run_distributed(check_save, world_size=2, backend=backend, args=(str(tmp_path),))[0]
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files  # torch's DCP format
     for world_size in (1, 3):
         for rank, differences in enumerate(run_distributed(check_resume, world_size=world_size,
+                                                           backend=backend,
                                                            args=(str(tmp_path),))):
             for kind, difference in differences.items():
                 assert difference < 1e-5, (world_size, rank, kind, difference)
-    for rank, errors in enumerate(run_distributed(check_bad_inputs, world_size=3, args=(str(tmp_path),))):
+    for rank, errors in enumerate(run_distributed(check_bad_inputs, world_size=3, backend=backend,
+                                                  args=(str(tmp_path),))):
         assert "2.weight: model [6, 5], saved [7, 5]" in errors["model"], (rank, errors["model"])
         assert "__1_0.distcp is missing" in errors["missing"], (rank, errors["missing"])
         assert errors["untouched"], rank

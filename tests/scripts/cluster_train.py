@@ -2,6 +2,7 @@
 
     tandem run -np 4 -H h1:2,h2:2 cluster_train.py --out params.pt     # across hosts
     python cluster_train.py --out reference.pt                          # one process
+    tandem run --max-restarts 1 ... cluster_train.py --checkpoint DIR    # resumes where it was
 
 Every step takes the next `--batch` rows of one fixed data set; each of k ranks trains on its
 1/k of them (float64, mean loss, equal shards), so k ranks end with the parameters of one
@@ -29,6 +30,7 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--batch", type=int, default=32, help="global batch")
 parser.add_argument("--out")
 parser.add_argument("--step-seconds", type=float, default=0.0)
+parser.add_argument("--checkpoint", help="save after every step, resume from the last one")
 args = parser.parse_args()
 
 world = td.init()
@@ -38,15 +40,19 @@ model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
 opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                               named_parameters=model.named_parameters())
 td.broadcast_parameters(model)
+checkpoints = td.Checkpointer(args.checkpoint, every=1, keep=2) if args.checkpoint else None
+start = checkpoints.restore(model=model, optimizer=opt) if checkpoints else 0
 generator = torch.Generator().manual_seed(1)
 x = torch.randn(args.steps * args.batch, 8, generator=generator, dtype=torch.float64)
 y = x.sum(dim=1, keepdim=True).sin()
 share = args.batch // size
-for step in range(args.steps):
+for step in range(start, args.steps):
     rows = slice(step * args.batch + rank * share, step * args.batch + (rank + 1) * share)
     opt.zero_grad()
     nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
     opt.step()
+    if checkpoints:
+        checkpoints.save(step, model=model, optimizer=opt)
     if rank == 0:
         print(f"step {step}", flush=True)
     if args.step_seconds:

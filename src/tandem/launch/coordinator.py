@@ -15,9 +15,14 @@ every node (SIGTERM, then SIGKILL after `STOP_GRACE_S`). When everything is down
 - a rank failed and restarts are left: every agent prints the summary, and the job starts
   again from the top of the script with `TANDEM_RESTART=<attempt>` (`td.Checkpointer` or
   `td.load` continue from the last checkpoint);
-- otherwise (no restarts left, a node is unreachable, or a person pressed Ctrl-C): every agent
-  prints the summary and exits with the failing rank's code (1 for a lost node, 128 + N for
-  signal N).
+- a node was lost (its link cut, its host gone) and restarts are left: the job goes on without
+  it once another agent takes its place, with its node rank and its number of ranks: `-H`
+  starts one on a host of the list that had no ranks (`on_lost`), a `--nnodes` job waits up to
+  the timeout for one to be started by hand (or by the cluster's scheduler); the world keeps
+  its size, so the job resumes from its checkpoint as after any restart;
+- otherwise (no restarts left, a lost node nobody replaced, or a person pressed Ctrl-C): every
+  agent prints the summary and exits with the failing rank's code (1 for a lost node, 128 + N
+  for signal N).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class Coordinator(Agent):
         self.reached: dict[int, str] = {}  # node -> the local address its agent came in at
         self.lost: set[int] = set()  # nodes whose agent went silent or away
         self.on_listening = None  # -H: starts the remote agents once the store port is known
+        # -H: on_lost(node, nproc) starts an agent for a lost node on a spare host and returns
+        # where, or None when no host is left; without it, a replacement is started by hand
+        self.on_lost = None
+        self.replacing: dict[int, int] = {}  # lost node -> the ranks its replacement must run
         self.store = None
         self._server: ControlServer | None = None
         self.run_id = new_run_id()  # TORCHELASTIC_RUN_ID, the same on every node and attempt
@@ -114,16 +123,52 @@ class Coordinator(Agent):
                     self.output.message(f"tandem run: the job succeeded after {attempt} "
                                         f"restart(s)")
                 return self._finish(None, code=self.independent_copies(self.watch))
-            if not failure.restartable or attempt + 1 == attempts:
-                return self._finish(failure, f" (attempt {attempt + 1} of {attempts})"
-                                    if attempts > 1 else "")
-            text = summary(failure, f" (attempt {attempt + 1} of {attempts})")
+            tries = f" (attempt {attempt + 1} of {attempts})" if attempts > 1 else ""
+            last = attempt + 1 == attempts
+            if failure.lost is not None and not last:
+                unreplaced = self._replace(failure, timeout)
+                if unreplaced is not None:
+                    return self._finish(unreplaced, tries)
+            elif not failure.restartable or last:
+                return self._finish(failure, tries)
+            text = summary(failure, tries)
             text += (f"\ntandem run: restarting the whole job: attempt {attempt + 2} of "
                      f"{attempts}, TANDEM_RESTART={attempt + 1}")
             self.output.message(text)
             for peer in self.peers.values():
                 peer.send(("note", {"text": text}))
         raise AssertionError("unreachable")
+
+    def _replace(self, failure: Failure, timeout: float) -> Failure | None:
+        """Let another agent take the lost node's place (same node rank, same number of
+        ranks); None once one has joined, else the failure that ends the job."""
+        node, nproc = failure.node, self.nprocs.get(failure.node, 1)
+        self.peers.pop(node, None)
+        self.nprocs.pop(node, None)
+        self.reached.pop(node, None)
+        self.replacing[node] = nproc
+        lost = summary(failure)
+        if self.on_lost is not None:
+            where = self.on_lost(node, nproc)
+            if where is None:
+                return dataclasses.replace(failure, lost=(
+                    f"{failure.lost}; no host of -H/--hostfile is left to take its place "
+                    f"(one without ranks and with {nproc} slot(s) or more)"))
+            self.output.message(f"{lost}\ntandem run: node {node} goes on at {where}: "
+                                f"starting its agent there")
+        else:
+            self.output.message(
+                f"{lost}\ntandem run: waiting up to {timeout:g} s for an agent to take node "
+                f"{node}'s place: `tandem run --nnodes {self.nnodes} --node-rank {node} "
+                f"--master ... -np {nproc}` on another machine")
+        unjoined = self._gather(timeout)
+        if unjoined is not None:
+            if unjoined.lost is None:  # Ctrl-C while waiting
+                return unjoined
+            return dataclasses.replace(failure, lost=f"{failure.lost}; then {unjoined.lost}")
+        del self.replacing[node]
+        self.lost.discard(node)
+        return None
 
     def _finish(self, failure: Failure | None, attempts: str = "", code: int = 0) -> int:
         text = summary(failure, attempts) if failure is not None else None
@@ -208,6 +253,9 @@ class Coordinator(Agent):
                       f"{self.nnodes}: give every node the same --nnodes")
         elif node in self.nprocs:
             reason = f"node {node} has joined already (two agents with the same --node-rank?)"
+        elif node in self.replacing and hello.get("nproc") != self.replacing[node]:
+            reason = (f"it would run {hello.get('nproc')} rank(s) in place of node {node}, "
+                      f"which ran {self.replacing[node]}: give it -np {self.replacing[node]}")
         if reason is not None:
             try:
                 conn.send(("refused", {"reason": reason}))

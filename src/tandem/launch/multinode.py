@@ -282,27 +282,56 @@ def launch_hosts(config: LaunchConfig) -> int:
     coordinator = Coordinator(local_config, nproc=here, nnodes=nnodes, store=(master_host, port),
                               secret=secret, gloo_interface=gloo_interface(master_host),
                               host=socket.gethostname(), listen=listen)
-    agents: list[subprocess.Popen] = []
+    agents: dict[int, subprocess.Popen] = {}  # node -> its current agent
+    spares = [host for host in config.hosts if host not in {h for h, _ in placed}]
+    store_port = 0
 
-    def start_agents(store_port: int) -> None:
+    def start_agent(node: int, host, count: int) -> None:
+        arguments = ssh.agent_arguments(config, node_rank=node, nnodes=nnodes,
+                                        master=(master_host, store_port), nproc=count)
+        agent = ssh.start_agent(ssh.agent_command(host, arguments, os.getcwd()), secret)
+        agents[node] = agent
+        threading.Thread(target=_report_exit, args=(agent, node, host.name), daemon=True,
+                         name=f"tandem-agent{node}-wait").start()
+
+    def start_agents(port: int) -> None:
+        nonlocal store_port
+        store_port = port
         for node, (host, count) in enumerate(others, start=1):
-            arguments = ssh.agent_arguments(config, node_rank=node, nnodes=nnodes,
-                                            master=(master_host, store_port), nproc=count)
-            agent = ssh.start_agent(ssh.agent_command(host, arguments, os.getcwd()), secret)
-            agents.append(agent)
-            threading.Thread(target=_report_exit, args=(agent, node, host.name), daemon=True,
-                             name=f"tandem-agent{node}-wait").start()
+            start_agent(node, host, count)
+
+    def replace(node: int, count: int) -> str | None:
+        """A lost node's agent goes (its ssh may wait for a host that is gone); a spare host
+        with the slots, reachable over ssh, takes its place."""
+        gone = agents.pop(node, None)  # first, so that its exit is not taken for the new one's
+        if gone is not None:
+            signal_group(gone.pid, signal.SIGKILL)
+        while spares:
+            host = spares.pop(0)
+            if host.slots < count:
+                continue
+            try:
+                ssh.check_reachable(ssh.check_hosts([host]))
+            except LaunchError as error:
+                print(f"tandem run: {error}", file=sys.stderr, flush=True)
+                continue
+            start_agent(node, host, count)
+            return host.name
+        return None
 
     def _report_exit(agent: subprocess.Popen, node: int, name: str) -> None:
         block_agent_signals()
-        coordinator.events.put(("agent-exited", node, name, agent.wait()))
+        code = agent.wait()
+        if agents.get(node) is agent:  # not an agent that another took the place of
+            coordinator.events.put(("agent-exited", node, name, code))
 
     coordinator.on_listening = start_agents
+    coordinator.on_lost = replace
     try:
         return coordinator.run()
     finally:
         deadline = time.monotonic() + AGENTS_EXIT_S
-        for node, agent in enumerate(agents, start=1):
+        for node, agent in agents.items():
             if node in coordinator.lost:  # its ssh may wait for a host that is gone
                 signal_group(agent.pid, signal.SIGKILL)
             try:

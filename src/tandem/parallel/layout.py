@@ -38,7 +38,7 @@ from torch import nn
 
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import SHARD, unit_of
-from tandem.parallel.pieces import Chunk, Held, Placement, flat_placements, whole
+from tandem.parallel.pieces import Chunk, Held, Placement, flat_placements, per_element, whole
 
 __all__ = ["Chunk", "Held", "Placement", "flat_placements", "held", "innermost_optimizer",
            "iter_chunks", "local_state", "optimizer_params", "own_held", "per_element",
@@ -187,13 +187,6 @@ def _zero_params(zero: Any, placements: dict[int, tuple[Placement, ...]]) -> lis
         lo = zero.space.start + zero._view_starts[index]
         out.append((view, zero.space.placements(names, shapes, lo, lo + view.numel(), base=start)))
     return out
-
-
-def per_element(key: str, value: Any, param: torch.Tensor) -> bool:
-    """Optimizer state with one value per parameter element (momentum, Adam's moments), not a
-    scalar such as Adam's step: the one rule every optimizer-state walker uses."""
-    return (isinstance(value, torch.Tensor) and value.shape == param.shape
-            and (param.dim() > 0 or key != "step"))
 
 
 def iter_chunks(h: Held) -> Iterator[tuple[Placement, Chunk]]:

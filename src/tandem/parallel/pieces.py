@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,3 +107,11 @@ def sliced(name: str, local: torch.Tensor, full: tuple[int, ...], first: int, di
     offsets = [0] * len(full)
     offsets[dim] = first
     return Placement(name, full, (Chunk(tuple(offsets), tuple(local.shape), 0),))
+
+
+def per_element(key: str, value: Any, param: torch.Tensor) -> bool:
+    """Optimizer state with one value per parameter element (momentum, Adam's moments), not a
+    scalar such as Adam's step: the one rule every optimizer-state walker uses (checkpoints,
+    ZeroOptimizer's shards, fully_shard's full optimizer state)."""
+    return (isinstance(value, torch.Tensor) and value.shape == param.shape
+            and (param.dim() > 0 or key != "step"))

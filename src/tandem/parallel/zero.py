@@ -54,12 +54,7 @@ from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps
 from tandem.parallel import splits
 from tandem.parallel.flat_shard import FlatShard
-
-
-def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
-    """State that holds one value per parameter element (momentum, moments), not a scalar."""
-    return (isinstance(value, torch.Tensor) and value.shape == param.shape
-            and (param.dim() > 0 or key != "step"))
+from tandem.parallel.pieces import per_element
 
 
 class ZeroOptimizer:
@@ -353,7 +348,7 @@ class ZeroOptimizer:
             elementwise: set[str] = set()
             for p, _, entry in entries:
                 for k, v in (entry or {}).items():
-                    if _is_per_element(k, v, p):
+                    if per_element(k, v, p):
                         elementwise.add(k)
                     else:
                         state.setdefault(k, v)

@@ -204,13 +204,13 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         names_of[i] = names
         entry = state["state"].get(i, {})
         for k, v in entry.items():
-            per_element = isinstance(v, torch.Tensor) and v.shape == p.shape and k != "step"
-            if per_element and unit.size > 1:
+            sharded = layout.per_element(k, v, p)
+            if sharded and unit.size > 1:
                 v = collectives.allgather(v.detach(), group=unit.group)
             offset = 0
             for name, shape in zip(names, unit.shapes, strict=True):
                 n = int(torch.Size(shape).numel())
-                value = v[offset : offset + n].view(shape).clone() if per_element else v
+                value = v[offset : offset + n].view(shape).clone() if sharded else v
                 out.setdefault(name, {})[k] = value
                 offset += n
     groups = [{**g, "params": [name for i in g["params"] for name in names_of[i]]}
