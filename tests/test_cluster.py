@@ -14,16 +14,15 @@ openssh-server). Every test ends with nothing left running on the hosts.
 from __future__ import annotations
 
 import json
-import queue
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from netns_cluster import ROOT, Cluster, Unavailable, environment
+from streams import Lines
 
 PYTHON = sys.executable
 TRAIN = str(ROOT / "tests" / "scripts" / "cluster_train.py")
@@ -87,39 +86,6 @@ def _where(out_file: Path) -> dict[int, dict]:
 def _equal_to_one_process(out_file: Path, reference: torch.Tensor) -> None:
     params = torch.load(out_file)
     assert torch.allclose(params, reference, rtol=RTOL, atol=0), (params - reference).abs().max()
-
-
-class Lines:
-    """A job's output stream, read in a thread, so a test can wait for a line with a deadline."""
-
-    def __init__(self, stream) -> None:
-        self.seen: list[str] = []
-        self._lines: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_for(self, text: str | None, timeout: float = JOB_S) -> bool:
-        """True once a line holding `text` came (`None`: once the stream ended)."""
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                return False
-            if line is None:
-                return text is None
-            self.seen.append(line)
-            if text is not None and text in line:
-                return True
-        return False
-
-    def text(self) -> str:
-        return "".join(self.seen)
 
 
 # --- every way to start a job across hosts, against one process ------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from streams import Lines
 
 from tandem.cli import build_parser, main
 from tandem.launch import LaunchConfig, LaunchError, config_from_args, control, multinode, ssh
@@ -194,6 +197,76 @@ def test_two_agents_train_together_and_a_failure_on_one_stops_both():
         assert ("tandem run: job failed: rank 1 (pid" in err and "node 1 on" in err
                 and "killed by SIGKILL" in err), err
         assert "[1] failing at" in err  # both summaries carry rank 1's last lines
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (ranks run in sessions of their own): a machine
+    that vanished, as the other agents see it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    doomed, todo = [], [pid]
+    while todo:
+        doomed.append(todo.pop())
+        todo.extend(children.get(doomed[-1], []))
+    for victim in doomed:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_node_with_restarts_left_is_replaced_by_an_agent_started_by_hand(tmp_path):
+    """--nnodes with --max-restarts: node 1's machine vanishes mid-training; node 0 waits for an
+    agent with --node-rank 1, one started with another -np is refused, the one started right
+    joins, and the job resumes from its checkpoint with one uninterrupted process's result."""
+    train = str(ROOT / "tests" / "scripts" / "cluster_train.py")
+    steps = ("--steps", "40")
+    reference = tmp_path / "reference.pt"
+    done = subprocess.run([PYTHON, train, *steps, "--out", str(reference)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "params.pt"
+    port = _free_port()
+    args = ("--max-restarts", "1", train, *steps, "--step-seconds", "0.05", "--checkpoint",
+            str(tmp_path / "checkpoints"), "--out", str(out))
+    env = _env(TANDEM_TIMEOUT="30")
+    node0 = _agent(0, port, *args, env=env)
+    node1 = _agent(1, port, *args, env=env)
+    lines, errors = Lines(node0.stdout), Lines(node0.stderr)
+    agents = [node0, node1]
+    try:
+        assert lines.wait_for("[0] step 3"), errors.text()
+        _kill_tree(node1.pid)
+        assert errors.wait_for("for an agent to take node 1's place"), errors.text()
+        wrong = _agent(1, port, "-np", "2", *args, env=env)  # the later -np wins: 2 ranks
+        agents.append(wrong)
+        (code, _, wrong_err), = _finish(wrong)
+        assert code == 2 and "it would run 2 rank(s) in place of node 1, which ran 1: give it " \
+                              "-np 1" in wrong_err, wrong_err
+        replacement = _agent(1, port, *args, env=env)
+        agents.append(replacement)
+        (code1, _, err1), = _finish(replacement)
+        assert errors.wait_for(None), errors.text()
+        node0.wait(30)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_tree(agent.pid)
+                agent.wait(10)
+    stderr = errors.text()
+    assert node0.returncode == 0 and code1 == 0, stderr + err1
+    assert "tandem run: job failed (attempt 1 of 2): node 1 (" in stderr, stderr
+    assert "tandem run: the job succeeded after 1 restart(s)" in stderr, stderr
+    got, expected = torch.load(out), torch.load(reference)
+    assert torch.allclose(got, expected, rtol=1e-12, atol=0), (got - expected).abs().max()
 
 
 @pytest.mark.timeout(120)

@@ -147,20 +147,19 @@ class Coordinator(Agent):
         self.nprocs.pop(node, None)
         self.reached.pop(node, None)
         self.replacing[node] = nproc
-        lost = summary(failure)
         if self.on_lost is not None:
             where = self.on_lost(node, nproc)
             if where is None:
                 return dataclasses.replace(failure, lost=(
                     f"{failure.lost}; no host of -H/--hostfile is left to take its place "
                     f"(one without ranks and with {nproc} slot(s) or more)"))
-            self.output.message(f"{lost}\ntandem run: node {node} goes on at {where}: "
-                                f"starting its agent there")
+            self.output.message(f"tandem run: node {node} goes on at {where}: starting its "
+                                f"agent there")
         else:
             self.output.message(
-                f"{lost}\ntandem run: waiting up to {timeout:g} s for an agent to take node "
-                f"{node}'s place: `tandem run --nnodes {self.nnodes} --node-rank {node} "
-                f"--master ... -np {nproc}` on another machine")
+                f"tandem run: waiting up to {timeout:g} s for an agent to take node {node}'s "
+                f"place: `tandem run --nnodes {self.nnodes} --node-rank {node} --master ... "
+                f"-np {nproc}` on another machine")
         unjoined = self._gather(timeout)
         if unjoined is not None:
             if unjoined.lost is None:  # Ctrl-C while waiting
