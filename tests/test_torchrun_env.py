@@ -136,6 +136,41 @@ def test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun(flags, torchr
         assert torch.equal(mine[name], value), name
 
 
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_the_torchrun_script_on_two_agents_trains_as_under_torchrun(torchrun_parameters,
+                                                                    tmp_path):
+    """One agent per node (`--nnodes 2`, here both on this machine): GROUP_RANK and the ranks'
+    numbering come from node 0's placement, MASTER_PORT from node 0's machine."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "params.pt"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
+         "--master", f"127.0.0.1:{port}", "--secret", "s3cret", "-np", "1", "--require-join",
+         str(SCRIPTS / "torchrun_ddp.py"), "gloo", str(out)],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    results = []
+    try:
+        for agent in agents:
+            results.append(agent.communicate(timeout=JOB_TIMEOUT_S))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(10)
+    assert [agent.returncode for agent in agents] == [0, 0], results
+    assert "[0] rank 0 of 2 on gloo done" in results[0][0], results
+    assert "[1] rank 1 of 2 on gloo done" in results[1][0], results
+    mine = torch.load(out)
+    assert mine.keys() == torchrun_parameters.keys()
+    for name, value in torchrun_parameters.items():
+        assert torch.equal(mine[name], value), name
+
+
 ALONE = "import sys\nprint('alone', sys.argv[1:])\n"
 
 
