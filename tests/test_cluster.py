@@ -317,6 +317,9 @@ def test_a_lost_host_with_restarts_left_is_replaced_and_the_job_ends_as_one_proc
     assert job.returncode == 0, stderr
     assert "tandem run: job failed (attempt 1 of 2): node 1 (h2, rank 1) is unreachable" in stderr
     assert "tandem run: node 1 goes on at h3: starting its agent there" in stderr
+    assert "h3:1 stand(s) by, to take the place of a host that is lost" in stderr
+    # h3's agent prints to this terminal (over ssh): the notes are not sent to it, to be twice
+    assert stderr.count("tandem run: restarting the whole job: attempt 2 of 2") == 1, stderr
     assert "tandem run: the job succeeded after 1 restart(s)" in stderr
     _equal_to_one_process(out, torch.load(reference))
     where = _where(out)  # written by the attempt that finished

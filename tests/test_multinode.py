@@ -138,6 +138,9 @@ def test_bad_host_lists_and_masters_are_named_before_anything_starts(capsys, tmp
         "tandem run: -np 2 fills the first host(s); b:2, c:1 get(s) no rank and no agent (the "
         "hosts offer 5 slots: give -np 5 to use them all)")
     assert ssh.unused(3, (Host("a", 2), Host("b", 2))) is None
+    assert ssh.unused(2, (Host("a", 2), Host("c", 2)), standby=True) == (  # --max-restarts
+        "tandem run: -np 2 fills the first host(s); c:2 stand(s) by, to take the place of a "
+        "host that is lost (--max-restarts)")
     # this machine by address (asked by binding, nothing sent), never by a DNS lookup
     assert Host("127.0.0.1").is_local and Host("127.0.1.1").is_local
     for address in control.local_addresses().values():

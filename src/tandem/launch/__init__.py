@@ -89,7 +89,10 @@ maps or holds open, so never a live job's); `tandem doctor --clean` does the sam
 
 Restarts (launch/coordinator.py): with --max-restarts K a failed job is stopped and started
 again, up to K times, each rank seeing TANDEM_RESTART=<attempt>; td.Checkpointer or
-td.save/td.load resume it. Several nodes (launch/multinode.py): node 0's agent hosts the
+td.save/td.load resume it. A lost node is restarted too, once another agent takes its place
+(same node rank and -np): a host of -H/--hostfile that had no ranks stands by for that, and a
+--nnodes job waits up to the timeout for one started by hand. Several nodes
+(launch/multinode.py): node 0's agent hosts the
 rendezvous at --master and a control plane that authenticates agents with the job's secret
 (--secret / TANDEM_SECRET); a failure on any node stops every node. docs/failures.md shows
 each failure report.

@@ -115,7 +115,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("hostfile", ("--hostfile",), str, "FILE",
            "file with one `host slots=N` per line"),
     Option("max_restarts", ("--max-restarts",), _integer, "K",
-           "when a rank fails, stop every rank and restart the whole job, up to K times"),
+           "when a rank fails or a node is lost, stop every rank and restart the whole job, "
+           "up to K times (a lost node's place goes to a host of -H without ranks, or to an "
+           "agent started with its --node-rank)"),
     Option("nnodes", ("--nnodes",), _integer, "N",
            "machines in the job, each running its own `tandem run` (an agent); default 1"),
     Option("node_rank", ("--node-rank",), _integer, "R",

@@ -77,6 +77,9 @@ class Coordinator(Agent):
         # where, or None when no host is left; without it, a replacement is started by hand
         self.on_lost = None
         self.replacing: dict[int, int] = {}  # lost node -> the ranks its replacement must run
+        # Whether the other agents print the job's notes and summary: on their own machines'
+        # terminals, yes; -H agents' output comes back here over ssh, where it would be twice.
+        self.echo_to_peers = True
         self.store = None
         self._server: ControlServer | None = None
         self.run_id = new_run_id()  # TORCHELASTIC_RUN_ID, the same on every node and attempt
@@ -125,19 +128,23 @@ class Coordinator(Agent):
                 return self._finish(None, code=self.independent_copies(self.watch))
             tries = f" (attempt {attempt + 1} of {attempts})" if attempts > 1 else ""
             last = attempt + 1 == attempts
-            if failure.lost is not None and not last:
+            replaceable = failure.lost is not None and not last
+            if not replaceable and (not failure.restartable or last):
+                return self._finish(failure, tries)
+            self._say(summary(failure, tries))
+            if replaceable:
                 unreplaced = self._replace(failure, timeout)
                 if unreplaced is not None:
                     return self._finish(unreplaced, tries)
-            elif not failure.restartable or last:
-                return self._finish(failure, tries)
-            text = summary(failure, tries)
-            text += (f"\ntandem run: restarting the whole job: attempt {attempt + 2} of "
-                     f"{attempts}, TANDEM_RESTART={attempt + 1}")
-            self.output.message(text)
-            for peer in self.peers.values():
-                peer.send(("note", {"text": text}))
+            self._say(f"tandem run: restarting the whole job: attempt {attempt + 2} of "
+                      f"{attempts}, TANDEM_RESTART={attempt + 1}")
         raise AssertionError("unreachable")
+
+    def _say(self, text: str) -> None:
+        """Print on this node, and on the others' terminals when they have their own."""
+        self.output.message(text)
+        for peer in self.peers.values() if self.echo_to_peers else ():
+            peer.send(("note", {"text": text}))
 
     def _replace(self, failure: Failure, timeout: float) -> Failure | None:
         """Let another agent take the lost node's place (same node rank, same number of
@@ -153,10 +160,9 @@ class Coordinator(Agent):
                 return dataclasses.replace(failure, lost=(
                     f"{failure.lost}; no host of -H/--hostfile is left to take its place "
                     f"(one without ranks and with {nproc} slot(s) or more)"))
-            self.output.message(f"tandem run: node {node} goes on at {where}: starting its "
-                                f"agent there")
+            self._say(f"tandem run: node {node} goes on at {where}: starting its agent there")
         else:
-            self.output.message(
+            self._say(
                 f"tandem run: waiting up to {timeout:g} s for an agent to take node {node}'s "
                 f"place: `tandem run --nnodes {self.nnodes} --node-rank {node} --master ... "
                 f"-np {nproc}` on another machine")
@@ -173,7 +179,8 @@ class Coordinator(Agent):
         text = summary(failure, attempts) if failure is not None else None
         code = failure.code if failure is not None else code
         waiting = {node for node, peer in self.peers.items()
-                   if peer.send(("finish", {"code": code, "summary": text}))}
+                   if peer.send(("finish", {"code": code,
+                                            "summary": text if self.echo_to_peers else None}))}
         if text:
             self.output.message(text)
         # Let the agents read it and hang up first: closing a socket with unread input resets

@@ -268,7 +268,7 @@ def launch_hosts(config: LaunchConfig) -> int:
     listen = listen_address(config.master, nnodes) if config.master is not None else None
     addresses = ssh.check_hosts([host for host, _ in placed])
     ssh.check_reachable(addresses)
-    note = ssh.unused(config.np, config.hosts)
+    note = ssh.unused(config.np, config.hosts, standby=config.max_restarts > 0)
     if note:
         print(note, file=sys.stderr, flush=True)
     remote = next((h for h, _ in others if not h.is_local), None)
@@ -327,6 +327,7 @@ def launch_hosts(config: LaunchConfig) -> int:
 
     coordinator.on_listening = start_agents
     coordinator.on_lost = replace
+    coordinator.echo_to_peers = False
     try:
         return coordinator.run()
     finally:

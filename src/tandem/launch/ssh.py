@@ -55,13 +55,17 @@ def place(np: int, hosts: Sequence[Host]) -> list[tuple[Host, int]]:
     return placed
 
 
-def unused(np: int, hosts: Sequence[Host]) -> str | None:
-    """A note naming the hosts that `place` gives no rank (more slots than -np), or None."""
+def unused(np: int, hosts: Sequence[Host], standby: bool = False) -> str | None:
+    """A note naming the hosts that `place` gives no rank (more slots than -np), or None.
+    `standby` (restarts allowed): they take the place of a host that is lost."""
     placed = {host for host, _ in place(np, hosts)}
     idle = [host for host in hosts if host not in placed]
     if not idle:
         return None
     names = ", ".join(f"{host.name}:{host.slots}" for host in idle)
+    if standby:
+        return (f"tandem run: -np {np} fills the first host(s); {names} stand(s) by, to take "
+                f"the place of a host that is lost (--max-restarts)")
     total = sum(host.slots for host in hosts)
     return (f"tandem run: -np {np} fills the first host(s); {names} get(s) no rank and no "
             f"agent (the hosts offer {total} slots: give -np {total} to use them all)")
