@@ -195,10 +195,13 @@ def test_after_td_init_torch_libraries_find_the_job(launch):
 
 @needs_mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for():
+@pytest.mark.parametrize("ending", ["destroy", "no-destroy"])
+def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for(ending):
     """torch alone waits 30 minutes; tandem's watchdog names both ranks within seconds (the
-    report is the desync's, not the timeout's: TANDEM_TIMEOUT is far away)."""
-    done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", TANDEM_TIMEOUT="120")
+    report is the desync's, not the timeout's: TANDEM_TIMEOUT is far away), also when the
+    script never calls destroy_process_group() (the rank leaves the job at exit)."""
+    done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "last", ending,
+                      TANDEM_TIMEOUT="120")
     assert done.returncode == 1, done.stdout + done.stderr
     text = done.stdout + done.stderr
     assert "tandem watchdog: desync: a rank waits for a peer that has left the job" in text, text
@@ -206,14 +209,69 @@ def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for():
     assert "tandem watchdog: ending the job from rank 0: desync among ranks 0, 1" in text
 
 
+@needs_mpi
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named():
+    """Rank 0's checked all_reduce meets rank 1's next DDP reduction (unchecked: DDP's shapes
+    come from its buckets): the argument check sees other codes and ends the job at once."""
+    done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "mid",
+                      TANDEM_TIMEOUT="120")
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = done.stdout + done.stderr
+    assert "DivergedError: rank 0: the ranks disagreed" in text, text
+    assert "tandem run: job failed: rank 0" in text, text
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_a_skipped_all_reduce_on_gloo_stops_the_job():
     """On Gloo the mismatched sizes abort a rank (Gloo's own check); the job stops with it."""
     done = tandem_run("-np", "2", "--backend", "gloo", str(SCRIPTS / "torch_skip.py"), "tandem",
-                      TANDEM_TIMEOUT="120")
+                      "mid", TANDEM_TIMEOUT="120")
     assert done.returncode != 0, done.stdout + done.stderr
     assert "tandem run: job failed: rank" in done.stderr
     assert "collective mismatch" in done.stdout + done.stderr
+
+
+MISMATCHES = {
+    "shape": ("t = torch.ones(2 + rank); dist.all_reduce(t)",
+              ["rank 0: all_reduce(shape=(2,), dtype=float32, op='sum')",
+               "rank 1: all_reduce(shape=(3,), dtype=float32, op='sum')"]),
+    "op": ("t = torch.ones(2); dist.all_reduce(t, op=dist.ReduceOp.MAX if rank else "
+           "dist.ReduceOp.AVG)",
+           ["rank 0: all_reduce(shape=(2,), dtype=float32, op='avg')",
+            "rank 1: all_reduce(shape=(2,), dtype=float32, op='max')"]),
+    "root": ("t = torch.ones(2); dist.broadcast(t, src=rank)",
+             ["rank 0: broadcast(shape=(2,), dtype=float32, root=0)",
+              "rank 1: broadcast(shape=(2,), dtype=float32, root=1)"]),
+    "gather": ("dist.all_gather_into_tensor(torch.zeros(2 * (rank + 1)), torch.ones(rank + 1))",
+               ["rank 0: all_gather_into_tensor(shape=(1,), dtype=float32)",
+                "rank 1: all_gather_into_tensor(shape=(2,), dtype=float32)"]),
+}
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_torch_calls_with_different_arguments_are_named_never_garbage(engine, tmp_path):
+    """dist.* calls from a script are user-facing collectives: checked before they send (MPI
+    would otherwise sum a 2-element tensor with a 3-element one, or a float32 with a float64,
+    and every rank would print garbage with rc 0)."""
+    if engine == "mpi" and not HAVE_MPI:
+        pytest.skip("the MPI engine needs mpi4py")
+    for case, (call, lines) in MISMATCHES.items():
+        script = tmp_path / f"{case}.py"
+        script.write_text("import torch, torch.distributed as dist, tandem\n"
+                          "dist.init_process_group('tandem')\n"
+                          "rank = dist.get_rank()\n"
+                          f"{call}\n"
+                          "print('sent', t if 't' in dir() else None, flush=True)\n")
+        done = tandem_run("-np", "2", "--backend", engine, str(script), TANDEM_TIMEOUT="60")
+        text = done.stdout + done.stderr
+        assert done.returncode == 1, (case, text)
+        assert "CollectiveMismatchError: ranks called a collective with different arguments " \
+               "(nothing was sent)" in text, (case, text)
+        for line in lines:
+            assert line in text, (case, line, text)
+        assert "sent" not in done.stdout, (case, text)
 
 
 # --- bad input, one process ------------------------------------------------------------------

@@ -84,10 +84,13 @@ def agree(
     op: str | None = None,
     root: int | None = None,
     ignore_dim0: bool = False,
+    engine: context.Context | None = None,
 ) -> None:
-    """Raise `CollectiveMismatchError` on every rank unless all ranks pass the same arguments."""
-    engine = context.current()
-    if not (engine.checks or engine.debug) or group_size(group) == 1:
+    """Raise `CollectiveMismatchError` on every rank unless all ranks pass the same arguments.
+
+    `engine`: the engine to check over, when not td.init's (a torch.distributed group's)."""
+    engine = engine or context.current()
+    if not (engine.checks or engine.debug) or group_size(group, engine) == 1:
         return
     if not engine.debug:  # the same codes whenever this collective meets this shape again
         prepared = _prepared(collective, tensor, op, root, ignore_dim0)
@@ -152,7 +155,7 @@ def _warn_sites(mine: str, group, engine: context.Context, sites: tuple[int, int
         return
     _warned_sites.add(sites)
     calls = agreement.everyone(mine, group, engine)
-    ranks = group_ranks(group)
+    ranks = group_ranks(group, engine)
     if engine.world.rank == ranks[0]:
         print(f"tandem debug: ranks reached one collective from different lines:\n"
               f"{_lines(ranks, calls)}\nFine if the code branches on the rank; otherwise a rank "
@@ -163,7 +166,8 @@ def _warn_sites(mine: str, group, engine: context.Context, sites: tuple[int, int
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
-def agree_on_call(collective: str, group=None, tensor: torch.Tensor | None = None) -> None:
+def agree_on_call(collective: str, group=None, tensor: torch.Tensor | None = None,
+                  engine: context.Context | None = None) -> None:
     """Check that every rank is in this same collective (`barrier`, `allgather_object`)."""
     agree(collective, _NOTHING if tensor is None else tensor, group,
-          ignore_dim0=tensor is not None)
+          ignore_dim0=tensor is not None, engine=engine)

@@ -9,6 +9,13 @@ arguments (lists of tensors, group-local roots, `ReduceOp`s) into one call of ta
 protocol (`backend.Backend`: global roots, in place, contiguous) on the engine `td.init` or
 `init_process_group` created, already wrapped by the watchdog, and returns a `TandemWork`.
 
+Argument checks: a blocking call from torch's Python API (`dist.all_reduce(t)`, the user's own
+collective) first runs tandem's argument check (`comm.checks`: one small agreement; shapes,
+dtypes, ops and roots that differ between ranks are an error naming each rank's call, never
+garbage), unless checks are off (`TANDEM_CHECKS=0`, `td.init(checks=False)`). What DDP, FSDP2,
+DTensor and pipelining send (asynchronous work, shapes known from their layouts) and
+`async_op=True` calls go straight to the engine, as tandem's own hot paths do.
+
 Sub-groups: torch hands `new_group` to the default group itself when that group has a
 `new_group` method, on every rank of the world, members or not; here that call is agreed
 first (`groups.agree_on`: a rank that asks for other ranks is named, never a hang inside the
@@ -23,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.comm import groups
+from tandem import settings
+from tandem.comm import checks, context, groups
 from tandem.comm.backend import Backend, Group, Work, on_wire
 from tandem.comm.torch_work import TandemWork, UnsupportedOperation, reduce_op
 
@@ -41,7 +49,8 @@ class EngineContext:
     def __init__(self, engine: Backend, timeout: float, device: torch.device) -> None:
         self.world = Place(engine.rank, engine.size, device)
         self.backend, self.timeout = engine, timeout
-        self.checks, self.debug = True, False
+        chosen = settings.current()
+        self.checks, self.debug = chosen.checks, chosen.debug
 
 
 def _blocking(opts: Any) -> bool:
@@ -99,6 +108,22 @@ class TandemProcessGroup(dist.ProcessGroup):
         buffer = on_wire(tensor, self.engine, keep_values=keep).contiguous()
         return buffer, (lambda: tensor.copy_(buffer))
 
+    def _check(self, opts: Any, collective: str, tensor: torch.Tensor | None = None, *,
+               op: str | None = None, root: int | None = None, ignore_dim0: bool = False) -> None:
+        """The argument check of a blocking call from torch's Python API (the module docstring
+        says why only those)."""
+        if not _blocking(opts) or len(self.members) == 1:
+            return
+        if context.installed() and context.current().backend is self.engine:
+            engine = context.current()  # td.init's, with its checks and debug switches
+        else:
+            engine = EngineContext(self.engine, self._timeout, self._device)
+        if tensor is None:
+            checks.agree_on_call(collective, self.group, engine=engine)
+        else:
+            checks.agree(collective, tensor, self.group, op=op, root=root,
+                         ignore_dim0=ignore_dim0, engine=engine)
+
     def _flat(self, n: int, like: torch.Tensor) -> torch.Tensor:
         device = like.device if self.engine.supports_device(like.device) else self.engine.staging_device
         return torch.empty(n, dtype=like.dtype, device=device)
@@ -124,6 +149,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         blocking = _blocking(opts)
         for tensor in tensors:
             name, mean = reduce_op(_op(opts), tensor.dtype, "all_reduce")
+            self._check(opts, "all_reduce", tensor, op="avg" if mean else name)
             buffer, back = self._wire(tensor)
             if blocking:  # small messages finish on the spot (`Backend.allreduce_now`)
                 work = self.engine.allreduce_now(buffer, name, self.group)
@@ -143,6 +169,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         (tensor,) = tensors
         name, mean = reduce_op(_op(opts), tensor.dtype, "reduce")
         root = self._global(opts.rootRank, "dst")
+        self._check(opts, "reduce", tensor, op="avg" if mean else name, root=root)
         buffer, back = self._wire(tensor)
         work = self.engine.reduce(buffer, root, name, self.group)
         mine = root == self.engine.rank
@@ -164,6 +191,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         if input.numel() != output.numel() * len(self.members):
             raise ValueError(f"{collective}: the input has {input.numel()} elements; it must have "
                              f"{len(self.members)} x the output's {output.numel()}")
+        self._check(opts, collective, input, op="avg" if mean else name)
         source, _ = self._wire(input)
         buffer, back = self._wire(output, keep=False)
         work = self.engine.reducescatter_into(buffer.view(-1), source.reshape(-1), name, self.group)
@@ -184,6 +212,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         root = self._global(opts.rootRank if opts is not None else 0, "src")
         works, steps = [], []
         for tensor in tensors:
+            self._check(opts, "broadcast", tensor, root=root)
             mine = root == self.engine.rank
             buffer, back = self._wire(tensor, keep=mine)
             works.append(self.engine.broadcast(buffer, root, self.group))
@@ -194,6 +223,7 @@ class TandemProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> TandemWork:
         (parts,), (input,) = outputs, inputs
         self._check_parts("all_gather", parts, input)
+        self._check(opts, "all_gather", input)
         flat = self._flat(len(parts) * input.numel(), input)
         source, _ = self._wire(input)
         work = self.engine.allgather_into(flat, source.reshape(-1), self.group)
@@ -221,6 +251,7 @@ class TandemProcessGroup(dist.ProcessGroup):
         if output.numel() != input.numel() * len(self.members):
             raise ValueError(f"all_gather_into_tensor: the output has {output.numel()} elements; "
                              f"it must have {len(self.members)} x the input's {input.numel()}")
+        self._check(opts, "all_gather_into_tensor", input)
         source, _ = self._wire(input)
         buffer, back = self._wire(output, keep=False)
         work = self.engine.allgather_into(buffer.view(-1), source.reshape(-1), self.group)
@@ -244,6 +275,7 @@ class TandemProcessGroup(dist.ProcessGroup):
                opts: Any = None) -> TandemWork:
         (input,) = inputs
         root = self._global(opts.rootRank, "dst")
+        self._check(opts, "gather", input, root=root)
         source, _ = self._wire(input)
         if root != self.engine.rank:
             work = self.engine.gather(None, source.reshape(-1), root, self.group)
@@ -258,6 +290,7 @@ class TandemProcessGroup(dist.ProcessGroup):
                 opts: Any = None) -> TandemWork:
         (output,) = outputs
         root = self._global(opts.rootRank, "src")
+        self._check(opts, "scatter", output, root=root)
         flat = None
         if root == self.engine.rank:
             self._check_parts("scatter", inputs[0], output)
@@ -270,6 +303,7 @@ class TandemProcessGroup(dist.ProcessGroup):
                           output_splits: list[int], input_splits: list[int],
                           opts: Any = None) -> TandemWork:
         n = len(self.members)
+        self._check(opts, "all_to_all_single", input, ignore_dim0=True)  # splits may differ
         output_splits = list(output_splits) or [output.shape[0] // n] * n
         input_splits = list(input_splits) or [input.shape[0] // n] * n
         source, _ = self._wire(input)
@@ -315,6 +349,7 @@ class TandemProcessGroup(dist.ProcessGroup):
             "watchdog must know whom a receive waits for. Pass src=, e.g. dist.recv(t, src=0)")
 
     def barrier(self, opts: Any = None) -> TandemWork:
+        self._check(opts, "barrier")
         return self._work([self.engine.barrier(self.group)], [], opts=opts)
 
     # -- groups and lifetime --------------------------------------------------------------

@@ -20,6 +20,7 @@ over by `td.init` (`handover`), so both sides use one engine; `default_engine()`
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import importlib.util
@@ -93,8 +94,15 @@ def _engine(kind: str, job: JobEnvironment, store: Any, timeout: float) -> Backe
 
 def _group(engine: Backend, name: str, timeout: float, device: torch.device,
            owned: bool) -> TandemProcessGroup:
-    return TandemProcessGroup(engine, None, name, timeout, device,
-                              owner=engine.shutdown if owned else None)
+    group = TandemProcessGroup(engine, None, name, timeout, device,
+                               owner=engine.shutdown if owned else None)
+    if owned:
+        # A script that never calls destroy_process_group() still leaves the job at exit, as
+        # td.init's do: the watchdog tells the peers (a rank still waiting in a collective it
+        # skipped is named at once, not at the timeout). Registered after MPI's exit guard, so
+        # it runs first; shutdown() is idempotent.
+        atexit.register(group.shutdown)
+    return group
 
 
 def _subgroup_refused(name: str) -> UnsupportedOperation:
@@ -191,6 +199,9 @@ def guarded_init(backend: Any = None, init_method: str | None = None, timeout: A
             f"torch.distributed with backend {running!r} on the same world. Drop the "
             f"init_process_group call (torch.distributed works as it is), or ask td.init for "
             f"the backend you want before anything else (td.init(backend=...)).")
+    if asked in ("tandem", "mpi") and timeout is None:
+        # torch's own default is 30 minutes; tandem's waits end at TANDEM_TIMEOUT (300 s)
+        timeout = timedelta(seconds=settings.current().timeout_s)
     if asked == "tandem" and store is None and init_method in (None, "env://") \
             and rank == -1 and world_size == -1 and "RANK" not in os.environ:
         job = environments.detect()  # mpiexec, SLURM... or a world of one
