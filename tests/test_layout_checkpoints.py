@@ -198,7 +198,7 @@ def test_bad_restores_name_the_problem_on_every_rank_and_load_nothing(tmp_path, 
         assert "in the checkpoint but not in the model: 4.weight [6, 6], 4.bias [6]" in errors["names"]
         assert "different shapes: 2.weight: model [8, 12], saved [6, 12]" in errors["names"], errors
         assert "Nothing was loaded" in errors["names"], errors
-        assert "saved from a SGD (torch.optim.sgd.SGD) but is restored into a Adam" in \
+        assert "saved from SGD (torch.optim.sgd.SGD) but is restored into Adam" in \
             errors["optimizer"], errors
         assert errors["untouched"] == "True", rank
         assert "__1_0.distcp is missing" in errors["missing"], errors

@@ -292,12 +292,12 @@ def load_sharded(path: str | os.PathLike, **objects: Any) -> dict[str, Any]:
                 saved_type = saved_kinds[name][1]
                 mine = _type_name(obj)
                 if saved_type != mine:
-                    raise TypeError(f"{name!r} was saved from a {saved_type.rsplit('.', 1)[-1]} "
-                                    f"({saved_type}) but is restored into a "
+                    raise TypeError(f"{name!r} was saved from {saved_type.rsplit('.', 1)[-1]} "
+                                    f"({saved_type}) but is restored into "
                                     f"{mine.rsplit('.', 1)[-1]} ({mine}): build the optimizer the "
                                     f"checkpoint was saved with")
     except (KeyError, TypeError) as error:
-        problem = str(error).strip("'\"")
+        problem = str(error.args[0]) if error.args else str(error)  # KeyError's str() quotes it
     files.settle(problem, f"cannot load checkpoint {str(path)!r}")
     for name, obj in objects.items():
         if is_model(obj):

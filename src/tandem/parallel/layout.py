@@ -150,8 +150,14 @@ def optimizer_params(optimizer: Any, models: Iterable[Any]) -> tuple[Any, Params
     for model in models:
         for h in held(model):
             placements[id(h.tensor)] = h.placements
-    while isinstance(optimizer, LocalSGD):
-        optimizer = optimizer.optimizer
+    if isinstance(optimizer, LocalSGD):
+        raise ValueError(
+            "a td.LocalSGD run cannot be checkpointed with td.Checkpointer / td.save_sharded: "
+            "between its averagings every rank holds its own parameters and optimizer state, "
+            "and a checkpoint keeps one copy of each tensor, so a restored run would go on from "
+            "one replica (another run). Save every rank's own state instead, e.g. "
+            "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}, "
+            "f'ckpt-rank{td.rank()}.pt'), and load it on the same number of ranks")
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.optimizer, _zero_params(optimizer, placements)
     inner = innermost_optimizer(optimizer)

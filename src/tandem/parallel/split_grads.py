@@ -12,6 +12,9 @@ one-process tensor by reducing over the group that holds its pieces:
 - a fully_shard shard: over the unit's group (every rank holds the same units, in order);
 - a tensor-parallel slice or a `Branches` branch: over the tensor-parallel group.
 
+A `ZeroOptimizer`'s gradient is this rank's own until its `step()` averages it: its norm is
+refused with the fix, `opt.clip_grad_norm_(max_norm)`.
+
 Every rank of that group must call the norm, as every rank calls `clip_grad_norm_` in a data
 parallel script. A pipeline stage's gradients cannot be matched tensor by tensor across stages
 (each stage holds other tensors): their norm is refused with the fix, `td.clip_grad_norm_(pipe)`.
@@ -52,9 +55,10 @@ def as_split_grad(grad: torch.Tensor, split: splits.Split) -> torch.Tensor:
     return out
 
 
-def mark_grads(param: torch.Tensor) -> None:
-    """From now on, `param`'s gradient (as autograd accumulates it) is a `SplitGrad`."""
-    split = splits.split_of(param)
+def mark_grads(param: torch.Tensor, split: splits.Split | None = None) -> None:
+    """From now on, `param`'s gradient (as autograd accumulates it) is a `SplitGrad` (of
+    `split`, by default the registry's)."""
+    split = split or splits.split_of(param)
 
     def wrap(p: torch.Tensor) -> None:
         if p.grad is not None and type(p.grad) is not SplitGrad:
@@ -89,6 +93,11 @@ def _global_norm(tensor: Any, order: float) -> torch.Tensor:
     split = getattr(tensor, "split", None)
     if split is None or not runtime.is_initialized():
         return torch.linalg.vector_norm(plain, order)
+    if split.kind == splits.ZERO:
+        raise ValueError(
+            "torch's norm of a ZeroOptimizer's gradient sees this rank's own gradient, which "
+            "step() averages only later: clip with opt.clip_grad_norm_(max_norm) (or "
+            "td.clip_grad_norm_(model, max_norm)), which clips the averaged gradient")
     if split.kind == splits.PIPELINE:
         raise ValueError(
             "torch's norm of a pipeline stage's gradient sees that stage's tensors only, and the "

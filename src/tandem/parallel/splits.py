@@ -28,6 +28,10 @@ FULLY_SHARD = "fully_shard"
 TENSOR_PARALLEL = "tensor parallel"
 PIPELINE = "pipeline"  # a stage's own parameters; the group is the pipeline's
 REPLACED = "replaced"
+# A ZeroOptimizer's parameter: replicated, but its .grad is this rank's own until step()
+# averages it. Never registered (the parameter is whole); only its gradient says so, to
+# torch's norms (`split_grads`).
+ZERO = "ZeroOptimizer"
 
 
 class Split(NamedTuple):

@@ -40,11 +40,13 @@ every rank); `td.broadcast_optimizer_state` is not needed.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem import runtime
 from tandem.comm import collectives
@@ -55,6 +57,15 @@ from tandem.diagnostics import steps
 from tandem.parallel import splits
 from tandem.parallel.flat_shard import FlatShard
 from tandem.parallel.pieces import per_element
+from tandem.parallel.split_grads import mark_grads
+
+_OWNERS = WeakIdKeyDictionary()  # parameter -> weakref to the ZeroOptimizer that holds it
+
+
+def owner_of(param: torch.Tensor) -> ZeroOptimizer | None:
+    """The ZeroOptimizer whose parameter this is (its gradient is averaged only by step())."""
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
 
 
 class ZeroOptimizer:
@@ -81,6 +92,10 @@ class ZeroOptimizer:
             raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
         self.optimizer = optimizer
         splits.accounted_elsewhere(optimizer)  # this class records its steps itself
+        for p in (q for g in optimizer.param_groups for q in g["params"]):
+            _OWNERS[p] = weakref.ref(self)  # td.clip_grad_norm_(model) clips through this
+            if p.requires_grad:  # torch's own clip_grad_norm_ is refused with the fix
+                mark_grads(p, splits.Split(splits.ZERO, group))
         self.group = group
         self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
         self._flat: torch.Tensor | None = None

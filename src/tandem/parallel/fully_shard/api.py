@@ -36,7 +36,7 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.comm.groups import Group, group_ranks, group_size
+from tandem.comm.groups import Group, group_ranks
 from tandem.parallel import layout, model_check, splits, state_hooks
 from tandem.parallel.fully_shard import fsdp2_methods
 from tandem.parallel.fully_shard.pieces import UnitPieces
@@ -103,6 +103,9 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
+    zero = _zero_owner(params)
+    if zero is not None:  # its gradients are each rank's own until it averages them
+        return zero.clip_grad_norm_(max_norm, norm_type)
     device = params[0].grad.device if params else torch.device("cpu")
     inf = norm_type == float("inf")
 
@@ -138,6 +141,22 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     return total
 
 
+def _zero_owner(params: list[torch.Tensor]) -> Any:
+    """The ZeroOptimizer that holds every one of `params`, None when none holds any; an error
+    when only some are, or by several (no one norm of the averaged gradient to take)."""
+    from tandem.parallel.zero import owner_of
+
+    owners = [owner_of(p) for p in params]
+    if all(owner is None for owner in owners):
+        return None
+    if any(owner is None for owner in owners) or len({id(owner) for owner in owners}) > 1:
+        raise ValueError(
+            "td.clip_grad_norm_: some of these parameters belong to a ZeroOptimizer (their "
+            ".grad is this rank's own until its step() averages it) and some do not, or to "
+            "several: clip each ZeroOptimizer with opt.clip_grad_norm_(max_norm)")
+    return owners[0]
+
+
 def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     """The ordinary state dict of the unsplit model, on every rank (collective): a model sharded
     by `fully_shard` or split by `td.parallelize` (`model.state_dict()`, whose hooks gather the
@@ -145,13 +164,7 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     (every stage's entries, gathered over the pipeline's ranks)."""
     stage = getattr(model, "stage", None)
     if isinstance(stage, nn.Module) and not isinstance(model, nn.Module):  # a td.Pipeline
-        mine = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
-        merged: dict[str, torch.Tensor] = {}
-        group = model._group
-        for part in (collectives.allgather_object(mine, group=group) if group_size(group) > 1
-                     else [mine]):
-            merged.update(part)
-        return merged
+        return model.state_dict()  # every stage's entries, gathered (copies already)
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 

@@ -52,9 +52,10 @@ import torch
 from torch import nn
 
 from tandem import runtime
+from tandem.comm import collectives
 from tandem.comm.agreement import DivergedError
 from tandem.comm.backend import on_wire
-from tandem.comm.groups import Group, group_rank, group_ranks
+from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
 from tandem.parallel import model_check, split_grads, splits
 from tandem.parallel.pipeline import balance as balancing
@@ -159,8 +160,22 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.parameters()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's own entries, under the whole model's names."""
         return {self._prefix + k: v for k, v in self.stage.state_dict().items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, every stage's entries gathered (collective: every
+        rank of the pipeline calls it), as `model.state_dict()` of a fully_shard or
+        tensor-parallel model is; never one stage's alone (`local_state_dict()` is that)."""
+        mine = {key: value.detach().cpu().clone()
+                for key, value in self.local_state_dict().items()}
+        if group_size(self._group) == 1:
+            return mine
+        merged: dict[str, torch.Tensor] = {}
+        for part in collectives.allgather_object(mine, group=self._group):
+            merged.update(part)
+        return merged
 
     @property
     def is_first(self) -> bool:
