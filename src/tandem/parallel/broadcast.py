@@ -87,7 +87,7 @@ def broadcast_parameters(
             f"tensor-parallel slice of {mixed[0]!r} onto ranks that hold other slices, "
             f"corrupting the model: broadcast within the ranks that hold the same slices, "
             f"td.broadcast_parameters(model, group=mesh.dp_group) (parallelize already made "
-            f"every slice from the one-process layer)")
+            f"every slice from its tensor-parallel group's first rank's layer)")
     if group_size(group) == 1:
         return
     agree_layout("broadcast_parameters", describe_tensors(named), group)

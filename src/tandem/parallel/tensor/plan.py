@@ -38,7 +38,8 @@ from torch import nn
 from tandem.comm import agreement, context
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_ranks, group_size
-from tandem.parallel import model_check
+from tandem.parallel import model_check, splits
+from tandem.parallel.broadcast import broadcast_parameters
 from tandem.parallel.tensor import guard
 from tandem.parallel.tensor.attention import ParallelSelfAttention
 from tandem.parallel.tensor.layers import (
@@ -85,6 +86,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None =
     agreement.agree_layout("tensor-parallel plan", layout, group, always=True)
     split = {name: modules[name].out_features for name, style in plan.items() if style == "colwise"}
     _refuse_plain_consumers(model, plan, split, group_size(group))
+    _same_start(model, group)
     for name, style in plan.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -93,6 +95,17 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None =
     model_check.watch(model, "tensor-parallel", layout, group, explain_inputs=guard.explain_inputs)
     guard.cover(model, group, None)  # its layers' collectives then go straight to the engine
     return model
+
+
+def _same_start(model: nn.Module, group: Group | None) -> None:
+    """Every rank of the group slices the same one-process model: its first rank's, whatever
+    seed each rank built it with (as td.fully_shard takes one rank's values). Ranks that built
+    different models would otherwise train a mix of them; broadcast_parameters cannot fix it
+    afterwards, the slices being different by then. Tensors already split are left alone."""
+    if group_size(group) == 1:
+        return
+    whole = [t for t in (*model.parameters(), *model.buffers()) if splits.split_of(t) is None]
+    broadcast_parameters({str(i): t for i, t in enumerate(whole)}, group=group)
 
 
 def _unsplit(consumer: str, features: int, got: int, producer: str, full: int, tp: int) -> str:
