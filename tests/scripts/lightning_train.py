@@ -8,7 +8,8 @@ DistributedSampler's order (rank r: samples r, r + world, ... of its permutation
 shuffles training data whenever it adds the sampler), so every step sees the same samples as
 the one-process run, which reads that permutation whole. The Trainer run uses gradient
 clipping, gradient accumulation, `self.log(..., sync_dist=True)`, a validation loop,
-TensorBoard and a checkpoint; the Fabric run `no_backward_sync` and `all_reduce`.
+TensorBoard and a checkpoint; the Fabric run `no_backward_sync` and `all_reduce`. Last, the
+Trainer again with precision="bf16-mixed".
 `lightning` is imported before tandem here: tandem registers its strategy at once.
 """
 
@@ -59,7 +60,8 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
-def train_trainer(strategy: str, world: int, precision: str, out_dir: str) -> dict:
+def train_trainer(strategy: str, world: int, precision: str, out_dir: str,
+                  checkpoint: bool = True) -> dict:
     if strategy == "tandem":  # Lightning gives each rank a DistributedSampler(shuffle=True, seed=0)
         loader = DataLoader(data(), batch_size=BATCH // world)
     else:  # ... whose first epoch, dealt out to the ranks, is this order
@@ -73,7 +75,7 @@ def train_trainer(strategy: str, world: int, precision: str, out_dir: str) -> di
                         default_root_dir=out_dir)
     module = Module()
     trainer.fit(module, loader, val)
-    if strategy == "tandem":
+    if strategy == "tandem" and checkpoint:
         path = os.path.join(out_dir, "last.ckpt")
         trainer.save_checkpoint(path)
         loaded = trainer.strategy.load_checkpoint(path)
@@ -107,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["reference", "tandem"])
     parser.add_argument("out")
-    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--precision", default="32-true")  # of the first two runs
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = "auto" if args.mode == "reference" else "tandem"
@@ -115,6 +117,8 @@ def main() -> None:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     result = {"trainer": train_trainer(strategy, world, args.precision, out_dir)}
     result["fabric"] = train_fabric(strategy, world, args.precision)
+    # bf16 autocast, same data: equal within bf16's rounding, not to float32's
+    result["trainer_bf16"] = train_trainer(strategy, world, "bf16-mixed", out_dir, checkpoint=False)
     if args.mode == "tandem":
         assert td.size() == world, (td.size(), world)
         print(f"rank {td.rank()} of {td.size()} on {td.init().backend} done", flush=True)
