@@ -71,6 +71,18 @@ def save(checkpoint: dict[str, Any], path: Any) -> None:
     td.save(checkpoint, path)  # rank 0's failure is raised on every rank
 
 
+def own_checkpoints(checkpoint_io: Any) -> bool:
+    """True when tandem writes the checkpoints: no CheckpointIO plugin of the user's.
+
+    Lightning's Strategy makes its default TorchCheckpointIO lazily, the first time anything
+    asks for it (rank 0's remove_checkpoint does, the others' never): its presence says nothing,
+    its type does.
+    """
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    return checkpoint_io is None or type(checkpoint_io) is TorchCheckpointIO
+
+
 def tandem_group(group: Any, name: str) -> td.Group | None:
     """The tandem group Lightning's `group=` means: None and torch's default group (Fabric
     passes `group.WORLD`) are every rank. Another torch group describes no tandem group: an

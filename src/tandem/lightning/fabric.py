@@ -101,7 +101,7 @@ class TandemFabricStrategy(ParallelStrategy):
         super().load_module_state_dict(module, state_dict, strict=strict)
 
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
-        if self._checkpoint_io is not None:
+        if not common.own_checkpoints(self._checkpoint_io):
             return super().save_checkpoint(path, state, storage_options, filter)
         state = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
         common.save(state, path)

@@ -138,12 +138,12 @@ class TandemStrategy(ParallelStrategy):
     # --- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
-        if self._checkpoint_io is not None:  # the user's own CheckpointIO plugin decides
+        if not common.own_checkpoints(self._checkpoint_io):  # the user's CheckpointIO decides
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         common.save(checkpoint, filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        if self._checkpoint_io is not None:
+        if not common.own_checkpoints(self._checkpoint_io):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # rank 0 reads, every rank gets the same object. Lightning's own checkpoints hold
         # hyper-parameters and loop state: weights_only=None means the checkpoint is trusted.
