@@ -134,15 +134,15 @@ def test_without_lightning_the_error_names_the_extra():
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_the_lightning_digits_example_learns_on_two_ranks(tmp_path):
-    """bf16-mixed, TensorBoard, and ModelCheckpoint saving (and removing) every epoch: the third
-    save is the one that once found rank 0 alone taking Lightning's CheckpointIO path."""
+    """bf16-mixed, TensorBoard and ModelCheckpoint, as a user starts it. (A third checkpoint
+    once found rank 0 alone on Lightning's CheckpointIO path: lightning_train.py saves five.)"""
     pytest.importorskip("sklearn")
-    done = tandem_run("-np", "2", str(ROOT / "examples" / "lightning_digits.py"), "--epochs", "3",
+    done = tandem_run("-np", "2", str(ROOT / "examples" / "lightning_digits.py"), "--epochs", "2",
                       "--log-dir", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if "val accuracy" in line)
-    assert line.startswith("[0] 2 rank(s), 3 epochs:"), line
+    assert line.startswith("[0] 2 rank(s), 2 epochs:"), line
     assert float(line.rsplit(" ", 1)[1]) >= 0.95, line
     checkpoints = list(tmp_path.rglob("*.ckpt"))
-    assert [c.name for c in checkpoints] == ["epoch=2-step=135.ckpt"], checkpoints
+    assert [c.name for c in checkpoints] == ["epoch=1-step=90.ckpt"], checkpoints
     assert list(tmp_path.rglob("events.out.tfevents.*"))

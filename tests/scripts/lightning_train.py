@@ -8,8 +8,9 @@ DistributedSampler's order (rank r: samples r, r + world, ... of its permutation
 shuffles training data whenever it adds the sampler), so every step sees the same samples as
 the one-process run, which reads that permutation whole. The Trainer run uses gradient
 clipping, gradient accumulation, `self.log(..., sync_dist=True)`, a validation loop,
-TensorBoard and a checkpoint; the Fabric run `no_backward_sync` and `all_reduce`. Last, the
-Trainer again with precision="bf16-mixed".
+TensorBoard and checkpoints (ModelCheckpoint saves and removes one at each of 4 validations,
+then one through trainer.save_checkpoint); the Fabric run `no_backward_sync` and `all_reduce`.
+Last, the Trainer again with precision="bf16-mixed".
 `lightning` is imported before tandem here: tandem registers its strategy at once.
 """
 
@@ -70,7 +71,7 @@ def train_trainer(strategy: str, world: int, precision: str, out_dir: str,
     val = DataLoader(data(32), batch_size=8)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS, precision=precision,
                         gradient_clip_val=0.5, accumulate_grad_batches=2, limit_val_batches=2,
-                        val_check_interval=4, logger=TensorBoardLogger(out_dir, name="tb"),
+                        val_check_interval=2, logger=TensorBoardLogger(out_dir, name="tb"),
                         enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=out_dir)
     module = Module()
