@@ -2,8 +2,9 @@
 
 Real jobs (`python -m tandem run -np 2`, on Gloo and on the MPI default) against the same
 script in one process with Lightning alone on the full batch: parameters equal to 1e-5 in
-float32 (with gradient clipping, accumulation, sync_dist logging, validation, TensorBoard and a
-checkpoint), and within bf16's rounding under precision="bf16-mixed". Then the failures, each
+float32 (with gradient clipping, accumulation, sync_dist logging, validation, TensorBoard and
+checkpoints), on strategy="tandem" and "tandem_fsdp", and within bf16's rounding under
+precision="bf16-mixed". Then the failures, each
 fast and named: a rank that raises in validation_step, `devices` that disagree with
 `tandem run -np`, configure_model() that replaces the world, Lightning not installed.
 """
@@ -68,9 +69,11 @@ def test_trainer_and_fabric_at_two_ranks_equal_one_process(backend, reference, t
         assert f"[{rank}] rank {rank}: checkpoint step 4" in done.stdout, done.stdout
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*")), "no TensorBoard events"
     mine = torch.load(out)
-    for run in ("trainer", "fabric"):
-        for name, value in reference[run].items():
+    for run, same in (("trainer", "trainer"), ("fabric", "fabric"), ("trainer_fsdp", "trainer")):
+        for name, value in reference[same].items():
             assert torch.allclose(mine[run][name], value, rtol=0, atol=1e-5), (run, name)
+    # strategy="tandem_fsdp" really sharded: each rank held a part of the parameters
+    assert "[0] rank 0: fsdp holds 89 of 178 parameters" in done.stdout, done.stdout
     # bf16 autocast rounds differently on a half batch: equal to bf16's precision (2^-8)
     bf16 = torch.finfo(torch.bfloat16).eps
     for name, value in reference["trainer_bf16"].items():

@@ -10,7 +10,8 @@ the one-process run, which reads that permutation whole. The Trainer run uses gr
 clipping, gradient accumulation, `self.log(..., sync_dist=True)`, a validation loop,
 TensorBoard and checkpoints (ModelCheckpoint saves and removes one at each of 4 validations,
 then one through trainer.save_checkpoint); the Fabric run `no_backward_sync` and `all_reduce`.
-Last, the Trainer again with precision="bf16-mixed".
+Then the Trainer again with precision="bf16-mixed", and (tandem only) the first run on
+strategy="tandem_fsdp".
 `lightning` is imported before tandem here: tandem registers its strategy at once.
 """
 
@@ -63,7 +64,7 @@ class Module(L.LightningModule):
 
 def train_trainer(strategy: str, world: int, precision: str, out_dir: str,
                   checkpoint: bool = True) -> dict:
-    if strategy == "tandem":  # Lightning gives each rank a DistributedSampler(shuffle=True, seed=0)
+    if strategy != "auto":  # Lightning gives each rank a DistributedSampler(shuffle=True, seed=0)
         loader = DataLoader(data(), batch_size=BATCH // world)
     else:  # ... whose first epoch, dealt out to the ranks, is this order
         order = torch.randperm(len(data()), generator=torch.Generator().manual_seed(0)).tolist()
@@ -76,7 +77,10 @@ def train_trainer(strategy: str, world: int, precision: str, out_dir: str,
                         default_root_dir=out_dir)
     module = Module()
     trainer.fit(module, loader, val)
-    if strategy == "tandem" and checkpoint:
+    if strategy == "tandem_fsdp":  # each rank held (about) half of the 178 parameters
+        print(f"rank {td.rank()}: fsdp holds {sum(p.numel() for p in module.parameters())} of "
+              f"{sum(p.numel() for p in net().parameters())} parameters", flush=True)
+    if strategy != "auto" and checkpoint:
         path = os.path.join(out_dir, "last.ckpt")
         trainer.save_checkpoint(path)
         loaded = trainer.strategy.load_checkpoint(path)
@@ -120,6 +124,8 @@ def main() -> None:
     result["fabric"] = train_fabric(strategy, world, args.precision)
     # bf16 autocast, same data: equal within bf16's rounding, not to float32's
     result["trainer_bf16"] = train_trainer(strategy, world, "bf16-mixed", out_dir, checkpoint=False)
+    if args.mode == "tandem":  # fully sharded: the same numbers as the first run's
+        result["trainer_fsdp"] = train_trainer("tandem_fsdp", world, args.precision, out_dir)
     if args.mode == "tandem":
         assert td.size() == world, (td.size(), world)
         print(f"rank {td.rank()} of {td.size()} on {td.init().backend} done", flush=True)

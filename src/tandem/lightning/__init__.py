@@ -11,6 +11,7 @@ package does it at once when imported itself. Then start the script like any tan
 - `environment`: `TandemEnvironment`, the job as tandem's launchers describe it.
 - `trainer`: `TandemStrategy`, for `lightning.pytorch.Trainer`.
 - `fabric`: `TandemFabricStrategy`, for `lightning.fabric.Fabric`.
+- `sharded`: `TandemFSDPStrategy` ("tandem_fsdp"), the Trainer's model under `td.fully_shard`.
 - `common`: what both share (collectives through tandem, the `devices` check).
 """
 
@@ -27,6 +28,7 @@ except ImportError as error:  # only a missing `lightning` itself; anything else
 
 from tandem.lightning.environment import TandemEnvironment
 from tandem.lightning.fabric import TandemFabricStrategy
+from tandem.lightning.sharded import TandemFSDPStrategy
 from tandem.lightning.trainer import TandemStrategy
 
 
@@ -36,9 +38,11 @@ def register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry as TRAINER
 
     TandemStrategy.register_strategies(TRAINER)
+    TandemFSDPStrategy.register_strategies(TRAINER)
     TandemFabricStrategy.register_strategies(FABRIC)
 
 
 register()
 
-__all__ = ["TandemEnvironment", "TandemFabricStrategy", "TandemStrategy", "register"]
+__all__ = ["TandemEnvironment", "TandemFSDPStrategy", "TandemFabricStrategy", "TandemStrategy",
+           "register"]
