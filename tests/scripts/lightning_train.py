@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tandem as td
+from tandem.environments import detect
 
 BATCH = 16
 STEPS = 4  # optimizer steps; with accumulate_grad_batches=2, 8 batches = 128 samples
@@ -118,7 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     strategy = "auto" if args.mode == "reference" else "tandem"
-    world = int(os.environ.get("WORLD_SIZE", "1")) if args.mode == "tandem" else 1
+    # the launcher's world (tandem run, mpiexec...), read as td.init() will; the strategy joins
+    world = detect().size if args.mode == "tandem" else 1
     out_dir = os.path.dirname(os.path.abspath(args.out))
     result = {"trainer": train_trainer(strategy, world, args.precision, out_dir)}
     result["fabric"] = train_fabric(strategy, world, args.precision)
