@@ -9,7 +9,8 @@ shuffles training data whenever it adds the sampler), so every step sees the sam
 the one-process run, which reads that permutation whole. The Trainer run uses gradient
 clipping, gradient accumulation, `self.log(..., sync_dist=True)`, a validation loop,
 TensorBoard and checkpoints (ModelCheckpoint saves and removes one at each of 4 validations,
-then one through trainer.save_checkpoint); the Fabric run `no_backward_sync` and `all_reduce`.
+then one through trainer.save_checkpoint); the Fabric run `no_backward_sync`,
+`all_reduce` and `fabric.save`/`fabric.load`.
 Then the Trainer again with precision="bf16-mixed", and (tandem only) the first run on
 strategy="tandem_fsdp".
 `lightning` is imported before tandem here: tandem registers its strategy at once.
@@ -91,7 +92,7 @@ def train_trainer(strategy: str, world: int, precision: str, out_dir: str,
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
 
-def train_fabric(strategy: str, world: int, precision: str) -> dict:
+def train_fabric(strategy: str, world: int, precision: str, out_dir: str) -> dict:
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", precision=precision)
     fabric.launch()
     model = net()
@@ -108,6 +109,15 @@ def train_fabric(strategy: str, world: int, precision: str) -> dict:
         optimizer.zero_grad()
     loss = fabric.all_reduce(torch.tensor(float(td.rank() if strategy == "tandem" else 0)))
     assert float(loss) == (world - 1) / 2, float(loss)
+    if strategy == "tandem":  # fabric.save through td.save (rank 0 writes), then load it back
+        path = os.path.join(out_dir, "fabric", "state.ckpt")
+        fabric.save(path, {"model": model, "optimizer": optimizer, "steps": STEPS})
+        copy = net()
+        left = fabric.load(path, {"model": copy})
+        assert left["steps"] == STEPS and "optimizer" in left, sorted(left)
+        assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), model.parameters(),
+                                                      strict=True))
+        print(f"rank {td.rank()}: fabric checkpoint loaded", flush=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -123,7 +133,7 @@ def main() -> None:
     world = detect().size if args.mode == "tandem" else 1
     out_dir = os.path.dirname(os.path.abspath(args.out))
     result = {"trainer": train_trainer(strategy, world, args.precision, out_dir)}
-    result["fabric"] = train_fabric(strategy, world, args.precision)
+    result["fabric"] = train_fabric(strategy, world, args.precision, out_dir)
     # bf16 autocast, same data: equal within bf16's rounding, not to float32's
     result["trainer_bf16"] = train_trainer(strategy, world, "bf16-mixed", out_dir, checkpoint=False)
     if args.mode == "tandem":  # fully sharded: the same numbers as the first run's
