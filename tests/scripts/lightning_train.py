@@ -82,14 +82,36 @@ def train_trainer(strategy: str, world: int, precision: str, out_dir: str,
     if strategy == "tandem_fsdp":  # each rank held (about) half of the 178 parameters
         print(f"rank {td.rank()}: fsdp holds {sum(p.numel() for p in module.parameters())} of "
               f"{sum(p.numel() for p in net().parameters())} parameters", flush=True)
+        resume_fsdp(trainer, module, loader, val, out_dir)
     if strategy != "auto" and checkpoint:
-        path = os.path.join(out_dir, "last.ckpt")
+        path = os.path.join(out_dir, f"{strategy}-last.ckpt")
         trainer.save_checkpoint(path)
         loaded = trainer.strategy.load_checkpoint(path)
         assert loaded["global_step"] == STEPS, loaded["global_step"]
         print(f"rank {td.rank()}: checkpoint step {loaded['global_step']}, "
               f"val_loss {float(trainer.callback_metrics['val_loss']):.6f}", flush=True)
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def resume_fsdp(trainer, module, loader, val, out_dir: str) -> None:
+    """Save the sharded run, restore it into a fresh Trainer and model: the same weights and
+    optimizer state (the restored fit stops at once: max_steps is reached)."""
+    path = os.path.join(out_dir, "fsdp.ckpt")
+    trainer.save_checkpoint(path)
+    opt = trainer.optimizers[0]
+    again = Module()
+    resumed = L.Trainer(strategy="tandem_fsdp", accelerator="cpu", max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    resumed.fit(again, loader, val, ckpt_path=path)
+    assert resumed.global_step == STEPS, resumed.global_step
+    for a, b in zip(again.parameters(), module.parameters(), strict=True):  # this rank's shards
+        assert torch.equal(a, b)
+    for a, b in zip(resumed.optimizers[0].param_groups[0]["params"], opt.param_groups[0]["params"],
+                    strict=True):
+        assert torch.equal(resumed.optimizers[0].state[a]["momentum_buffer"],
+                           opt.state[b]["momentum_buffer"])
+    print(f"rank {td.rank()}: fsdp resumed from its shards", flush=True)
 
 
 def train_fabric(strategy: str, world: int, precision: str, out_dir: str) -> dict:

@@ -11,23 +11,34 @@ gathered just in time, and the LightningModule the root unit around them. Everyt
 - `gradient_clip_val` clips by the global norm (`td.clip_grad_norm_`): torch's
   `clip_grad_norm_`, which Lightning's precision plugins call, sees this rank's shards only.
 - `accumulate_grad_batches` turns the units' gradient sync off (`td.no_sync`).
-- Checkpoints hold the unsharded model and optimizer state (`state_dict()` speaks the
-  one-process model; `td.full_optimizer_state_dict`); resuming the optimizer state is refused.
+- A checkpoint is a directory: `shards/`, the model and optimizers as each rank holds them
+  (`td.save_sharded`, torch's DCP format, loadable on any world size and layout), and
+  `trainer.pt`, the rest of Lightning's checkpoint (`td.save`). Nothing is gathered to save.
+  Restoring (`fit(ckpt_path=...)`) loads the shards in place after set-up, when the sharded
+  model and its optimizers exist; an unsharded checkpoint (strategy "tandem") loads too.
 
 Every rank must run the same forwards, validation included: each one gathers.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import tandem as td
+from tandem.lightning import common
 from tandem.lightning.trainer import TandemStrategy
+
+SHARDS, REST = "shards", "trainer.pt"  # a checkpoint directory's two parts
+# Lightning refuses to resume from a checkpoint without "optimizer_states"; this one's are in
+# the shards, and the key says so.
+IN_SHARDS = "in shards/ (strategy 'tandem_fsdp')"
 
 
 class _Root(nn.Module):
@@ -77,17 +88,55 @@ class TandemFSDPStrategy(TandemStrategy):
         else:
             yield
 
+    # --- checkpoints: a directory of shards plus the rest ------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the shards load into the sharded model and optimizers: they must exist
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # save_checkpoint writes each rank's pieces; nothing is gathered
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        if isinstance(self.model, _Root):
-            return td.full_optimizer_state_dict(self.lightning_module, optimizer)
-        return optimizer.state_dict()
+        return {}
+
+    def _objects(self) -> dict[str, Any]:
+        objects: dict[str, Any] = {"model": self.lightning_module}
+        for i, optimizer in enumerate(self.optimizers):
+            objects[f"optimizer{i}"] = getattr(optimizer, "_optimizer", optimizer)
+        return objects
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        if not common.own_checkpoints(self._checkpoint_io):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(os.fspath(filepath))
+        if td.rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        td.save_sharded(path / SHARDS, **self._objects())
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        rest["optimizer_states"] = [IN_SHARDS] * len(self.optimizers)
+        td.save(rest, path / REST)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(os.fspath(checkpoint_path))
+        sharded = td.broadcast_object((path / SHARDS).is_dir() if td.rank() == 0 else None)
+        if not sharded or not common.own_checkpoints(self._checkpoint_io):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        td.load_sharded(path / SHARDS, **self._objects())  # in place: model and optimizers
+        return td.load(path / REST, weights_only=bool(weights_only))
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # an unsharded checkpoint; the shards loaded already
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if all(state == IN_SHARDS for state in checkpoint["optimizer_states"]):
+            return  # loaded with the shards
         raise NotImplementedError(
-            "strategy 'tandem_fsdp' saves the unsharded optimizer state but cannot resume it yet; "
-            "resume with strategy='tandem' (same checkpoint format), or load only the weights: "
-            "Trainer.fit(model, ckpt_path=None) after model.load_state_dict(ckpt['state_dict'])")
+            "strategy 'tandem_fsdp' cannot load the unsharded optimizer state of a checkpoint "
+            "written by strategy 'tandem'; resume it with strategy='tandem', or load the weights "
+            "alone (model.load_state_dict(torch.load(path)['state_dict'])) and fit without "
+            "ckpt_path")
 
     def teardown(self) -> None:
         if isinstance(self.model, _Root):
