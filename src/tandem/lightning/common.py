@@ -142,7 +142,7 @@ def check_same_world(joined: runtime.RuntimeState | None, where: str) -> None:
     """Raise when the world the strategy joined was shut down or replaced since (`where` did)."""
     if joined is None:
         return
-    now = runtime._state
+    now = runtime.state() if runtime.is_initialized() else None
     if now is joined and torch.distributed.is_initialized():
         return
     if now is None:
