@@ -10,9 +10,9 @@ the one-process run, which reads that permutation whole. The Trainer run uses gr
 clipping, gradient accumulation, `self.log(..., sync_dist=True)`, a validation loop,
 TensorBoard and checkpoints (ModelCheckpoint saves and removes one at each of 4 validations,
 then one through trainer.save_checkpoint); the Fabric run `no_backward_sync`,
-`all_reduce` and `fabric.save`/`fabric.load`.
+`clip_gradients`, `all_reduce` and `fabric.save`/`fabric.load`.
 Then the Trainer again with precision="bf16-mixed", and (tandem only) the first run on
-strategy="tandem_fsdp".
+strategy="tandem_fsdp", and the Fabric run on it.
 `lightning` is imported before tandem here: tandem registers its strategy at once.
 """
 
@@ -117,9 +117,14 @@ def resume_fsdp(trainer, module, loader, val, out_dir: str) -> None:
 def train_fabric(strategy: str, world: int, precision: str, out_dir: str) -> dict:
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", precision=precision)
     fabric.launch()
-    model = net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    model, optimizer = fabric.setup(model, optimizer)
+    if strategy == "tandem_fsdp":  # the optimizer must be made over the shards
+        model = fabric.setup_module(net())
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5,
+                                                            momentum=0.9))
+    else:
+        model = net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(data(), batch_size=BATCH // world, shuffle=False))
     batches = iter(loader)
     for _ in range(STEPS):
@@ -127,19 +132,27 @@ def train_fabric(strategy: str, world: int, precision: str, out_dir: str) -> dic
             x, y = next(batches)
             with fabric.no_backward_sync(model, enabled=micro == 0):
                 fabric.backward(nn.functional.cross_entropy(model(x), y) / 2)
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
         optimizer.step()
         optimizer.zero_grad()
-    loss = fabric.all_reduce(torch.tensor(float(td.rank() if strategy == "tandem" else 0)))
+    loss = fabric.all_reduce(torch.tensor(float(td.rank() if strategy != "auto" else 0)))
     assert float(loss) == (world - 1) / 2, float(loss)
-    if strategy == "tandem":  # fabric.save through td.save (rank 0 writes), then load it back
-        path = os.path.join(out_dir, "fabric", "state.ckpt")
+    if strategy != "auto":  # fabric.save through tandem (rank 0 writes, or each rank its shards)
+        path = os.path.join(out_dir, strategy, "state.ckpt")
         fabric.save(path, {"model": model, "optimizer": optimizer, "steps": STEPS})
-        copy = net()
-        left = fabric.load(path, {"model": copy})
-        assert left["steps"] == STEPS and "optimizer" in left, sorted(left)
+        if strategy == "tandem_fsdp":  # load into the same layout: this rank's shards again
+            copy = fabric.setup_module(net())
+            copy_opt = fabric.setup_optimizers(torch.optim.SGD(copy.parameters(), lr=0.5,
+                                                               momentum=0.9))
+            left = fabric.load(path, {"model": copy, "optimizer": copy_opt, "steps": 0})
+            assert left == {}, left
+        else:
+            copy = net()
+            left = fabric.load(path, {"model": copy})
+            assert left["steps"] == STEPS and "optimizer" in left, sorted(left)
         assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), model.parameters(),
                                                       strict=True))
-        print(f"rank {td.rank()}: fabric checkpoint loaded", flush=True)
+        print(f"rank {td.rank()}: {strategy} fabric checkpoint loaded", flush=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -158,8 +171,9 @@ def main() -> None:
     result["fabric"] = train_fabric(strategy, world, args.precision, out_dir)
     # bf16 autocast, same data: equal within bf16's rounding, not to float32's
     result["trainer_bf16"] = train_trainer(strategy, world, "bf16-mixed", out_dir, checkpoint=False)
-    if args.mode == "tandem":  # fully sharded: the same numbers as the first run's
+    if args.mode == "tandem":  # fully sharded: the same numbers as the first runs'
         result["trainer_fsdp"] = train_trainer("tandem_fsdp", world, args.precision, out_dir)
+        result["fabric_fsdp"] = train_fabric("tandem_fsdp", world, args.precision, out_dir)
     if args.mode == "tandem":
         assert td.size() == world, (td.size(), world)
         print(f"rank {td.rank()} of {td.size()} on {td.init().backend} done", flush=True)

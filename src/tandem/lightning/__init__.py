@@ -12,6 +12,7 @@ package does it at once when imported itself. Then start the script like any tan
 - `trainer`: `TandemStrategy`, for `lightning.pytorch.Trainer`.
 - `fabric`: `TandemFabricStrategy`, for `lightning.fabric.Fabric`.
 - `sharded`: `TandemFSDPStrategy` ("tandem_fsdp"), the Trainer's model under `td.fully_shard`.
+- `fabric_sharded`: `TandemFabricFSDPStrategy`, the same for Fabric.
 - `common`: what both share (collectives through tandem, the `devices` check).
 """
 
@@ -28,6 +29,7 @@ except ImportError as error:  # only a missing `lightning` itself; anything else
 
 from tandem.lightning.environment import TandemEnvironment
 from tandem.lightning.fabric import TandemFabricStrategy
+from tandem.lightning.fabric_sharded import TandemFabricFSDPStrategy
 from tandem.lightning.sharded import TandemFSDPStrategy
 from tandem.lightning.trainer import TandemStrategy
 
@@ -40,9 +42,10 @@ def register() -> None:
     TandemStrategy.register_strategies(TRAINER)
     TandemFSDPStrategy.register_strategies(TRAINER)
     TandemFabricStrategy.register_strategies(FABRIC)
+    TandemFabricFSDPStrategy.register_strategies(FABRIC)
 
 
 register()
 
-__all__ = ["TandemEnvironment", "TandemFSDPStrategy", "TandemFabricStrategy", "TandemStrategy",
-           "register"]
+__all__ = ["TandemEnvironment", "TandemFSDPStrategy", "TandemFabricFSDPStrategy",
+           "TandemFabricStrategy", "TandemStrategy", "register"]
