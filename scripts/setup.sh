@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[mpi,test,examples,tensorboard,notebook]"
+.venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[mpi,test,examples,tensorboard,notebook,lightning,hf]"
 # The multi-host tests (tests/test_cluster.py, scripts/netns-cluster.sh) need sshd on every
 # "host", and iptables to shape its link: Debian's packages are installed when we are root
 # with apt-get, without starting this machine's own sshd (a policy-rc.d that says no, for the

@@ -5,7 +5,8 @@ importing torch, so the `tandem` command (`--help`, `run`'s parent process, `doc
 fast, and `td.init`, `from tandem import allreduce` and the rest import what they need when
 they are first touched. `_EXPORTS` says where each name lives. Importing it also registers
 tandem's torch.distributed backends ("tandem", and "mpi" where torch has none) with torch, when
-torch is imported (`comm/torch_hook.py`).
+torch is imported (`comm/torch_hook.py`), and the strategy "tandem" with Lightning's Trainer and
+Fabric when `lightning` is imported (`lightning_hook.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tandem import lightning_hook as _lightning_hook
 from tandem.comm import torch_hook as _torch_hook
 
 __version__ = "0.1.0"
@@ -156,3 +158,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
+
+# Last, once __getattr__ exists: with lightning already imported, registering imports
+# tandem.lightning, which uses this package's lazy names.
+_lightning_hook.install()
