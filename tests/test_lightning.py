@@ -89,13 +89,14 @@ def test_trainer_and_fabric_at_two_ranks_equal_one_process(backend, reference, t
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_a_rank_that_raises_in_validation_step_ends_the_job_naming_it():
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_rank_that_raises_in_validation_step_ends_the_job_naming_it(backend):
     """Lightning alone waits for the missing rank forever (30 minutes with torch's default).
     TANDEM_TIMEOUT is far beyond this test's deadline: the end comes from the failure itself."""
-    if not HAVE_MPI:
+    if backend == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI launch needs mpi4py")
-    done = tandem_run("-np", "2", str(SCRIPTS / "lightning_fail.py"), "validation",
-                      TANDEM_TIMEOUT="3600")
+    done = tandem_run("-np", "2", "--backend", backend, str(SCRIPTS / "lightning_fail.py"),
+                      "validation", TANDEM_TIMEOUT="3600")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "tandem run: job failed: rank 1" in done.stderr, done.stderr
     assert "rank 1 broke in validation_step" in done.stderr, done.stderr
