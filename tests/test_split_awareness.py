@@ -176,6 +176,33 @@ def test_parallelize_slices_one_model_whatever_seed_each_rank_used(backend):
     assert max(run_distributed(parallelize_unseeded, world_size=2, backend=backend)) == 0.0
 
 
+def replicas_of_split_models() -> str:
+    """check_replicas leaves a split model's pieces out, and still finds a replica that differs."""
+    sharded = _net()
+    td.fully_shard(sharded[0])
+    td.fully_shard(sharded)
+    td.check_replicas(sharded)  # every tensor a shard: nothing to compare, nothing to report
+    split = _net()
+    td.parallelize(split, {"0": "colwise", "2": "rowwise"}, group=td.mesh(dp=1, tp=2).tp_group)
+    td.check_replicas(split)  # the slices differ by design; the row-parallel bias is whole
+    if td.rank() == 1:
+        with torch.no_grad():
+            split[2].bias.add_(1.0)
+    try:
+        td.check_replicas(split)
+    except td.ReplicaMismatchError as error:
+        return str(error)
+    return "no difference found"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_check_replicas_knows_how_a_model_is_split(backend):
+    """It reported a correct tensor-parallel model as diverged (its slices), and named
+    fully_shard's internal shards, both with the advice to broadcast_parameters (refused there)."""
+    for message in run_distributed(replicas_of_split_models, world_size=2, backend=backend):
+        assert "2.bias" in message and "0.weight" not in message, message
+
+
 def torch_clip_under_zero() -> str:
     model = _net()
     optimizer = td.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))

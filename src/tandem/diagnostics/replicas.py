@@ -16,7 +16,7 @@ enough to run every few hundred steps:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -92,6 +92,7 @@ def check_replicas(
     group: Group | None = None,
     atol: float = 0.0,
     buffers: str = "warn",
+    skip: Callable[[torch.Tensor], bool] | None = None,
 ) -> None:
     """Return if every rank of `group` holds the same parameters, else raise.
 
@@ -104,13 +105,16 @@ def check_replicas(
     `buffers="warn"` (default) those that differ are named in a `ReplicaBufferWarning` with
     the ways to make them equal; `buffers="strict"` makes them an error like parameters;
     `buffers="ignore"` skips them. A state dict has no buffer/parameter distinction: every
-    tensor in it is held to the parameters' standard.
+    tensor in it is held to the parameters' standard. `skip(tensor)`: tensors that are not
+    replicas (a split model's pieces, which `td.check_replicas` leaves out).
     """
     if buffers not in BUFFER_POLICIES:
         raise ValueError(f"buffers must be one of {', '.join(map(repr, BUFFER_POLICIES))}, got {buffers!r}")
     if atol < 0:
         raise ValueError(f"atol must be >= 0, got {atol}")
     named, buffer_names = _named(model)
+    if skip is not None:
+        named = [(n, t) for n, t in named if not skip(t)]
     if buffers == "ignore":
         named = [(n, t) for n, t in named if n not in buffer_names]
     if group_size(group) == 1:

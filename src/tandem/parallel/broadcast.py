@@ -24,6 +24,7 @@ from tandem.comm import collectives
 from tandem.comm.agreement import agree_layout, describe_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.comm.tensors import coalesced, each_once, module_tensors
+from tandem.diagnostics import replicas
 from tandem.parallel import splits
 
 
@@ -211,3 +212,18 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: Group | None
                 f"rank {runtime.rank()} could not load rank {root}'s optimizer state: {error}. "
                 f"Build the optimizer over the same parameters, in the same groups, on every rank."
             ) from error
+
+
+def check_replicas(model: nn.Module | Mapping[str, Any], group: Group | None = None,
+                   atol: float = 0.0, buffers: str = "warn") -> None:
+    """Return if every rank of `group` holds the same replicated tensors, else raise
+    `ReplicaMismatchError` naming each that differs (see `diagnostics.replicas`).
+
+    A split model is asked how it is split: `td.fully_shard` shards and tensor-parallel slices
+    that differ across `group` are pieces, not replicas, and are left out (pass
+    `group=mesh.dp_group` to compare the ranks that hold the same slices).
+    """
+    def pieces(tensor: torch.Tensor) -> bool:
+        return splits.kind_of(tensor) == splits.FULLY_SHARD or splits.mixes_slices(tensor, group)
+
+    replicas.check_replicas(model, group, atol, buffers, skip=pieces)
