@@ -225,7 +225,9 @@ def agree(
     except Exception as failure:  # noqa: BLE001 - the ranks' messages were not ours
         raise DivergedError(
             f"rank {engine.world.rank}: the ranks disagreed and then could not exchange what each "
-            f"is doing ({type(failure).__name__}: {failure}); their code paths diverged") from None
+            f"is doing: this rank is in {_describe(mine)}, and the others are in another "
+            f"operation (a rank skipped or added a collective; their code paths diverged). "
+            f"The exchange failed with {type(failure).__name__}: {failure}") from None
     ranks = group_ranks(group, engine)
     kinds = [t[0] if isinstance(t, tuple) and len(t) == 2 else None for t in tagged]
     if any(k != kind for k in kinds):
