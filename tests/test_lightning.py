@@ -113,10 +113,12 @@ def test_devices_that_disagree_with_the_launcher_are_refused_naming_both():
     done = _run([*mpiexec_command(2), sys.executable, str(SCRIPTS / "lightning_fail.py"),
                  "devices"])
     assert done.returncode != 0, done.stdout + done.stderr
-    assert re.search(r"Trainer/Fabric\(devices=3, num_nodes=1\) asks for 3 rank\(s\) as 1 "
-                     r"node\(s\) x 3, but the launcher \((mpich|openmpi)\) started 2 rank\(s\), "
-                     r"2 per node", done.stderr), done.stderr
-    assert "Pass devices=2, num_nodes=1 or devices='auto'" in done.stderr
+    assert re.search(r"Trainer/Fabric\(devices=3, num_nodes=1\) does not match the job the "
+                     r"launcher \((mpich|openmpi)\) started, 2 rank\(s\) on 1 node\(s\), 2 per "
+                     r"node: it asks for 3 rank\(s\) per node, the job has 2", done.stderr), \
+        done.stderr
+    assert "Pass devices='auto', num_nodes=1 (or devices=2), or start the job as `tandem run " \
+           "-np 3`" in done.stderr
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)

@@ -117,13 +117,20 @@ def check_layout(devices: list[torch.device] | None, num_nodes: int,
         return
     if count * num_nodes == job.size and count == job.local_size:
         return
+    nodes = -(-job.size // max(job.local_size, 1))
+    asked = "'auto'" if auto else str(count)
+    per_node = job.local_size if auto else count
+    wrong = [f"{num_nodes} node(s), the job has {nodes}"] if num_nodes != nodes else []
+    if not auto and count != job.local_size:
+        wrong.append(f"{count} rank(s) per node, the job has {job.local_size}")
+    start = (f"`tandem run -np {per_node}`" if num_nodes == 1 else
+             f"`tandem run --nnodes {num_nodes} -np {per_node}` on each node")
     raise ValueError(
-        f"strategy 'tandem': Trainer/Fabric(devices={count}, num_nodes={num_nodes}) asks for "
-        f"{count * num_nodes} rank(s) as {num_nodes} node(s) x {count}, but the launcher "
-        f"({job.source}) started {job.size} rank(s), {job.local_size} per node (e.g. "
-        f"`tandem run -np {job.size}`). Pass devices={job.local_size}, "
-        f"num_nodes={-(-job.size // max(job.local_size, 1))} or devices='auto', or start the job "
-        f"with `tandem run -np {count * num_nodes}`.")
+        f"strategy 'tandem': Trainer/Fabric(devices={asked}, num_nodes={num_nodes}) does not "
+        f"match the job the launcher ({job.source}) started, {job.size} rank(s) on {nodes} "
+        f"node(s), {job.local_size} per node: it asks for {'; '.join(wrong)}. Pass "
+        f"devices='auto', num_nodes={nodes} (or devices={job.local_size}), or start the job "
+        f"as {start}.")
 
 
 def join(environment: TandemEnvironment) -> runtime.RuntimeState:
