@@ -10,8 +10,9 @@ of `tandem.bench.allreduce_ranks.measure` (variants take turns batch after batch
 batches of rank 0's time per call):
 
 - all_reduce: mpi4py's blocking `Allreduce(IN_PLACE)` on the same memory ("raw"), torch's
-  `dist.all_reduce(t)` on backend tandem, and tandem's own `td.allreduce(t, inplace=True)`
-  with checks off (for reference);
+  `dist.all_reduce(t)` on backend tandem with checks off ("backend") and on, the default
+  ("+check": the argument check's small message first), and tandem's own
+  `td.allreduce(t, inplace=True)` with checks off (for reference);
 - broadcast: mpi4py `Bcast` against `dist.broadcast(t, 0)`;
 - all_gather: mpi4py `Allgather` against `dist.all_gather_into_tensor(out, t)` (its new name,
   `all_gather_single`, where torch has it).
@@ -59,14 +60,18 @@ def variants(comm, MPI, size: int) -> dict:
     def checks_off() -> None:
         runtime.state().checks = False
 
+    def checks_on() -> None:
+        runtime.state().checks = True
+
     return {
         "allreduce_raw": (nothing, lambda b: comm.Allreduce(MPI.IN_PLACE, views(b)[1], op=MPI.SUM)),
-        "allreduce_backend": (nothing, lambda b: dist.all_reduce(b)),
+        "allreduce_backend": (checks_off, lambda b: dist.all_reduce(b)),
+        "allreduce_checked": (checks_on, lambda b: dist.all_reduce(b)),
         "allreduce_td": (checks_off, lambda b: td.allreduce(b, op="sum", inplace=True)),
         "broadcast_raw": (nothing, lambda b: comm.Bcast(views(b)[1], root=0)),
-        "broadcast_backend": (nothing, lambda b: dist.broadcast(b, 0)),
+        "broadcast_backend": (checks_off, lambda b: dist.broadcast(b, 0)),
         "allgather_raw": (nothing, lambda b: comm.Allgather(views(b)[1], views(b)[2])),
-        "allgather_backend": (nothing, lambda b: ALL_GATHER(views(b)[0], b)),
+        "allgather_backend": (checks_off, lambda b: ALL_GATHER(views(b)[0], b)),
     }
 
 
@@ -93,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         comm.Free()
     if world.rank == 0:
         print(f"\n{'size':>6} {'collective':>10} {'mpi4py':>10} {'backend':>10} {'raw/backend':>11}"
-              f" {'td.allreduce':>12}")
+              f" {'+check':>10} {'raw/+check':>10} {'td.allreduce':>12}")
         for i, name in enumerate(names):
             for op in ("allreduce", "broadcast", "allgather"):
                 raw, mine = times[f"{op}_raw"][i], times[f"{op}_backend"][i]
-                extra = f"{1e6 * times['allreduce_td'][i]:10.1f}us" if op == "allreduce" else ""
+                extra = ""
+                if op == "allreduce":
+                    checked = times["allreduce_checked"][i]
+                    extra = (f"{1e6 * checked:8.1f}us {raw / checked:10.2f} "
+                             f"{1e6 * times['allreduce_td'][i]:10.1f}us")
                 print(f"{name:>6} {op:>10} {1e6 * raw:8.1f}us {1e6 * mine:8.1f}us {raw / mine:11.2f}"
-                      f" {extra:>12}")
+                      f" {extra}")
         load = os.getloadavg()[0]
         print(f"(world size {world.size}, MPI engine; load average {load:.1f} on "
               f"{os.cpu_count()} cores)")
