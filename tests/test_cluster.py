@@ -287,6 +287,25 @@ def test_a_host_whose_processes_die_is_named(hosts):
     assert "its connection closed (its agent exited or was killed)" in err
 
 
+def _cut_h2_mid_training(hosts: Cluster, host_list: str, *args: str) -> tuple[int, str]:
+    """`tandem run -np 2 -H host_list --max-restarts 1 cluster_train.py args...` from h1, h2's
+    link cut once training runs across the hosts; the job's exit code and stderr."""
+    job = hosts.popen("h1", PYTHON, "-m", "tandem", "run", "-np", "2", "-H", host_list,
+                      "--max-restarts", "1", TRAIN, "--step-seconds", "0.1", *args,
+                      env=environment(TANDEM_TIMEOUT=TIMEOUT))
+    lines, errors = Lines(job.stdout), Lines(job.stderr)
+    try:
+        assert lines.wait_for("[0] step 3"), errors.text()[-3000:]
+        hosts.link("h2", up=False)
+        assert errors.wait_for(None, JOB_S), "the job did not end"
+        job.wait(10)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+    return job.returncode, errors.text()
+
+
 @pytest.mark.timeout(200)
 def test_a_lost_host_with_restarts_left_is_replaced_and_the_job_ends_as_one_process(hosts,
                                                                                     tmp_path):
@@ -299,22 +318,9 @@ def test_a_lost_host_with_restarts_left_is_replaced_and_the_job_ends_as_one_proc
                           env=environment(), capture_output=True, text=True, timeout=JOB_S)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "params.pt"
-    job = hosts.popen("h1", PYTHON, "-m", "tandem", "run", "-np", "2", "-H", "h1:1,h2:1,h3:1",
-                      "--max-restarts", "1", TRAIN, *steps, "--step-seconds", "0.1",
-                      "--checkpoint", str(tmp_path / "checkpoints"), "--out", str(out),
-                      env=environment(TANDEM_TIMEOUT=TIMEOUT))
-    lines, errors = Lines(job.stdout), Lines(job.stderr)
-    try:
-        assert lines.wait_for("[0] step 3"), errors.text()[-3000:]
-        hosts.link("h2", up=False)
-        assert errors.wait_for(None, JOB_S), "the job did not end"
-        job.wait(10)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(10)
-    stderr = errors.text()
-    assert job.returncode == 0, stderr
+    code, stderr = _cut_h2_mid_training(hosts, "h1:1,h2:1,h3:1", *steps, "--checkpoint",
+                                        str(tmp_path / "checkpoints"), "--out", str(out))
+    assert code == 0, stderr
     assert "tandem run: job failed (attempt 1 of 2): node 1 (h2, rank 1) is unreachable" in stderr
     assert "tandem run: node 1 goes on at h3: starting its agent there" in stderr
     assert "h3:1 stand(s) by, to take the place of a host that is lost" in stderr
@@ -328,21 +334,8 @@ def test_a_lost_host_with_restarts_left_is_replaced_and_the_job_ends_as_one_proc
 
 def test_a_lost_host_without_a_spare_ends_the_job_saying_so(hosts):
     """The same loss with restarts left but no host to take h2's place: named, not waited on."""
-    job = hosts.popen("h1", PYTHON, "-m", "tandem", "run", "-np", "2", "-H", "h1:1,h2:1",
-                      "--max-restarts", "1", TRAIN, "--steps", "400", "--step-seconds", "0.1",
-                      env=environment(TANDEM_TIMEOUT=TIMEOUT))
-    lines, errors = Lines(job.stdout), Lines(job.stderr)
-    try:
-        assert lines.wait_for("[0] step 3"), errors.text()[-3000:]
-        hosts.link("h2", up=False)
-        assert errors.wait_for(None, JOB_S), "the job did not end"
-        job.wait(10)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(10)
-    stderr = errors.text()
-    assert job.returncode == 1, stderr
+    code, stderr = _cut_h2_mid_training(hosts, "h1:1,h2:1", "--steps", "400")
+    assert code == 1, stderr
     assert "no host of -H/--hostfile is left to take its place (one without ranks and with " \
            "1 slot(s) or more)" in stderr, stderr
 

@@ -164,3 +164,13 @@ def check_same_world(joined: runtime.RuntimeState | None, where: str) -> None:
         f"{joined.world.rank} of {joined.world.size} on {joined.world.backend}) before it "
         f"called {where}, and trains on that world; build the model in {where}, but leave "
         "td.init()/td.shutdown()/init_process_group()/destroy_process_group() to the strategy.")
+
+
+def shard_model(model: torch.nn.Module, classes: tuple[type, ...],
+                options: dict[str, Any]) -> torch.nn.Module:
+    """`td.fully_shard` every module of `classes` inside `model`, the innermost first (as
+    fully_shard asks), then `model` itself as the root; returns `model`."""
+    inner = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    for unit in reversed(inner):
+        td.fully_shard(unit, **options)
+    return td.fully_shard(model, **options)

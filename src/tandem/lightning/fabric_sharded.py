@@ -53,10 +53,7 @@ class TandemFabricFSDPStrategy(TandemFabricStrategy):
             "fabric.setup_optimizers(torch.optim.SGD(model.parameters(), ...))")
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        inner = [m for m in module.modules() if m is not module and isinstance(m, self._shard)]
-        for unit in reversed(inner):  # the innermost first, as fully_shard asks
-            td.fully_shard(unit, **self._unit_options)
-        return td.fully_shard(module, **self._unit_options)
+        return common.shard_model(module, self._shard, self._unit_options)
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float,
                             norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:

@@ -70,10 +70,7 @@ class TandemFSDPStrategy(TandemStrategy):
                               "reshard_after_forward": reshard_after_forward}
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        inner = [m for m in model.modules() if m is not model and isinstance(m, self._shard)]
-        for module in reversed(inner):  # the innermost first, as fully_shard asks
-            td.fully_shard(module, **self._unit_options)
-        td.fully_shard(model, **self._unit_options)
+        common.shard_model(model, self._shard, self._unit_options)
         self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
         return _Root(model)
 
