@@ -58,7 +58,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 # public submodules reached as attributes: `td.functional.all_reduce(...)`
-_SUBMODULES = ("functional",)
+_SUBMODULES = ("elastic", "functional")
 
 __all__ = [
     "Average",
@@ -104,6 +104,7 @@ __all__ = [
     "check_replicas",
     "clip_grad_norm_",
     "device",
+    "elastic",
     "full_optimizer_state_dict",
     "full_state_dict",
     "fully_shard",

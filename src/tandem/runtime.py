@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
+import time
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +132,21 @@ def init(
                     f"init({name}={value!r}) cannot change it. Call td.shutdown() first."
                 )
         return current
-    job = environments.resolve(rank, world_size, init_method)
+    return _start(environments.resolve(rank, world_size, init_method), backend, timeout, debug,
+                  checks)
+
+
+def _start(job: JobEnvironment, backend: str | None, timeout: float | None, debug: bool | None,
+           checks: bool) -> World:
+    """`init` once the job is known: the engine, its watchdog, the state comm reads."""
+    global _state
+    told = settings.current()
+    if timeout is None:
+        timeout = told.timeout_s
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    if job.elastic is not None:
+        job = elastic_membership(job, timeout)
     name = choose_backend(backend, job)
     if name == "mpi" and job.source == "manual":
         raise ValueError(
@@ -140,11 +156,6 @@ def init(
             "`tandem run -np N --backend mpi script.py` and call td.init(backend='mpi') without "
             "rank=/world_size=, or use backend='gloo' (or 'nccl' on GPUs)."
         )
-    told = settings.current()
-    if timeout is None:
-        timeout = told.timeout_s
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout}")
     device = _device_for(job)
     debug = told.debug if debug is None else bool(debug)
     from tandem.comm import torch_join
@@ -180,6 +191,36 @@ def init(
     )
     context.install(_state)  # comm reads the engine from here, never from this module
     return world
+
+
+def elastic_membership(job: JobEnvironment, timeout: float) -> JobEnvironment:
+    """`job` as the elastic job's current round places it: the launcher may have replaced the
+    round this process was started for (a rank failed, others joined) before it got here."""
+    from tandem import rendezvous
+    from tandem.rendezvous import elastic_rounds
+
+    store = rendezvous.StoreClient(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
+                                   timeout)
+    try:
+        joined, rank = elastic_rounds.settle(store, job.elastic.worker,
+                                             time.monotonic() + timeout)
+    finally:
+        store.close()
+    return dataclasses.replace(job, rank=rank, size=joined.size, local_rank=rank,
+                               local_size=joined.size,
+                               elastic=dataclasses.replace(job.elastic, round=joined.number))
+
+
+def rejoin() -> World:
+    """Leave this world and join the elastic job's current round with the same backend,
+    timeout and checks (`tandem.elastic`): this process may get another rank in a world of
+    another size. Collective over the round's members."""
+    current = state()
+    if current.job.elastic is None:
+        raise RuntimeError("td.rejoin: this job is not elastic (tandem run --min-np/--max-np)")
+    shutdown()
+    return _start(current.job, current.world.backend, current.timeout, current.debug,
+                  current.checks)
 
 
 def is_initialized() -> bool:

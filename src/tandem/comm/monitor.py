@@ -60,6 +60,7 @@ from tandem.comm.watchdog import (
     WatchedBackend,
     op_dict,
 )
+from tandem.environments.adapters import meeting_tag
 
 TICK_S = 1.0
 DEBUG_TICK_S = 0.25
@@ -174,6 +175,10 @@ class Watchdog(Ledger):
         deadline = time.monotonic() + ANSWER_S
         while (board.add(f"ans/{generation}/count", 0) or 0) < len(others):
             if time.monotonic() > deadline:
+                break
+            # A rank that left (or that an elastic job's launcher saw die) will not answer.
+            if all(board.get(f"ans/{generation}/{r}") is not None
+                   or board.get(f"left/{r}") is not None for r in others):
                 break
             self._serve()  # peers may be asking us at the same moment: answer while we wait
             self._pause.wait(QUERY_POLL_S)
@@ -336,8 +341,8 @@ def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
         return engine
     board = None
     if job.master_port is not None:
-        restart = settings.current().restart
-        prefix = f"tandem/watchdog/{restart}/{next(_generation)}/"
+        tag = meeting_tag(job, settings.current().restart, next(_generation))
+        prefix = f"tandem/watchdog/{tag}/"
         board = Board.connect(job.master_addr or "127.0.0.1", job.master_port, prefix,
                               job.store_key)
     # Ranks of `tandem run` end with their agent even if it is killed without a word. The parent

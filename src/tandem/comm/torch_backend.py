@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tandem import rendezvous, settings
 from tandem.comm.backend import Backend, CompletedWork, Work
 from tandem.environments import JobEnvironment
+from tandem.environments.adapters import meeting_tag
 from tandem.rendezvous import roll_call
 
 _OPS = {
@@ -142,10 +143,10 @@ class TorchBackend(Backend):
                 "the default process group (call dist.destroy_process_group() first)"
             )
         # A restarted job (`tandem run --max-restarts`) may meet on the same store again: each
-        # attempt (TANDEM_RESTART) gets keys of its own.
-        attempt = settings.current().restart
+        # attempt (TANDEM_RESTART), and each round of an elastic job, gets keys of its own.
+        tag = meeting_tag(job, settings.current().restart, next(_generation))
         base = rendezvous_store(job, timeout)
-        store = dist.PrefixStore(f"tandem/{attempt}/{next(_generation)}", base)
+        store = dist.PrefixStore(f"tandem/{tag}", base)
         dist.init_process_group(
             name,
             store=store,

@@ -296,7 +296,8 @@ def desync_report(me: int, desync: Desync, answers: Answers) -> str:
 
 def unreachable_peers(op: Mapping, me: int, answers: Answers) -> tuple[list[int], list[int]]:
     """(members that did not answer, members that left) of `op`'s stream, excluding `me`."""
-    silent = [m for m in op["members"] if m != me and answers.get(m) is None]
+    silent = [m for m in op["members"] if m != me
+              and (answers.get(m) is None or answers[m].get("state") == "died")]
     left = [m for m in op["members"]
             if m != me and answers.get(m) and answers[m].get("state") == "left"]
     return silent, left

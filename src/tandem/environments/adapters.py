@@ -20,6 +20,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class ElasticPlace:
+    """Where a process of an elastic job stands: see `tandem.elastic`."""
+
+    round: int
+    worker: int
+    min_np: int
+    max_np: int
+
+
+def meeting_tag(job: JobEnvironment, restart: int, generation: int) -> str:
+    """The store keys one rendezvous of `job` uses (the engine's, the watchdog's): an elastic
+    round's own, which survivors and newcomers share; else the attempt's (`--max-restarts`) and
+    this process's init count (a shutdown then init on one store never meets the old keys)."""
+    if job.elastic is not None:
+        return f"elastic/{job.elastic.round}"
+    return f"{restart}/{generation}"
+
+
+@dataclass(frozen=True)
 class JobEnvironment:
     """What a process knows about its job before any communication."""
 
@@ -40,6 +59,10 @@ class JobEnvironment:
     # The key of tandem's authenticated rendezvous store (its launcher made it); None: the
     # store is torch's TCPStore (torchrun's agent, or rank 0 where no launcher hosts one).
     store_key: str | None = field(default=None, repr=False)
+    # An elastic job (`tandem run --min-np A --max-np B`): the round of membership this process
+    # joins (every resize is a new round), its worker id (its own for the life of the process,
+    # whatever rank it has) and the range of world sizes. None otherwise.
+    elastic: ElasticPlace | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -96,7 +119,16 @@ def detect_tandem(env: Env) -> JobEnvironment | None:
         backend=env.get("TANDEM_BACKEND") or None,
         under_mpi=env.get("TANDEM_UNDER_MPI", "0") == "1",
         store_key=store_key(env),
+        elastic=_elastic_place(env),
     )
+
+
+def _elastic_place(env: Env) -> ElasticPlace | None:
+    if "TANDEM_ELASTIC_ROUND" not in env:
+        return None
+    low, _, high = env.get("TANDEM_ELASTIC_RANGE", "1:1").partition(":")
+    return ElasticPlace(env_int(env, "TANDEM_ELASTIC_ROUND"), env_int(env, "TANDEM_ELASTIC_WORKER"),
+                        int(low), int(high))
 
 
 def store_key(env: Env) -> str | None:

@@ -38,6 +38,14 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def _processes(text: str) -> int | tuple[int, int]:
+    """-np N, or -np A:B (an elastic job of A to B ranks, starting with B)."""
+    low, sep, high = text.partition(":")
+    if not sep:
+        return _integer(text)
+    return _integer(low), _integer(high)
+
+
 def _seconds(text: str) -> float:
     try:
         return float(text)
@@ -100,7 +108,16 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("np", ("-np", "-n", "--np"), _integer, "N", "number of processes (ranks) to start"),
+    Option("np", ("-np", "-n", "--np"), _processes, "N",
+           "number of processes (ranks) to start; A:B is --min-np A --max-np B"),
+    Option("min_np", ("--min-np",), _integer, "A",
+           "an elastic job: when ranks fail it goes on with the others, down to A ranks "
+           "(td.elastic.run restores the last State.commit()); below A it ends"),
+    Option("max_np", ("--max-np",), _integer, "B",
+           "an elastic job: it grows up to B ranks when --host-discovery-script offers slots"),
+    Option("discovery", ("--host-discovery-script",), str, "SCRIPT",
+           "an elastic job: a program printing `host:slots` lines, run every second; more "
+           "slots than ranks make the job grow (this machine's hosts only, for now)"),
     Option("backend", ("--backend",), _backend, "NAME",
            f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs; else mpi "
            "when mpi4py and mpiexec are installed and the job is local without restarts (no "
@@ -154,6 +171,13 @@ class LaunchConfig:
     secret: str | None = None
     timeline: str | None = None  # a trace file; the ranks get it as TANDEM_TIMELINE
     require_join: bool = False  # a job that no rank joined is an error, not a warning
+    min_np: int | None = None  # an elastic job (launch/elastic.py): its range of world sizes
+    max_np: int | None = None
+    discovery: str | None = None  # --host-discovery-script
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_np is not None or self.max_np is not None
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -196,6 +220,7 @@ class LaunchConfig:
                 "received both --nnodes and -H/--hostfile: choose one (-H starts the agents "
                 "over ssh; --nnodes means you start one `tandem run` per node)"
             )
+        self._check_elastic()
         if self.timeline is not None:
             _check_writable(self.timeline)
         if self.hosts:
@@ -209,6 +234,31 @@ class LaunchConfig:
                 f"-np {self.np} needs {self.np} slots but the hosts {listed} offer "
                 f"{total_slots(self.hosts)}: lower -np or add slots"
             )
+
+    def _check_elastic(self) -> None:
+        if not self.elastic:
+            if self.discovery is not None:
+                raise LaunchError("--host-discovery-script is for elastic jobs: give --min-np A "
+                                  "--max-np B (or -np A:B) too")
+            return
+        low, high = self.min_np, self.max_np
+        for flag, value in (("--min-np", low), ("--max-np", high)):
+            if value is not None and value < 1:
+                raise LaunchError(f"{flag} {value}: give 1 or more")
+        if low is not None and high is not None and low > high:
+            raise LaunchError(f"--min-np {low} is larger than --max-np {high}: the job could "
+                              f"never have a size; give --min-np <= --max-np")
+        if not (low or 1) <= self.np <= (high or self.np):
+            raise LaunchError(f"-np {self.np} is outside --min-np {low} .. --max-np {high}: the "
+                              "job starts with -np ranks, so give a number in the range")
+        if self.backend == "mpi":
+            raise LaunchError("an elastic job cannot run on MPI: an MPI world is fixed once "
+                              "mpiexec started it. Use --backend gloo (or nccl), or a fixed "
+                              "-np with --max-restarts")
+        if self.max_restarts or self.nnodes > 1 or self.hosts:
+            raise LaunchError("an elastic job (--min-np/--max-np) runs on this machine only, "
+                              "for now: drop -H/--hostfile/--nnodes/--max-restarts, or drop "
+                              "--min-np/--max-np for a multi-node job that restarts as a whole")
 
     @property
     def remote_hosts(self) -> tuple[Host, ...]:
@@ -269,7 +319,14 @@ def config_from_args(
     except ValueError as error:
         raise LaunchError(str(error)) from None
 
-    np = values["np"]
+    np, min_np, max_np = values["np"], values["min_np"], values["max_np"]
+    if isinstance(np, tuple):
+        if min_np is not None or max_np is not None:
+            raise LaunchError(f"-np {np[0]}:{np[1]} already gives the range: drop --min-np "
+                              "and --max-np, or give -np N")
+        (min_np, max_np), np = np, np[1]
+    if np is None and max_np is not None:
+        np = max_np  # an elastic job starts as large as it may be
     if np is None:
         if not hosts:
             raise LaunchError("how many processes? give -np N (or set TANDEM_NP)")
@@ -292,6 +349,9 @@ def config_from_args(
         secret=values["secret"],
         timeline=values["timeline"],
         require_join=bool(values["require_join"]),
+        min_np=min_np,
+        max_np=max_np,
+        discovery=values["discovery"],
     )
 
 

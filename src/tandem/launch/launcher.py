@@ -51,7 +51,8 @@ def default_backend(config: LaunchConfig, cuda: bool | None = None, mpi: bool | 
     `tandem run --backend mpi` does not yet do restarts, `--nnodes` or `-H/--hostfile`
     (mpiexec.launch), so those jobs run on Gloo. `cuda` and `mpi` override the probes (tests).
     """
-    local_only = not config.hosts and config.nnodes == 1 and config.max_restarts == 0
+    local_only = (not config.hosts and config.nnodes == 1 and config.max_restarts == 0
+                  and not config.elastic)
     return settings.choose_backend(
         None,
         cuda=cuda_available() if cuda is None else cuda,
@@ -87,6 +88,10 @@ def launch(config: LaunchConfig) -> int:
     removed, size = shm.remove_stale()
     if removed:
         print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
+    if config.elastic:
+        from tandem.launch import elastic  # a world that shrinks and grows
+
+        return elastic.launch(config)
     if config.backend == "mpi":
         return mpiexec.launch(config)
     if config.max_restarts or config.nnodes > 1 or config.remote_hosts:

@@ -54,6 +54,15 @@ def _check_common(op: str, bucket_mb: float, first_bucket_mb: float, group: Grou
             f"{who}: rank {runtime.rank()} is not a member of {group!r}; build it on members only")
 
 
+def _rejoin(wrapper: DistributedOptimizer | DistributedDataParallel, who: str) -> None:
+    if wrapper.group is not None:
+        raise ValueError(f"{who} over {wrapper.group!r} cannot follow an elastic job's new world: "
+                         "its group's ranks are gone. Reduce over the world (group=None)")
+    if wrapper._reducer is not None:
+        wrapper._reducer.close()
+    wrapper._reducer = wrapper._make_reducer()
+
+
 def _ordered_named_params(
     optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -153,15 +162,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._wait_s = 0.0  # communication waited for since the last step
         self._warned_short = False
         named = _ordered_named_params(optimizer, named_parameters)
-        self._reducer: Reducer | None = None
-        if group_size(group) > 1:
+
+        def reducer() -> Reducer | None:
+            if group_size(group) == 1:
+                return None
             hook = make_comm_hook(compression)
-            self._reducer = Reducer(
+            return Reducer(
                 named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
                 first_cap_bytes=int(first_bucket_mb * _MB), accumulate=accumulate, group=group,
                 on_round_end=self._round_done, owner="DistributedOptimizer",
                 options=f"op={op} accumulate={accumulate} compression={describe(hook)}",
             )
+
+        self._make_reducer = reducer
+        self._reducer: Reducer | None = reducer()
+
+    def _tandem_rejoin(self) -> None:
+        """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
+        _rejoin(self, "DistributedOptimizer")
 
     # -- what torch code expects of an optimizer ------------------------------------------
     @property
@@ -318,19 +336,29 @@ class DistributedDataParallel(nn.Module):
         self._clock = StepClock()
         self._reducer: Reducer | None = None
         self._buffers_to_sync: list[torch.Tensor] = []
-        if group_size(group) > 1:
-            from tandem.parallel.broadcast import broadcast_parameters
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
-            broadcast_parameters(module, root=self._root, group=group)
-            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        def reducer() -> Reducer | None:
+            if group_size(group) == 1:
+                return None
+            self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
             hook = make_comm_hook(compression)
-            self._reducer = Reducer(
+            return Reducer(
                 named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
                 first_cap_bytes=int(first_bucket_mb * _MB), group=group, on_round_end=self._round_done,
                 owner="DistributedDataParallel", options=f"op={op} compression={describe(hook)}",
             )
-            if broadcast_buffers:
-                self._buffers_to_sync = list(module.buffers())
+
+        if group_size(group) > 1:
+            from tandem.parallel.broadcast import broadcast_parameters
+
+            broadcast_parameters(module, root=self._root, group=group)
+        self._make_reducer = reducer
+        self._reducer = reducer()
+
+    def _tandem_rejoin(self) -> None:
+        """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
+        _rejoin(self, "DistributedDataParallel")
 
     def _round_done(self, wait_s: float) -> None:
         reducer = self._reducer

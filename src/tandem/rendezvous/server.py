@@ -78,6 +78,13 @@ class StoreServer:
         with self._changed:
             return self._data.get(key)
 
+    def wait_for(self, keys: list[str], timeout: float) -> bool:
+        """Whether every key is set within `timeout` seconds (False also once closed)."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self._closed or all(key in self._data for key in keys),
+                timeout) and not self._closed
+
     def close(self) -> None:
         """Stop listening and drop every client (their next request fails)."""
         with self._changed:

@@ -1,0 +1,114 @@
+"""`td.elastic.run`: the retry loop of an elastic job's training function.
+
+    @td.elastic.run
+    def train(state):
+        while state.step < steps:
+            ...one step...
+            state.step += 1
+            state.commit()
+
+    train(td.elastic.State(model=model, optimizer=opt, step=0))
+
+Each pass first puts every rank on the newest committed state (`State.sync`), then calls the
+function. When a peer dies (`PeerUnreachableError`, or the watchdog's timeout) the rank waits
+for the launcher's next round, leaves the broken world and joins the new one
+(`runtime.rejoin`); when a commit finds that workers joined (`WorldChanged`), it does the same
+at once. The wrappers given to the state (`td.DistributedOptimizer`,
+`td.DistributedDataParallel`) then reduce over the new world, and the state's reset callbacks
+run. Rank 0 prints one line per change: the worlds, why, the commit it resumed from, and the
+seconds lost since the event.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tandem import runtime
+from tandem.comm.watchdog import PeerUnreachableError, WatchdogTimeout
+from tandem.elastic.state import State, WorldChanged
+from tandem.rendezvous import elastic_rounds
+
+FAILURES = (PeerUnreachableError, WatchdogTimeout)  # what a lost peer looks like to a rank
+
+
+def run(train: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate `train(state, *args, **kwargs)` so that it survives changes of world."""
+
+    @functools.wraps(train)
+    def elastic(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"{train.__name__} under td.elastic.run takes a td.elastic.State "
+                            f"first, got {type(state).__name__}")
+        if not _resizable():
+            state.sync()
+            return train(state, *args, **kwargs)
+        before: tuple[int, int] | None = None  # (size, commits) before the change
+        while True:
+            state._round = runtime.state().job.elastic.round
+            if before is not None:
+                for wrapper in (state.model, state.optimizer):
+                    if hasattr(wrapper, "_tandem_rejoin"):
+                        wrapper._tandem_rejoin()
+            state.sync()
+            if before is not None:
+                _say_resumed(state, before)
+                for callback in state._reset_callbacks:
+                    callback()
+            try:
+                return train(state, *args, **kwargs)
+            except WorldChanged:
+                pass
+            except FAILURES as error:
+                if state.commits == 0:
+                    state.warn_no_commit()
+                _await_next_round(state, error)
+            before = (runtime.size(), state.commits)
+            runtime.rejoin()
+
+    return elastic
+
+
+def _resizable() -> bool:
+    """Whether this job can change its world; an error where td.elastic cannot work."""
+    if not runtime.is_initialized():
+        raise RuntimeError("td.elastic.run: call td.init() first")
+    job = runtime.state().job
+    if job.elastic is not None:
+        return True
+    if runtime.size() == 1 and job.source in ("single", "manual", "tandem"):
+        return False  # one process: nothing can leave or join; the function just runs
+    raise RuntimeError(
+        f"td.elastic.run needs a launcher that can resize the job: this one was started by "
+        f"{job.source} with a fixed world of {runtime.size()} (an MPI world cannot change once "
+        f"started). Start it with `tandem run --min-np A --max-np B script.py` (Gloo), or use "
+        f"a fixed -np with --max-restarts and td.Checkpointer")
+
+
+def _await_next_round(state: State, error: Exception) -> None:
+    """Wait for the launcher to form the round without the lost peer; the error itself when
+    it never does (the peer is alive but stuck, or the launcher is gone)."""
+    deadline = time.monotonic() + runtime.state().timeout
+    while state._look() == state._round:
+        if time.monotonic() >= deadline:
+            raise error
+        try:  # the next round's key appears as the launcher publishes it
+            state._store.wait([f"tandem/elastic/{state._round + 1}/record"],
+                              timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            pass
+
+
+def _say_resumed(state: State, before: tuple[int, int]) -> None:
+    if runtime.rank() != 0:
+        return
+    size, commits = before
+    joined = elastic_rounds.read(state._store, state._round)
+    lost = time.time() - joined.since
+    redone = f", {commits - state.commits} commit(s) redone" if commits > state.commits else ""
+    print(f"tandem elastic: world {size} -> {runtime.size()} (round {joined.number}: "
+          f"{joined.why}); resumed from commit {state.commits}{redone}, {lost:.2f} s after the "
+          f"event", file=sys.stderr, flush=True)

@@ -1,0 +1,263 @@
+"""`td.elastic.State`: what an elastic job keeps across a change of world, held in memory.
+
+    state = td.elastic.State(model=model, optimizer=opt, step=0)
+    ...
+    state.step += 1
+    state.commit()          # a snapshot in memory; then: did the world change?
+
+`commit()` copies the model's and the optimizer's state dicts and the extras (any picklable
+attribute given as a keyword: `state.step`, `state.epoch`) into this process's memory: a
+`clone()` of each tensor, no disk, no communication beyond one small message. That message
+(`_agree`) does two things for every rank at once: it says whether the launcher formed a new
+round (ranks joined: `WorldChanged` is raised after the snapshot, so nothing is lost), and it
+compares what each rank committed (how many commits, the extras, a checksum of the model) so
+that ranks that drifted apart are named, not averaged.
+
+After a change, `sync()` (called by `td.elastic.run`) puts every rank back on the newest
+commit any of them holds: each rank rolls back to its own snapshot, and the rank with the
+most commits sends its snapshot to the others (a survivor sends it to newcomers; no file is
+read). Only when no rank holds a snapshot (a job that never committed, or restarted as a whole)
+does the state come from the `checkpointer` given, if any (`td.Checkpointer`, the fallback).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tandem import runtime
+from tandem.comm import collectives
+from tandem.parallel import splits
+from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
+from tandem.parallel.zero import ZeroOptimizer
+from tandem.rendezvous import elastic_rounds
+from tandem.rendezvous.client import StoreClient
+
+
+class WorldChanged(RuntimeError):
+    """The launcher formed a new round (workers joined or left); raised by `State.commit()`
+    once the commit is safe, and handled by `td.elastic.run`."""
+
+
+class StateMismatchError(RuntimeError):
+    """Ranks committed different states (other extras, another model, a skipped commit)."""
+
+
+_OWN = ("model", "optimizer", "checkpointer")
+
+
+class State:
+    """The model, the optimizer and any extras that `td.elastic.run` restores after a change
+    of world. Extras are attributes: `State(model=m, optimizer=o, epoch=0)` then `state.epoch`.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, *,
+                 checkpointer: Any = None, **extras: Any) -> None:
+        bad = [name for name in extras if name.startswith("_")]
+        if bad:
+            raise ValueError(f"td.elastic.State: extra {bad[0]!r} starts with '_': give names "
+                             "without it (those are the state's own)")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"td.elastic.State(model=...) takes an nn.Module, got "
+                            f"{type(model).__name__}")
+        for owner in (model, optimizer):
+            sharded = owner is not None and _sharded(owner)
+            if sharded:
+                raise ValueError(
+                    f"td.elastic.State: {type(owner).__name__} holds sharded state "
+                    f"(ZeroOptimizer or td.fully_shard): each rank keeps a part no other rank "
+                    f"has, so a rank that dies takes its part with it. Use a replicated "
+                    f"layout (td.DistributedOptimizer, td.DistributedDataParallel) in an "
+                    f"elastic job, or a fixed -np with --max-restarts and td.Checkpointer, "
+                    f"which reshards on load")
+        d = self.__dict__
+        d["model"], d["optimizer"], d["checkpointer"] = model, optimizer, checkpointer
+        d["_extras"] = dict(extras)
+        d["_snapshot"] = None
+        d["_commits"] = 0  # snapshots taken: ranks with more hold a newer state
+        d["_reset_callbacks"] = []
+        d["_round"] = None  # the round this process was in at its last look
+        d["_store"] = None
+        d["_warned_no_commit"] = False
+
+    # -- extras as attributes ------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        extras = self.__dict__.get("_extras", {})
+        if name in extras:
+            return extras[name]
+        raise AttributeError(f"td.elastic.State has no {name!r}: give it as a keyword, "
+                             f"State(..., {name}=...)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN or name.startswith("_"):
+            self.__dict__[name] = value
+        else:
+            self._extras[name] = value
+
+    @property
+    def commits(self) -> int:
+        return self._commits
+
+    # -- what a training loop calls ------------------------------------------------------
+    def commit(self) -> None:
+        """Snapshot the state in memory, then check with every rank: the same state, and
+        whether the world changed (then `WorldChanged`, caught by `td.elastic.run`). With a
+        `checkpointer`, also its save (on disk every `checkpointer.every` commits)."""
+        self.save()
+        self._to_checkpoint()
+        self.check_host_updates()
+
+    def save(self) -> None:
+        """The snapshot alone (Horovod's `save()`): no communication."""
+        self._snapshot = self._take()
+        self._commits += 1
+
+    def _take(self) -> dict[str, Any]:
+        snapshot: dict[str, Any] = {"extras": copy.deepcopy(self._extras)}
+        if self.model is not None:
+            snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                 for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None:
+            snapshot["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        return snapshot
+
+    def restore(self) -> None:
+        """Back to the last snapshot (nothing to do before the first)."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        if self.model is not None:
+            self.model.load_state_dict(snapshot["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        self._extras.clear()
+        self._extras.update(copy.deepcopy(snapshot["extras"]))
+
+    def check_host_updates(self) -> None:
+        """Raise `WorldChanged` on every rank when the launcher formed a new round; name the
+        ranks whose commits differ. One small allgather."""
+        if runtime.state().job.elastic is None:
+            return  # one process outside an elastic job (the reference run): nothing to check
+        seen = self._look()
+        mine = torch.tensor([seen, self._commits, self._digest()], dtype=torch.int64)
+        everyone = collectives.allgather(mine).view(-1, 3)
+        rounds, commits, digests = everyone[:, 0], everyone[:, 1], everyone[:, 2]
+        if int(commits.max()) != int(commits.min()) or int(digests.max()) != int(digests.min()):
+            raise StateMismatchError(_mismatch(commits.tolist(), digests.tolist()))
+        if int(rounds.max()) != self._round:
+            raise WorldChanged(f"round {int(rounds.max())} began (this world is round "
+                               f"{self._round})")
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Functions `td.elastic.run` calls after each change of world (Horovod's name): to
+        scale the learning rate with the world size, rebuild a data loader, ..."""
+        self._reset_callbacks.extend(callbacks)
+
+    # -- what td.elastic.run calls ---------------------------------------------------------
+    def sync(self) -> None:
+        """Every rank onto the newest commit any of them holds, sent by the lowest rank that
+        holds it; when none has committed, onto the checkpointer's newest checkpoint (or the
+        state rank 0 started with). Collective."""
+        self.restore()
+        counts = collectives.allgather(torch.tensor([self._commits], dtype=torch.int64))
+        newest = int(counts.max())
+        if newest == 0:
+            self._from_checkpoint()  # every rank reads the same one (or finds none)
+        source = int(torch.argmax(counts))  # the lowest rank among those with the newest
+        if self.model is not None:
+            broadcast_parameters(self.model, root=source)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root=source)
+        extras = collectives.broadcast_object(self._extras if runtime.rank() == source else None,
+                                              root=source)
+        self._extras.clear()
+        self._extras.update(extras)
+        self.__dict__["_snapshot"] = self._take()
+        self.__dict__["_commits"] = newest
+
+    def warn_no_commit(self) -> None:
+        if not self._warned_no_commit:
+            self._warned_no_commit = True
+            fallback = ("the checkpointer's last checkpoint" if self.checkpointer is not None
+                        else "the state the job started with")
+            warnings.warn(f"td.elastic: the world changed before any State.commit(): the job "
+                          f"goes on from {fallback}. Call state.commit() after each step (or "
+                          f"every few) to lose less", stacklevel=3)
+
+    def _objects(self) -> dict[str, Any]:
+        objects = {"model": self.model, "optimizer": self.optimizer,
+                   "extras": _Extras(self._extras)}
+        return {name: obj for name, obj in objects.items() if obj is not None}
+
+    def _to_checkpoint(self) -> None:
+        """The fallback on disk: the checkpointer's `every` commits."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(self._commits - 1, **self._objects())
+
+    def _from_checkpoint(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.restore(**self._objects())
+
+    def _look(self) -> int:
+        """The job's round as the store has it now (its number)."""
+        store = self._store
+        if store is None:
+            job = runtime.state().job
+            store = StoreClient(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
+                                runtime.state().timeout)
+            self.__dict__["_store"] = store
+        return elastic_rounds.current_number(store)
+
+    def _digest(self) -> int:
+        """What every replica must have alike: the extras and a checksum of the snapshot's
+        model (replicas are bitwise equal, so the sums are too). 62 bits."""
+        hasher = hashlib.blake2b(pickle.dumps(sorted(self._extras.items(), key=str)),
+                                 digest_size=8)
+        model = (self._snapshot or {}).get("model", {})
+        total = sum(float(t.double().sum()) for t in model.values()
+                    if torch.is_tensor(t) and t.is_floating_point())
+        hasher.update(repr(total).encode())
+        return int.from_bytes(hasher.digest(), "little") >> 2
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self.__dict__["_store"] = None
+
+
+def _sharded(owner: Any) -> bool:
+    if isinstance(owner, ZeroOptimizer):
+        return True
+    params = (owner.parameters() if isinstance(owner, torch.nn.Module)
+              else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))
+    return any(splits.kind_of(p) == splits.FULLY_SHARD for p in params)
+
+
+class _Extras:
+    """The extras as a checkpointable object (a state dict of plain values)."""
+
+    def __init__(self, extras: dict[str, Any]) -> None:
+        self.extras = extras
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.extras)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.extras.update(state)
+
+
+def _mismatch(commits: list[int], digests: list[int]) -> str:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, key in enumerate(zip(commits, digests, strict=True)):
+        groups.setdefault(key, []).append(rank)
+    parts = [f"ranks {ranks}: {count} commit(s), state digest {digest:x}"
+             for (count, digest), ranks in groups.items()]
+    return ("td.elastic: ranks committed different states (" + "; ".join(parts) + "). Every "
+            "rank must call state.commit() at the same steps, with the same extras and a "
+            "replicated model (td.DistributedOptimizer or td.DistributedDataParallel)")

@@ -1,0 +1,99 @@
+"""An elastic training job, as a user writes it; the one-process run is the same script.
+
+    tandem run -np 3 --min-np 2 --max-np 3 elastic_train.py OUT [options]
+    python elastic_train.py OUT                              # the one-process reference
+
+Each step trains on a global batch of 12 rows made from (seed, step) only; each rank takes its
+equal share (`td.elastic.local_rows`), so every world size computes the same mean gradient.
+Rank 0 writes the final parameters (and the world size of each step) to OUT.
+
+Faults and events, by worker id (a worker keeps its id whatever its rank):
+  --die W:S          worker W exits with code 9 in the middle of step S (after its forward)
+  --die-in-resize W  worker W exits with code 9 in its first reset callback (during a resize)
+  --wait-size N:S    at step S, commit until the world has N ranks (a worker is joining)
+  --offer FILE       with --wait-size: rank 0 creates FILE at step S first (the discovery
+                     script offers more slots once it exists)
+  --optimizer adam   Adam instead of SGD with momentum
+  --no-commit        never commit (the warning, and the start state as the fallback)
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+import tandem as td
+
+GLOBAL_BATCH = 12
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--die", default=None)
+parser.add_argument("--die-in-resize", type=int, default=None)
+parser.add_argument("--wait-size", default=None)
+parser.add_argument("--offer", default=None)
+parser.add_argument("--optimizer", default="sgd")
+parser.add_argument("--no-commit", action="store_true")
+args = parser.parse_args()
+
+td.init()
+worker = int(os.environ.get("TANDEM_ELASTIC_WORKER", "0"))
+torch.manual_seed(worker)  # every worker starts from another model: the state sync fixes it
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+if args.optimizer == "adam":
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+else:
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+optimizer = td.DistributedOptimizer(inner)
+state = td.elastic.State(model=model, optimizer=optimizer, step=0, sizes=[])
+
+die = tuple(map(int, args.die.split(":"))) if args.die else None
+wait = tuple(map(int, args.wait_size.split(":"))) if args.wait_size else None
+
+
+def die_in_resize():
+    if worker == args.die_in_resize:
+        os._exit(9)
+
+
+state.register_reset_callbacks([die_in_resize])
+
+
+def batch(step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=generator)
+    y = torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
+    return x, y
+
+
+@td.elastic.run
+def train(state):
+    while state.step < args.steps:
+        if wait is not None and state.step == wait[1]:
+            if args.offer and td.rank() == 0:
+                open(args.offer, "w").close()
+            deadline = time.monotonic() + 60
+            while td.size() != wait[0]:  # a commit sees the new round and moves the job to it
+                assert time.monotonic() < deadline, f"the world never grew to {wait[0]}"
+                state.commit()
+        x, y = batch(state.step)
+        rows = td.elastic.local_rows(GLOBAL_BATCH)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
+        if die is not None and (worker, state.step) == die:
+            os._exit(9)
+        loss.backward()
+        optimizer.step()
+        state.sizes = state.sizes + [td.size()]
+        state.step += 1
+        if not args.no_commit:
+            state.commit()
+
+
+train(state)
+if td.rank() == 0:
+    torch.save({"params": {k: v.clone() for k, v in model.state_dict().items()},
+                "sizes": state.sizes, "step": state.step}, args.out)
+td.shutdown()
