@@ -15,6 +15,8 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
                      script offers more slots once it exists)
   --optimizer adam   Adam instead of SGD with momentum
   --no-commit        never commit (the warning, and the start state as the fallback)
+  --diverge W:S      worker W counts one step more than the others at step S (named at commit)
+  --horovod          the same job written against `tandem.horovod` (hvd.elastic)
 """
 
 import argparse
@@ -36,9 +38,18 @@ parser.add_argument("--wait-size", default=None)
 parser.add_argument("--offer", default=None)
 parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--no-commit", action="store_true")
+parser.add_argument("--diverge", default=None)
+parser.add_argument("--horovod", action="store_true")
 args = parser.parse_args()
 
-td.init()
+if args.horovod:
+    import tandem.horovod as hvd
+
+    hvd.init()
+    elastic, make_state = hvd.elastic, hvd.elastic.TorchState
+else:
+    td.init()
+    elastic, make_state = td.elastic, td.elastic.State
 worker = int(os.environ.get("TANDEM_ELASTIC_WORKER", "0"))
 torch.manual_seed(worker)  # every worker starts from another model: the state sync fixes it
 model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -46,10 +57,14 @@ if args.optimizer == "adam":
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
 else:
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-optimizer = td.DistributedOptimizer(inner)
-state = td.elastic.State(model=model, optimizer=optimizer, step=0, sizes=[])
+if args.horovod:
+    optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+else:
+    optimizer = td.DistributedOptimizer(inner)
+state = make_state(model=model, optimizer=optimizer, step=0, sizes=[])
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
+diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
 wait = tuple(map(int, args.wait_size.split(":"))) if args.wait_size else None
 
 
@@ -68,7 +83,7 @@ def batch(step):
     return x, y
 
 
-@td.elastic.run
+@elastic.run
 def train(state):
     while state.step < args.steps:
         if wait is not None and state.step == wait[1]:
@@ -88,6 +103,8 @@ def train(state):
         optimizer.step()
         state.sizes = state.sizes + [td.size()]
         state.step += 1
+        if diverge is not None and (worker, state.step) == diverge:
+            state.step += 1
         if not args.no_commit:
             state.commit()
 

@@ -49,16 +49,16 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
         before: tuple[int, int] | None = None  # (size, commits) before the change
         while True:
             state._round = runtime.state().job.elastic.round
-            if before is not None:
-                for wrapper in (state.model, state.optimizer):
-                    if hasattr(wrapper, "_tandem_rejoin"):
-                        wrapper._tandem_rejoin()
-            state.sync()
-            if before is not None:
-                _say_resumed(state, before)
-                for callback in state._reset_callbacks:
-                    callback()
-            try:
+            try:  # a peer may die while the state is sent too
+                if before is not None:
+                    for wrapper in (state.model, state.optimizer):
+                        if hasattr(wrapper, "_tandem_rejoin"):
+                            wrapper._tandem_rejoin()
+                state.sync()
+                if before is not None:
+                    _say_resumed(state, before)
+                    for callback in state._reset_callbacks:
+                        callback()
                 return train(state, *args, **kwargs)
             except WorldChanged:
                 pass

@@ -145,11 +145,12 @@ class State:
         if runtime.state().job.elastic is None:
             return  # one process outside an elastic job (the reference run): nothing to check
         seen = self._look()
-        mine = torch.tensor([seen, self._commits, self._digest()], dtype=torch.int64)
-        everyone = collectives.allgather(mine).view(-1, 3)
-        rounds, commits, digests = everyone[:, 0], everyone[:, 1], everyone[:, 2]
-        if int(commits.max()) != int(commits.min()) or int(digests.max()) != int(digests.min()):
-            raise StateMismatchError(_mismatch(commits.tolist(), digests.tolist()))
+        mine = torch.tensor([seen, self._commits, *self._digests()], dtype=torch.int64)
+        everyone = collectives.allgather(mine).view(-1, 4)
+        rounds, agreed = everyone[:, 0], everyone[:, 1:]
+        if bool((agreed != agreed[0]).any()):
+            extras = collectives.allgather_object(self._extras)  # the failure path only
+            raise StateMismatchError(_mismatch(agreed.tolist(), extras))
         if int(rounds.max()) != self._round:
             raise WorldChanged(f"round {int(rounds.max())} began (this world is round "
                                f"{self._round})")
@@ -214,16 +215,17 @@ class State:
             self.__dict__["_store"] = store
         return elastic_rounds.current_number(store)
 
-    def _digest(self) -> int:
-        """What every replica must have alike: the extras and a checksum of the snapshot's
-        model (replicas are bitwise equal, so the sums are too). 62 bits."""
-        hasher = hashlib.blake2b(pickle.dumps(sorted(self._extras.items(), key=str)),
+    def _digests(self) -> tuple[int, int]:
+        """What every replica must have alike, as two 62-bit digests: the extras, and the
+        snapshot's model (replicas are bitwise equal, so the sums of their tensors are too)."""
+        extras = hashlib.blake2b(pickle.dumps(sorted(self._extras.items(), key=str)),
                                  digest_size=8)
         model = (self._snapshot or {}).get("model", {})
         total = sum(float(t.double().sum()) for t in model.values()
                     if torch.is_tensor(t) and t.is_floating_point())
-        hasher.update(repr(total).encode())
-        return int.from_bytes(hasher.digest(), "little") >> 2
+        weights = hashlib.blake2b(repr(total).encode(), digest_size=8)
+        return (int.from_bytes(extras.digest(), "little") >> 2,
+                int.from_bytes(weights.digest(), "little") >> 2)
 
     def close(self) -> None:
         if self._store is not None:
@@ -252,12 +254,21 @@ class _Extras:
         self.extras.update(state)
 
 
-def _mismatch(commits: list[int], digests: list[int]) -> str:
-    groups: dict[tuple[int, int], list[int]] = {}
-    for rank, key in enumerate(zip(commits, digests, strict=True)):
-        groups.setdefault(key, []).append(rank)
-    parts = [f"ranks {ranks}: {count} commit(s), state digest {digest:x}"
-             for (count, digest), ranks in groups.items()]
-    return ("td.elastic: ranks committed different states (" + "; ".join(parts) + "). Every "
+def _mismatch(agreed: list[list[int]], extras: list[dict[str, Any]]) -> str:
+    """Which ranks differ from rank 0, and in what."""
+    lines = []
+    for rank, (commits, _, weights) in enumerate(agreed):
+        what = []
+        if commits != agreed[0][0]:
+            what.append(f"{commits} commit(s), rank 0 {agreed[0][0]}")
+        differing = sorted(k for k in set(extras[rank]) | set(extras[0])
+                           if extras[rank].get(k) != extras[0].get(k))
+        what += [f"{k}={extras[rank].get(k)!r}, rank 0 {k}={extras[0].get(k)!r}"
+                 for k in differing]
+        if weights != agreed[0][2]:
+            what.append("other model parameters")
+        if what:
+            lines.append(f"rank {rank}: " + "; ".join(what))
+    return ("td.elastic: ranks committed different states (" + " | ".join(lines) + "). Every "
             "rank must call state.commit() at the same steps, with the same extras and a "
             "replicated model (td.DistributedOptimizer or td.DistributedDataParallel)")

@@ -18,7 +18,7 @@ What differs from Horovod is listed in the README's Horovod section.
 from __future__ import annotations
 
 import tandem as td
-from tandem.horovod import engine
+from tandem.horovod import elastic, engine
 from tandem.horovod.basics import (
     Adasum,
     Average,
@@ -123,7 +123,7 @@ __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "global_process_set",
+    "cross_size", "cuda_built", "ddl_built", "elastic", "gloo_built", "gloo_enabled", "global_process_set",
     "gpu_available", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",

@@ -16,6 +16,7 @@ import torch
 import tandem as td
 from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.groups import Group
+from tandem.elastic.state import WorldChanged
 
 # Reduction ops, Horovod's names for tandem's.
 Average = "mean"
@@ -31,8 +32,8 @@ class HorovodInternalError(RuntimeError):
     """A collective failed (Horovod's name; elastic scripts catch it)."""
 
 
-class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 (Horovod's name)
-    """Horovod's elastic signal that the hosts changed; tandem never raises it."""
+# Horovod's elastic signal that the hosts changed: `State.commit()` raises it (`td.elastic`).
+HostsUpdatedInterrupt = WorldChanged
 
 
 class HorovodMismatchError(CollectiveMismatchError, RuntimeError):
