@@ -137,6 +137,12 @@ def test_bad_arguments_name_the_fix(kwargs, match):
         td.estimate_memory(meta_model(), **kwargs)
 
 
+@pytest.mark.parametrize("units", ["0", nn.Linear(2, 2)])
+def test_one_unit_not_in_a_list_is_refused_with_the_fix(units):
+    with pytest.raises(TypeError, match="put it in a list"):
+        td.estimate_memory(meta_model(), world_size=2, layout="fully_shard", units=units)
+
+
 def test_pipeline_needs_a_sequential_and_compare_refuses_unknown_options():
     with pytest.raises(ValueError, match="estimates an nn.Sequential"):
         td.estimate_memory(nn.ModuleDict({"a": nn.Linear(2, 2)}), world_size=2, layout="pipeline")

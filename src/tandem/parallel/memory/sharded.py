@@ -41,6 +41,10 @@ def planned_units(model: nn.Module, units: Iterable[nn.Module | str] | None) -> 
     """The units `td.fully_shard` would make of `units` and then the root (each owning the
     parameters no inner unit owns), in module order, the root last."""
     names = {id(m): name for name, m in model.named_modules()}
+    if isinstance(units, (str, nn.Module)) and not isinstance(units, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"units takes a list of modules or qualified names (units=model.blocks, "
+                        f"units=['encoder', 'decoder']), got one {type(units).__name__}: put it "
+                        f"in a list")
     chosen: list[nn.Module] = []
     for unit in (units or ()):
         if isinstance(unit, str):
