@@ -18,11 +18,16 @@ the sharded methods, the root last) with Adam, per-rank batch 32, one thread per
   (a row-parallel layer keeps its bias whole), the head replicated; every rank the same batch.
 
 Memory per rank is counted from the tensors each method keeps between steps (parameters,
-gradients, optimizer state: CPU has no allocator statistics), and for the sharded methods the
-peak adds the largest sum of gathered units alive at once during a step (sampled around every
-module's forward and backward). Step time: the methods alternate step by step, median over
-`--steps` after warm-up. Ratios are to DDP and, for fully_shard, to FSDP2. JSON goes to
-`results/sharding.json`.
+gradients, optimizer state, and the wrapper's own buffers: ZeroOptimizer's shard and its
+gradient; CPU has no allocator statistics), and "during a step" adds what a step holds at once
+beyond them: ZeroOptimizer's flat gradient buffer in `step()`, and for `td.fully_shard` the
+gathered units plus the padded gradients whose reduce-scatter is in flight (sampled around
+every module's forward and backward, at each unit's gradient, and at the end of backward).
+torch's DDP runs with `gradient_as_bucket_view=True`, so its gradients are its buckets.
+Each is compared with `td.estimate_memory` (measured / estimated, target within 10 %):
+the benchmark holds no formula of its own. Step time: the methods alternate step by step,
+median over `--steps` after warm-up. Ratios are to DDP and, for fully_shard, to FSDP2. JSON
+goes to `results/sharding.json`.
 """
 
 from __future__ import annotations
@@ -51,29 +56,10 @@ def model(config: dict) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(width, 10))
 
 
-# The README's table: bytes per rank kept between steps, fp32 parameters with Adam (two moments),
-# P parameters over N ranks. The benchmark prints measured / predicted (target within 10 %).
-PREDICTED = {
-    "ddp": lambda p, n, split: 16 * p,               # parameters 4P, gradients 4P, Adam 8P
-    "zero": lambda p, n, split: 8 * p + 8 * p / n,   # parameters and gradients whole, Adam sharded
-    "fully_shard": lambda p, n, split: 16 * p / n,   # everything sharded (+ padding to N)
-    "fsdp2": lambda p, n, split: 16 * p / n,
-    "pipeline": lambda p, n, split: 16 * p / n,      # balanced stages; layers come whole
-    "tp": lambda p, n, split: 16 * split / n + 16 * (p - split),
-}
-
-
 def tp_plan(config: dict) -> dict[str, str]:
     """The blocks' Linear layers in colwise/rowwise pairs (an odd last block stays whole)."""
     pairs = config["blocks"] - config["blocks"] % 2
     return {f"{i}.0": "colwise" if i % 2 == 0 else "rowwise" for i in range(pairs)}
-
-
-def split_parameters(config: dict) -> int:
-    """P_split of the README's tp row: every split weight, and the column-parallel biases."""
-    width = config["width"]
-    return sum(width * width + (width if style == "colwise" else 0)
-               for style in tp_plan(config).values())
 
 
 def _bytes(tensors) -> int:
@@ -89,11 +75,31 @@ def state_bytes(net: nn.Module, optimizer) -> dict[str, int]:
     inner = getattr(optimizer, "optimizer", optimizer)
     params = list(net.parameters())
     return {"params": _bytes(params), "grads": _bytes(p.grad for p in params),
-            "optimizer": _bytes(v for s in inner.state.values() for v in s.values())}
+            "optimizer": _bytes(v for s in inner.state.values() for v in s.values()),
+            # ZeroOptimizer's shard of the parameters and of the averaged gradient
+            "buffers": _bytes([getattr(optimizer, "_shard", None),
+                               getattr(optimizer, "_shard_grad", None)])}
 
 
-class GatheredPeak:
-    """The most bytes of gathered (unsharded) units alive at once, sampled around modules."""
+def estimates(config: dict, n: int) -> dict[str, td.MemoryEstimate]:
+    """What `td.estimate_memory` says for each method (FSDP2 as td.fully_shard)."""
+    with torch.device("meta"):
+        net = model(config)
+    blocks = list(net)[:-1]
+    out = {"ddp": td.estimate_memory(net, world_size=n, layout="ddp"),
+           "zero": td.estimate_memory(net, world_size=n, layout="zero"),
+           "fully_shard": td.estimate_memory(net, world_size=n, layout="fully_shard", units=blocks),
+           "pipeline": td.estimate_memory(net, world_size=n, layout="pipeline", balance="params"),
+           "tp": td.estimate_memory(net, world_size=n, layout="tp", plan=tp_plan(config))}
+    out["fsdp2"] = out["fully_shard"]
+    return out
+
+
+class StepPeak:
+    """The most bytes of gathered units and in-flight gradient reductions of a td.fully_shard
+    model alive at once: sampled around every module's forward and backward, when each unit's
+    gradient arrives (before it is packed for its reduce-scatter) and at the end of backward
+    (before the reduce-scatters are waited for)."""
 
     def __init__(self, net: nn.Module) -> None:
         self.units = [unit for _, unit in units(net)]
@@ -102,10 +108,40 @@ class GatheredPeak:
             module.register_forward_pre_hook(lambda *a: self.sample())
             module.register_forward_hook(lambda *a: self.sample())
             module.register_full_backward_pre_hook(lambda *a: self.sample())
+        for unit in self.units:
+            unit.module.register_forward_hook(lambda module, args, out, unit=unit: self.watch(unit))
+        net.register_forward_hook(self.at_end_of_backward)
 
-    def sample(self) -> None:
-        alive = sum(u._full.untyped_storage().size() for u in self.units if u._full is not None)
-        self.peak = max(self.peak, alive)
+    def at_end_of_backward(self, module, args, out) -> None:
+        """Queued at the output's gradient, so it runs before the units' end-of-backward wait."""
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        out.register_hook(lambda grad: queue(self.sample))
+
+    def watch(self, unit) -> None:
+        if unit._full is not None and unit._full.requires_grad:
+            unit._full.register_hook(lambda grad: self.sample(grad.untyped_storage().nbytes()))
+
+    def sample(self, extra: int = 0) -> None:
+        storages = {}
+        for unit in self.units:
+            reducing = unit._reducing[1] if unit._reducing is not None else None
+            for t in (unit._full, unit._reducing_input, reducing):
+                if t is not None:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(storages.values()) + extra)
+
+
+def flat_buffer_peak(optimizer: td.ZeroOptimizer) -> dict[str, int]:
+    """The bytes of ZeroOptimizer's flat gradient buffer, recorded as step() makes it."""
+    seen = {"peak": 0}
+    pack = optimizer._pack_gradients
+
+    def measured():
+        flat = pack()
+        seen["peak"] = max(seen["peak"], flat.untyped_storage().nbytes())
+        return flat
+    optimizer._pack_gradients = measured
+    return seen
 
 
 def methods(config: dict) -> tuple[dict, dict, dict]:
@@ -121,15 +157,18 @@ def methods(config: dict) -> tuple[dict, dict, dict]:
             optimizer.step()
         steps[name], objects[name] = step, (net, optimizer)
 
-    net = nn.parallel.DistributedDataParallel(model(config)) if td.size() > 1 else model(config)
+    net = (nn.parallel.DistributedDataParallel(model(config), gradient_as_bucket_view=True)
+           if td.size() > 1 else model(config))
     add("ddp", net, torch.optim.Adam(net.parameters(), lr=1e-3))
     net = model(config)
-    add("zero", net, td.ZeroOptimizer(torch.optim.Adam(net.parameters(), lr=1e-3)))
+    zero = td.ZeroOptimizer(torch.optim.Adam(net.parameters(), lr=1e-3))
+    objects["zero_peak"] = flat_buffer_peak(zero)
+    add("zero", net, zero)
     net = model(config)
     for block in list(net)[:-1]:
         td.fully_shard(block)
     td.fully_shard(net)
-    objects["peak"] = GatheredPeak(net)
+    objects["fully_shard_peak"] = StepPeak(net)
     add("fully_shard", net, torch.optim.Adam(net.parameters(), lr=1e-3))
     try:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -185,7 +224,9 @@ def worker(config: dict) -> dict | None:
     for name in names:
         memory = state_bytes(*objects[name])
         memory["total"] = sum(memory.values())
-        memory["peak"] = memory["total"] + (objects["peak"].peak if name == "fully_shard" else 0)
+        during = {"fully_shard": lambda: objects["fully_shard_peak"].peak,
+                  "zero": lambda: objects["zero_peak"]["peak"]}.get(name, lambda: 0)()
+        memory["peak"] = memory["total"] + during
         out["methods"][name] = {"memory": memory, "step_s": statistics.median(times[name])}
     everyone = td.allgather_object(out)
     return everyone if td.rank() == 0 else None
@@ -203,13 +244,13 @@ def main() -> None:
     config = {"blocks": args.blocks, "width": args.width, "steps": args.steps, "warmup": args.warmup}
     results = {"config": config, "torch": torch.__version__, "worlds": {}}
     print(f"{args.blocks} blocks of Linear({args.width}, {args.width}) + head, Adam, per-rank batch {BATCH}")
-    print(f"{'ranks':>5} {'method':<12} {'state MB/rank':>13} {'predicted':>9} {'meas/pred':>9} "
-          f"{'peak MB/rank':>12} {'vs ddp':>7} {'step ms':>8} {'time/ddp':>9} {'time/fsdp2':>10}")
-    parameters = sum(p.numel() for p in model(config).parameters())
-    split = split_parameters(config)
+    print(f"{'ranks':>5} {'method':<12} {'state MB/rank':>13} {'estimated':>9} {'meas/est':>8} "
+          f"{'peak MB/rank':>12} {'estimated':>9} {'meas/est':>8} {'vs ddp':>7} {'step ms':>8} "
+          f"{'time/ddp':>9} {'time/fsdp2':>10}")
     for n in (int(r) for r in args.ranks.split(",")):
         everyone = td.spawn(worker, nprocs=n, args=(config,), backend="gloo")[0]
         rank0 = everyone[0]
+        estimated = estimates(config, n)
         # Memory: the largest over ranks (shards are padded, the last may be smaller).
         table = {}
         for name in rank0["methods"]:
@@ -219,14 +260,19 @@ def main() -> None:
                            "step_ms": 1000 * max(r["methods"][name]["step_s"] for r in everyone),
                            "memory": [r["methods"][name]["memory"] for r in everyone]}
         for name, row in table.items():
+            estimate = estimated[name]
             row["memory_over_ddp"] = row["peak_mb"] / table["ddp"]["peak_mb"]
-            row["predicted_mb"] = PREDICTED[name](parameters, n, split) / 2**20
-            row["measured_over_predicted"] = row["state_mb"] / row["predicted_mb"]
+            row["estimated_mb"] = estimate.total / 2**20
+            row["measured_over_estimated"] = row["state_mb"] / row["estimated_mb"]
+            # FSDP2's step is not sampled: its peak is not compared
+            row["estimated_peak_mb"] = float("nan") if name == "fsdp2" else estimate.peak / 2**20
+            row["peak_measured_over_estimated"] = row["peak_mb"] / row["estimated_peak_mb"]
             row["time_over_ddp"] = row["step_ms"] / table["ddp"]["step_ms"]
             if "fsdp2" in table:
                 row["time_over_fsdp2"] = row["step_ms"] / table["fsdp2"]["step_ms"]
-            print(f"{n:>5} {name:<12} {row['state_mb']:>13.2f} {row['predicted_mb']:>9.2f} "
-                  f"{row['measured_over_predicted']:>9.3f} {row['peak_mb']:>12.2f} "
+            print(f"{n:>5} {name:<12} {row['state_mb']:>13.2f} {row['estimated_mb']:>9.2f} "
+                  f"{row['measured_over_estimated']:>8.3f} {row['peak_mb']:>12.2f} "
+                  f"{row['estimated_peak_mb']:>9.2f} {row['peak_measured_over_estimated']:>8.3f} "
                   f"{row['memory_over_ddp']:>7.2f} {row['step_ms']:>8.1f} {row['time_over_ddp']:>9.2f} "
                   f"{row.get('time_over_fsdp2', float('nan')):>10.2f}")
         for name, error in rank0["errors"].items():

@@ -174,11 +174,59 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_doctor)
 
 
+def _memory(args: argparse.Namespace) -> int:
+    from tandem import memory_report
+
+    try:
+        print(memory_report.report(args.model, args.np, args.layout, args.optimizer, args.units,
+                                   args.param_dtype, args.reduce_dtype, args.offload, args.balance))
+    except ValueError as error:  # ModelSpecError too
+        print(f"tandem memory: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`tandem memory`: bytes per rank of a model under each layout, from its shapes."""
+    from tandem import memory_report
+
+    parser = subparsers.add_parser(
+        "memory",
+        help="bytes per rank of a model under each layout: tandem memory train.py:Net -np 8",
+        description=memory_report.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("model", metavar="MODEL",
+                        help="module:attribute or path/to/file.py:attribute (a class, or a "
+                        "function taking no arguments, that builds the model)")
+    parser.add_argument("-np", "--np", type=int, required=True, metavar="N",
+                        help="ranks the model is split over")
+    parser.add_argument("--layout", default=None,
+                        help="one of ddp, zero, fully_shard, pipeline, tp (default: a table "
+                        "of every layout the model allows)")
+    parser.add_argument("--optimizer", default="adam",
+                        help="adam (default), adamw, sgd or sgd-momentum")
+    parser.add_argument("--units", default=None, metavar="NAME",
+                        help="fully_shard: each child of the submodule NAME is one unit "
+                        "(e.g. blocks; '.' for the model's own children)")
+    parser.add_argument("--param-dtype", choices=memory_report.DTYPES, default=None,
+                        help="fully_shard: the dtype units are gathered in")
+    parser.add_argument("--reduce-dtype", choices=memory_report.DTYPES, default=None,
+                        help="fully_shard: the dtype gradients are reduce-scattered in")
+    parser.add_argument("--offload", choices=("cpu",), default=None,
+                        help="fully_shard: shards and optimizer state kept on the host")
+    parser.add_argument("--balance", default=None, metavar="params|N,N,...",
+                        help="pipeline: 'params' or layer counts per stage (default: even)")
+    parser.set_defaults(handler=_memory)
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_run_parser,
     add_scale_parser,
     add_bench_parser,
     add_doctor_parser,
+    add_memory_parser,
 )
 
 

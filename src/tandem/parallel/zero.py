@@ -169,8 +169,11 @@ class ZeroOptimizer:
                 continue
             if set_to_none:
                 p.grad = None
-            else:
-                p.grad.detach_()
+            else:  # as torch's Optimizer.zero_grad: a SplitGrad is an alias, which detach_() refuses
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
                 p.grad.zero_()
 
     def _reduce_gradients(self) -> torch.Tensor:
