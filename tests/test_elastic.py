@@ -1,0 +1,185 @@
+"""Elastic jobs (`tandem run --min-np A --max-np B`, `td.elastic`): real ranks die and join.
+
+The central check: a job that loses a rank, or loses one and gains one back (3 -> 2 -> 3), ends
+with the parameters of one process that trained on the same global batches
+(`tests/scripts/elastic_train.py`: 12 rows per step, made from the step alone, split evenly).
+Each scenario is one `tandem run` under a 60 s bound. MPI cannot resize (its world is fixed by
+mpiexec): that is refused before anything starts, and `td.elastic.run` inside a job of a
+launcher that cannot resize (MPI's, Gloo's fixed -np) is a clear error on both engines.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tandem as td
+from tandem.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "tests" / "scripts" / "elastic_train.py")
+SCENARIO_S = 60  # the whole elastic path of one scenario, start to end
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def tandem_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem", "run", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=SCENARIO_S)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process result of the same script, for each optimizer."""
+    results = {}
+    for optimizer in ("sgd", "adam"):
+        out = tmp_path_factory.mktemp("reference") / f"{optimizer}.pt"
+        subprocess.run([sys.executable, TRAIN, str(out), "--optimizer", optimizer], cwd=ROOT,
+                       env=_env(), check=True, timeout=SCENARIO_S)
+        results[optimizer] = torch.load(out)
+    return results
+
+
+def assert_same_model(result: dict, reference: dict) -> None:
+    assert result["step"] == reference["step"] == 12
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=1e-5)
+
+
+def test_a_rank_killed_at_step_5_of_3_the_job_goes_on_with_2_and_equals_one_process(
+        tmp_path, one_process):
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out),
+                      "--die", "2:5")
+    assert done.returncode == 0, done.stderr
+    assert "tandem run: elastic: world 3 -> 2 (round 1): rank 2 (worker 2) exit code 9" \
+        in done.stderr
+    assert "tandem elastic: world 3 -> 2 (round 1: rank 2 (worker 2) exit code 9); resumed " \
+           "from commit 5" in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 7
+    assert_same_model(result, one_process["sgd"])
+
+
+def test_3_to_2_to_3_a_worker_joins_when_discovery_offers_a_slot_adam_equals_one_process(
+        tmp_path, one_process):
+    offered = tmp_path / "offered"
+    discovery = tmp_path / "slots.sh"
+    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
+                         f"else echo localhost:2; fi\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                      str(discovery), TRAIN, str(out), "--die", "2:5", "--wait-size", "3:8",
+                      "--offer", str(offered), "--optimizer", "adam")
+    assert done.returncode == 0, done.stderr
+    assert "world 3 -> 2 (round 1)" in done.stderr
+    assert "tandem run: elastic: world 2 -> 3 (round 2): 1 worker(s) joined" in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 3 + [3] * 4
+    assert_same_model(result, one_process["adam"])
+
+
+def test_a_rank_that_dies_during_the_resize_shrinks_the_job_again_horovod_api(
+        tmp_path, one_process):
+    """3 -> 2 at step 5, then worker 1 dies in the reset callbacks of that resize: 2 -> 1,
+    written against `tandem.horovod` (hvd.elastic.TorchState, @hvd.elastic.run)."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "1:3", TRAIN, str(out), "--die", "2:5", "--die-in-resize", "1",
+                      "--horovod")
+    assert done.returncode == 0, done.stderr
+    assert "world 3 -> 2 (round 1)" in done.stderr
+    assert "world 2 -> 1 (round 2): rank 1 (worker 1) exit code 9" in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [1] * 7
+    assert_same_model(result, one_process["sgd"])
+
+
+def test_below_min_np_the_job_ends_with_the_usual_report(tmp_path):
+    done = tandem_run("-np", "2", "--min-np", "2", TRAIN, str(tmp_path / "out.pt"),
+                      "--die", "1:5")
+    assert done.returncode == 9, done.stderr
+    assert "tandem run: worker 1 exit code 9; 1 rank(s) left, below --min-np 2: stopping the " \
+           "job" in done.stderr
+    assert "tandem run: job failed: rank 1 (pid" in done.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly(
+        tmp_path, one_process):
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", TRAIN, str(out), "--die", "2:5",
+                      "--no-commit")
+    assert done.returncode == 0, done.stderr
+    warning = "the world changed before any State.commit(): the job goes on from the state " \
+              "the job started with"
+    assert done.stderr.count(warning) == 2  # once on each survivor
+    result = torch.load(out)
+    assert result["sizes"] == [2] * 12  # everything again, on 2 ranks
+    assert_same_model(result, one_process["sgd"])
+
+
+def test_ranks_that_commit_different_states_are_named(tmp_path):
+    done = tandem_run("-np", "2", "--min-np", "1", TRAIN, str(tmp_path / "out.pt"),
+                      "--diverge", "1:3")
+    assert done.returncode != 0
+    assert "StateMismatchError: td.elastic: ranks committed different states (rank 1: step=4, " \
+           "rank 0 step=3)" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--min-np", "3", "--max-np", "2"), "--min-np 3 is larger than --max-np 2"),
+    (("-np", "4", "--min-np", "1", "--max-np", "3"), "-np 4 is outside --min-np 1 .. --max-np 3"),
+    (("-np", "2:3", "--min-np", "2"), "-np 2:3 already gives the range"),
+    (("-np", "2", "--min-np", "0"), "--min-np 0: give 1 or more"),
+    (("-np", "2:3", "--backend", "mpi"), "an elastic job cannot run on MPI"),
+    (("-np", "2:3", "--max-restarts", "1"), "runs on this machine only, for now"),
+    (("-np", "2", "--host-discovery-script", "x.sh"), "--host-discovery-script is for elastic"),
+])
+def test_bad_elastic_options_are_refused_before_anything_starts(args, message):
+    done = tandem_run(*args, TRAIN, "out.pt")
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def refusals() -> list[str]:
+    """What td.elastic says where it cannot work (a job of a launcher that cannot resize)."""
+    said = []
+    model = torch.nn.Linear(4, 2)
+    state = td.elastic.State(model=model, step=0)
+
+    @td.elastic.run
+    def train(state):
+        return "trained"
+
+    for attempt in (lambda: train(state),
+                    lambda: td.elastic.State(optimizer=td.ZeroOptimizer(
+                        torch.optim.SGD(model.parameters(), lr=0.1))),
+                    lambda: td.elastic.local_rows(9),
+                    lambda: train(object())):
+        try:
+            attempt()
+        except (RuntimeError, ValueError, TypeError) as error:
+            said.append(str(error))
+    return said
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_td_elastic_where_the_world_cannot_change_says_so(backend):
+    for said in run_distributed(refusals, world_size=2, backend=backend):
+        assert len(said) == 4, said
+        assert "td.elastic.run needs a launcher that can resize the job" in said[0]
+        assert "tandem run --min-np A --max-np B" in said[0]
+        assert "ZeroOptimizer holds sharded state" in said[1]
+        assert "9 rows do not split evenly over 2 ranks" in said[2]
+        assert "takes a td.elastic.State first, got object" in said[3]
