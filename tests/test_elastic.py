@@ -145,6 +145,8 @@ def test_ranks_that_commit_different_states_are_named(tmp_path):
     (("-np", "2:3", "--backend", "mpi"), "an elastic job cannot run on MPI"),
     (("-np", "2:3", "--max-restarts", "1"), "runs on this machine only, for now"),
     (("-np", "2", "--host-discovery-script", "x.sh"), "--host-discovery-script is for elastic"),
+    (("-np", "2:3", "--host-discovery-script", "no-such.sh"), "no-such.sh does not exist"),
+    (("-np", "2:3", "--host-discovery-script", "README.md"), "is not executable (chmod +x it)"),
 ])
 def test_bad_elastic_options_are_refused_before_anything_starts(args, message):
     done = tandem_run(*args, TRAIN, "out.pt")

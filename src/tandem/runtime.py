@@ -218,6 +218,7 @@ def rejoin() -> World:
     current = state()
     if current.job.elastic is None:
         raise RuntimeError("td.rejoin: this job is not elastic (tandem run --min-np/--max-np)")
+    current.backend.abort()  # peers still waiting on this rank in the old world fail now
     shutdown()
     return _start(current.job, current.world.backend, current.timeout, current.debug,
                   current.checks)

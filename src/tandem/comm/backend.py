@@ -193,6 +193,12 @@ class Backend(abc.ABC):
     def shutdown(self) -> None:
         """Release every resource; the backend is unusable afterwards."""
 
+    def abort(self) -> None:
+        """The world is broken (a peer died; an elastic job moves on without it): drop every
+        connection now, so that the peers still waiting on this rank fail at once instead of
+        at their timeout. `shutdown()` still follows. Engines that cannot: nothing."""
+        return None
+
     #: Where a tensor on a device the engine does not take is copied for it (`on_wire`).
     staging_device = torch.device("cpu")
 

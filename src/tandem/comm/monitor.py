@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from itertools import count
 from typing import NoReturn
 
@@ -61,6 +62,7 @@ from tandem.comm.watchdog import (
     op_dict,
 )
 from tandem.environments.adapters import meeting_tag
+from tandem.rendezvous import elastic_rounds
 
 TICK_S = 1.0
 DEBUG_TICK_S = 0.25
@@ -124,6 +126,12 @@ class Watchdog(Ledger):
         self._ending = threading.Lock()
         self._tick = DEBUG_TICK_S if debug else TICK_S
         self._thread: threading.Thread | None = None
+        # An elastic job's world can be over while a rank still waits in it (its launcher
+        # formed the next round: a peer died, or left it for the next one): then the engine's
+        # connections are shut (`abort_engine`) and the wait fails now, not at the timeout.
+        self.world_over: Callable[[], bool] | None = None
+        self.abort_engine: Callable[[], None] | None = None
+        self._abandoned = False
         self._host = socket.gethostname()
 
     # -- answers and queries --------------------------------------------------------------
@@ -210,6 +218,11 @@ class Watchdog(Ledger):
     def failed(self, wait: tuple, error: BaseException) -> None:
         """Called by a failing `wait`: raise a better error, or return to re-raise `error`."""
         text = str(error).lower()
+        if self._abandoned:
+            raise PeerUnreachableError(
+                f"rank {self.rank}: {waitgraph.describe_op(op_dict(wait[WAIT_OP], self.size))} "
+                f"was abandoned: the elastic job's launcher formed its next round (a peer died, "
+                f"or every other rank left this world) while this rank waited") from error
         if isinstance(error, TimeoutError) or "timed out" in text:
             raise self._timeout_error(wait, error, self.query()) from None  # text in message
         if any(marker in text for marker in _LOST_PEER):
@@ -311,6 +324,11 @@ class Watchdog(Ledger):
                     + "\n(the engine itself did not give up on this wait: the watchdog ends "
                     "the process)"
                 )
+            if (age >= self._tick and self.world_over is not None and not self._abandoned
+                    and self.world_over()):
+                self._abandoned = True
+                self.abort_engine()
+                return
             serial = wait[WAIT_SERIAL]
             if age >= self._grace and now >= self._next_check.get(serial, 0.0):
                 recheck = DEBUG_RECHECK_S if self.debug else min(age, DESYNC_RECHECK_MAX_S)
@@ -350,5 +368,8 @@ def watch(engine: Backend, job, timeout: float, debug: bool) -> Backend:
     # its rank when the agent goes: watching the parent covers both.
     agent = os.getppid() if job.source == "tandem" and job.store_hosted else None
     dog = Watchdog(job.rank, job.size, float(timeout), bool(debug), board, agent)
+    if job.elastic is not None and board is not None:
+        dog.world_over = lambda: board.get(elastic_rounds.OVER) is not None
+        dog.abort_engine = engine.abort
     dog.start()
     return WatchedBackend(engine, dog)

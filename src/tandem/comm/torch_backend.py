@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tandem import rendezvous, settings
+from tandem.comm import sockets
 from tandem.comm.backend import Backend, CompletedWork, Work
 from tandem.environments import JobEnvironment
 from tandem.environments.adapters import meeting_tag
@@ -130,6 +131,7 @@ class TorchBackend(Backend):
         self.rank = rank
         self.size = size
         self.device = device
+        self._connections: set[str] = set()  # the sockets its groups opened (`abort`)
         if name == "nccl":
             self.staging_device = device
 
@@ -147,15 +149,17 @@ class TorchBackend(Backend):
         tag = meeting_tag(job, settings.current().restart, next(_generation))
         base = rendezvous_store(job, timeout)
         store = dist.PrefixStore(f"tandem/{tag}", base)
-        dist.init_process_group(
+        _, connections = sockets.opened_by(lambda: dist.init_process_group(
             name,
             store=store,
             rank=job.rank,
             world_size=job.size,
             timeout=timedelta(seconds=timeout),
             device_id=device if name == "nccl" else None,
-        )
-        return cls(name, job.rank, job.size, device, base)
+        ))
+        engine = cls(name, job.rank, job.size, device, base)
+        engine._connections = connections
+        return engine
 
     @staticmethod
     def _pg(group) -> dist.ProcessGroup | None:
@@ -219,7 +223,14 @@ class TorchBackend(Backend):
         return TorchWork(dist.barrier(group=self._pg(group), async_op=True))
 
     def new_group(self, ranks):
-        return dist.new_group(list(ranks))
+        group, connections = sockets.opened_by(lambda: dist.new_group(list(ranks)))
+        self._connections |= connections
+        return group
+
+    def abort(self) -> None:
+        # Every operation still pending on this rank's connections fails at once, here and on
+        # the peers at their other ends (see `sockets`).
+        sockets.shut(self._connections)
 
     def shutdown(self) -> None:
         if self._owns and dist.is_initialized():

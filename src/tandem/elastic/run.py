@@ -22,6 +22,7 @@ seconds lost since the event.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
             state.sync()
             return train(state, *args, **kwargs)
         before: tuple[int, int] | None = None  # (size, commits) before the change
+        rollback = True  # False when a commit saw the change: the state is its snapshot
         while True:
             state._round = runtime.state().job.elastic.round
             try:  # a peer may die while the state is sent too
@@ -54,22 +56,34 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
                     for wrapper in (state.model, state.optimizer):
                         if hasattr(wrapper, "_tandem_rejoin"):
                             wrapper._tandem_rejoin()
-                state.sync()
+                state.sync(rollback)
                 if before is not None:
                     _say_resumed(state, before)
                     for callback in state._reset_callbacks:
                         callback()
                 return train(state, *args, **kwargs)
             except WorldChanged:
-                pass
+                rollback = False
             except FAILURES as error:
+                rollback = True
                 if state.commits == 0:
                     state.warn_no_commit()
                 _await_next_round(state, error)
             before = (runtime.size(), state.commits)
+            _leave(state)
             runtime.rejoin()
 
     return elastic
+
+
+def _leave(state: State) -> None:
+    """Let go of everything that holds the old world's engine (the wrappers' operations in
+    flight), so that leaving it closes its connections: peers blocked on this rank then fail
+    at once instead of at their timeout."""
+    for wrapper in (state.model, state.optimizer):
+        if hasattr(wrapper, "_tandem_leave"):
+            wrapper._tandem_leave()
+    gc.collect()  # works caught in reference cycles (autograd's) go now, not at some later gc
 
 
 def _resizable() -> bool:

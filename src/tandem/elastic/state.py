@@ -161,13 +161,22 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     # -- what td.elastic.run calls ---------------------------------------------------------
-    def sync(self) -> None:
+    def sync(self, rollback: bool = True) -> None:
         """Every rank onto the newest commit any of them holds, sent by the lowest rank that
         holds it; when none has committed, onto the checkpointer's newest checkpoint (or the
-        state rank 0 started with). Collective."""
-        self.restore()
+        state rank 0 started with). `rollback=False`: this rank's state is its last snapshot
+        already (a commit just saw the change). Collective.
+
+        Ranks that hold the same number of commits hold the same state (each commit compared
+        them), so survivors of a failure, all at one commit, send nothing: each rolls back to
+        its own snapshot. Only a rank behind (a newcomer, a rank that missed the last commit)
+        receives, and only it takes a new snapshot."""
+        if rollback:
+            self.restore()
         counts = collectives.allgather(torch.tensor([self._commits], dtype=torch.int64))
-        newest = int(counts.max())
+        newest, oldest = int(counts.max()), int(counts.min())
+        if newest == oldest > 0:
+            return
         if newest == 0:
             self._from_checkpoint()  # every rank reads the same one (or finds none)
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
@@ -177,10 +186,11 @@ class State:
             broadcast_optimizer_state(self.optimizer, root=source)
         extras = collectives.broadcast_object(self._extras if runtime.rank() == source else None,
                                               root=source)
-        self._extras.clear()
-        self._extras.update(extras)
-        self.__dict__["_snapshot"] = self._take()
-        self.__dict__["_commits"] = newest
+        if self._commits < newest or newest == 0:
+            self._extras.clear()
+            self._extras.update(extras)
+            self.__dict__["_snapshot"] = self._take()
+            self.__dict__["_commits"] = newest
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:

@@ -251,6 +251,11 @@ class LaunchConfig:
         if not (low or 1) <= self.np <= (high or self.np):
             raise LaunchError(f"-np {self.np} is outside --min-np {low} .. --max-np {high}: the "
                               "job starts with -np ranks, so give a number in the range")
+        script = self.discovery
+        if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+            why = "is not executable (chmod +x it)" if os.path.isfile(script) else "does not exist"
+            raise LaunchError(f"--host-discovery-script {script} {why}: it must be a program "
+                              "that prints `host:slots` lines")
         if self.backend == "mpi":
             raise LaunchError("an elastic job cannot run on MPI: an MPI world is fixed once "
                               "mpiexec started it. Use --backend gloo (or nccl), or a fixed "
@@ -351,7 +356,7 @@ def config_from_args(
         require_join=bool(values["require_join"]),
         min_np=min_np,
         max_np=max_np,
-        discovery=values["discovery"],
+        discovery=os.path.abspath(values["discovery"]) if values["discovery"] else None,
     )
 
 

@@ -174,7 +174,7 @@ class ElasticJob(Agent):
 def discover(script: str) -> tuple[int | None, str | None]:
     """The slots the discovery script offers on this machine: (slots, None), or (None, why)."""
     try:
-        done = subprocess.run([os.path.abspath(script)], capture_output=True, text=True,
+        done = subprocess.run([script], capture_output=True, text=True,
                               timeout=DISCOVERY_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
         return None, f"could not run it: {error}"

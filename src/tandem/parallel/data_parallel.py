@@ -38,29 +38,9 @@ from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
 from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
+from tandem.parallel.reducer_front import MB as _MB
+from tandem.parallel.reducer_front import check_common, leave, rejoin, unsynced
 from tandem.parallel.step_clock import StepClock, StepStats
-
-_MB = 1 << 20
-
-
-def _check_common(op: str, bucket_mb: float, first_bucket_mb: float, group: Group | None, who: str) -> None:
-    if op not in ("mean", "sum"):
-        raise ValueError(f"{who}: op must be 'mean' or 'sum' for gradients, got {op!r}")
-    if not bucket_mb > 0 or not first_bucket_mb > 0:
-        raise ValueError(
-            f"{who}: bucket_mb and first_bucket_mb must be positive, got {bucket_mb} and {first_bucket_mb}")
-    if group is not None and group.rank < 0:
-        raise ValueError(
-            f"{who}: rank {runtime.rank()} is not a member of {group!r}; build it on members only")
-
-
-def _rejoin(wrapper: DistributedOptimizer | DistributedDataParallel, who: str) -> None:
-    if wrapper.group is not None:
-        raise ValueError(f"{who} over {wrapper.group!r} cannot follow an elastic job's new world: "
-                         "its group's ranks are gone. Reduce over the world (group=None)")
-    if wrapper._reducer is not None:
-        wrapper._reducer.close()
-    wrapper._reducer = wrapper._make_reducer()
 
 
 def _ordered_named_params(
@@ -90,19 +70,6 @@ def _ordered_named_params(
     order = {id(p): k for k, (_, p) in enumerate(named)}
     return sorted(((names[id(p)], p) for p in params), key=lambda item: order[id(item[1])])
 
-
-
-@contextlib.contextmanager
-def _unsynced(reducer) -> Iterator[None]:
-    """`no_sync()` of both wrappers: hold the reducer's reductions back (none in a world of one)."""
-    if reducer is None:
-        yield
-        return
-    reducer.set_sync(False)
-    try:
-        yield
-    finally:
-        reducer.set_sync(True)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -150,7 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(
                 f"accumulate must be an integer >= 1 (backward passes per step), got {accumulate!r}")
-        _check_common(op, bucket_mb, first_bucket_mb, group, "DistributedOptimizer")
+        check_common(op, bucket_mb, first_bucket_mb, group, "DistributedOptimizer")
         self.optimizer = optimizer
         splits.accounted_elsewhere(optimizer)  # this class records its steps itself
         splits.accounted_elsewhere(self)
@@ -177,9 +144,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._make_reducer = reducer
         self._reducer: Reducer | None = reducer()
 
+    def _tandemleave(self) -> None:
+        """This world is over (`tandem.elastic`): no more operations on it."""
+        leave(self)
+
     def _tandem_rejoin(self) -> None:
         """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
-        _rejoin(self, "DistributedOptimizer")
+        rejoin(self, "DistributedOptimizer")
 
     # -- what torch code expects of an optimizer ------------------------------------------
     @property
@@ -300,7 +271,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces them all."""
-        return _unsynced(self._reducer)
+        return unsynced(self._reducer)
 
 
 class DistributedDataParallel(nn.Module):
@@ -329,7 +300,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        _check_common(op, bucket_mb, first_bucket_mb, group, "DistributedDataParallel")
+        check_common(op, bucket_mb, first_bucket_mb, group, "DistributedDataParallel")
         self.module = module
         self.group = group
         self._root = group_ranks(group)[0]
@@ -356,9 +327,13 @@ class DistributedDataParallel(nn.Module):
         self._make_reducer = reducer
         self._reducer = reducer()
 
+    def _tandemleave(self) -> None:
+        """This world is over (`tandem.elastic`): no more operations on it."""
+        leave(self)
+
     def _tandem_rejoin(self) -> None:
         """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
-        _rejoin(self, "DistributedDataParallel")
+        rejoin(self, "DistributedDataParallel")
 
     def _round_done(self, wait_s: float) -> None:
         reducer = self._reducer
@@ -407,4 +382,4 @@ class DistributedDataParallel(nn.Module):
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces them all."""
-        return _unsynced(self._reducer)
+        return unsynced(self._reducer)

@@ -43,11 +43,23 @@ def _record_key(number: int) -> str:
     return f"tandem/elastic/{number}/record"
 
 
+def _watchdog_board(number: int) -> str:
+    """Where the ranks' watchdogs of round `number` meet (`comm.monitor`: its board's prefix
+    for an elastic round)."""
+    return f"tandem/watchdog/elastic/{number}/"
+
+
+OVER = "over"  # on a round's watchdog board: the launcher formed a later round
+
+
 def publish(store, new: Round) -> None:
-    """The launcher's side: write the round, then point the job at it."""
+    """The launcher's side: write the round, point the job at it, and tell the watchdogs of
+    the round before that their world is over (a rank still waiting in it stops waiting)."""
     store.set(_record_key(new.number), json.dumps(
         {"workers": list(new.workers), "why": new.why, "since": new.since}))
     store.set(ROUND_KEY, str(new.number))
+    if new.number:
+        store.set(_watchdog_board(new.number - 1) + OVER, "1")
 
 
 def current_number(store) -> int:
@@ -89,10 +101,9 @@ def arrive(store, joined: Round, worker: int, deadline: float) -> bool:
 
 def report_death(store, number: int, rank: int, how: str) -> None:
     """The launcher saw rank `rank` of round `number` die: say so where the ranks' watchdogs
-    look for ranks that left (`comm.monitor`, whose board for an elastic round is
-    `tandem/watchdog/elastic/<round>/`), so that a survivor's failed wait is explained at once
+    look for ranks that left (`comm.monitor`), so that a survivor's failed wait is explained at once
     instead of after the watchdog's wait for an answer."""
-    store.set(f"tandem/watchdog/elastic/{number}/left/{rank}", json.dumps(
+    store.set(_watchdog_board(number) + f"left/{rank}", json.dumps(
         {"rank": rank, "state": "died", "issued": {}, "waits": [], "inside": None,
          "stack": f"(it {how})"}))
 

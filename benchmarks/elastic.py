@@ -1,0 +1,157 @@
+"""Seconds an elastic job loses per change of world, and in-memory vs disk restore.
+
+    python benchmarks/elastic.py                       # worlds of 2, 3 and 4 ranks
+    python benchmarks/elastic.py --ranks 2 3 --params-mb 32
+
+For each N, one `tandem run -np N --min-np 1 --max-np N --host-discovery-script ...` job of
+this file's worker (a data-parallel MLP of `--params-mb` MB of fp32 parameters, SGD with
+momentum, `td.elastic.State` committed after every step):
+
+- shrink: the last worker kills itself (SIGKILL) at step 5; the survivors go on with N - 1;
+- grow: at step 10 the discovery script starts offering N slots again; a new worker starts,
+  and once it has reached `td.init()` the job grows back to N at the next commit.
+
+Seconds lost are what rank 0 prints when it resumes ("... resumed from commit C, X s after
+the event"): from the launcher's round (the death it saw, or the new worker being ready) to
+the moment every rank holds the committed state again, ready for the next step. Target:
+<= 5 s per transition on one machine.
+
+After training, each job also times the ways a rank gets the committed state back, for the
+same model and optimizer (max over ranks): in memory as a survivor does (`State.sync()` with
+every rank at the same commit: each rolls back to its own snapshot, nothing is sent), in
+memory as a newcomer does (the rank that holds the newest commit sends it), and from disk
+(`td.Checkpointer.restore`, the fallback; the files were just written, so they are read from
+the page cache: the best case for disk). JSON goes to `results/elastic.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESUMED = re.compile(r"tandem elastic: world (\d+) -> (\d+) .*resumed from commit \d+.*?, "
+                     r"([\d.]+) s after the event")
+
+
+def worker(out: str, offer: str, params_mb: float, steps: int = 14) -> None:
+    import torch
+
+    import tandem as td
+
+    td.init()
+    size = int(os.environ["TANDEM_ELASTIC_RANGE"].split(":")[1])
+    worker_id = int(os.environ["TANDEM_ELASTIC_WORKER"])
+    width = 512
+    layers = max(1, round(params_mb * 2**20 / 4 / (width * width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
+                                                        momentum=0.9))
+    state = td.elastic.State(model=model, optimizer=optimizer, step=0)
+
+    @td.elastic.run
+    def train(state):
+        while state.step < steps:
+            if state.step == 10 and td.size() < size:
+                if td.rank() == 0:
+                    Path(offer).touch()
+                while td.size() < size:  # commits until the joining worker is in
+                    state.commit()
+            if state.step == 5 and worker_id == size - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x = torch.randn(24, width, generator=torch.Generator().manual_seed(state.step))
+            optimizer.zero_grad()
+            model(x[td.elastic.local_rows(24)]).square().mean().backward()
+            optimizer.step()
+            state.step += 1
+            state.commit()
+
+    train(state)
+
+    # In memory, a survivor's path: every rank at the same commit rolls back to its own.
+    td.barrier()
+    start = time.perf_counter()
+    state.sync()
+    survivor_s = time.perf_counter() - start
+    # In memory, a newcomer's path: rank 0 holds one more commit; every other rank takes it.
+    if td.rank() == 0:
+        state.save()
+    td.barrier()
+    start = time.perf_counter()
+    state.sync()
+    memory_s = time.perf_counter() - start
+    # From disk: the same model and optimizer, through the checkpointer.
+    checkpointer = td.Checkpointer(os.path.join(os.path.dirname(out), "ckpt"), keep=1)
+    checkpointer.save(0, model=model, optimizer=optimizer)
+    td.barrier()
+    start = time.perf_counter()
+    checkpointer.restore(model=model, optimizer=optimizer)
+    disk_s = time.perf_counter() - start
+    slowest = td.allreduce(torch.tensor([survivor_s, memory_s, disk_s], dtype=torch.float64),
+                           op="max")
+    if td.rank() == 0:
+        Path(out).write_text(json.dumps({"survivor_s": float(slowest[0]),
+                                         "memory_s": float(slowest[1]),
+                                         "disk_s": float(slowest[2]),
+                                         "state_mb": 2 * layers * (width * width + width) * 4
+                                         / 2**20}))
+
+
+def run_job(ranks: int, params_mb: float, folder: Path) -> dict:
+    offer, out = folder / "offer", folder / "out.json"
+    discovery = folder / "slots.sh"
+    discovery.write_text(f"#!/bin/sh\nif [ -e {offer} ]; then echo localhost:{ranks}; "
+                         f"else echo localhost:{ranks - 1}; fi\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem", "run", "-np", str(ranks), "--min-np", "1", "--max-np",
+         str(ranks), "--host-discovery-script", str(discovery), __file__, "--worker", str(out),
+         "--offer", str(offer), "--params-mb", str(params_mb)],
+        env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"the {ranks}-rank job failed:\n{done.stderr[-3000:]}")
+    row = {"ranks": ranks, **json.loads(out.read_text())}
+    for before, after, seconds in RESUMED.findall(done.stderr):
+        row["shrink_s" if int(after) < int(before) else "grow_s"] = float(seconds)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--params-mb", type=float, default=16.0)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--offer", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.offer, args.params_mb)
+        return
+    from tandem.bench.results import write_json
+
+    rows = []
+    for ranks in args.ranks:
+        with tempfile.TemporaryDirectory(prefix="tandem-elastic-bench-") as folder:
+            rows.append(run_job(ranks, args.params_mb, Path(folder)))
+    print(f"{'ranks':>5} {'shrink':>9} {'grow':>9} {'restore: survivor':>18} {'newcomer':>9} "
+          f"{'disk':>9} {'newcomer/disk':>14}   (Gloo, {rows[0]['state_mb']:.0f} MB of model + "
+          f"optimizer state)")
+    for row in rows:
+        print(f"{row['ranks']:>5} {row.get('shrink_s', float('nan')):>7.2f} s "
+              f"{row.get('grow_s', float('nan')):>7.2f} s {row['survivor_s'] * 1e3:>15.0f} ms "
+              f"{row['memory_s'] * 1e3:>6.0f} ms {row['disk_s'] * 1e3:>6.0f} ms "
+              f"{row['memory_s'] / row['disk_s']:>14.2f}")
+    out = write_json({"params_mb": args.params_mb, "rows": rows}, "results/elastic.json")
+    print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

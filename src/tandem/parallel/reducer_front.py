@@ -1,0 +1,54 @@
+"""What `DistributedOptimizer` and `DistributedDataParallel` share around their `Reducer`:
+argument checks, `no_sync()`, and following an elastic job's change of world."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from tandem import runtime
+from tandem.comm.groups import Group
+
+MB = 1 << 20
+
+
+def check_common(op: str, bucket_mb: float, first_bucket_mb: float, group: Group | None, who: str) -> None:
+    if op not in ("mean", "sum"):
+        raise ValueError(f"{who}: op must be 'mean' or 'sum' for gradients, got {op!r}")
+    if not bucket_mb > 0 or not first_bucket_mb > 0:
+        raise ValueError(
+            f"{who}: bucket_mb and first_bucket_mb must be positive, got {bucket_mb} and {first_bucket_mb}")
+    if group is not None and group.rank < 0:
+        raise ValueError(
+            f"{who}: rank {runtime.rank()} is not a member of {group!r}; build it on members only")
+
+
+def leave(wrapper: Any) -> None:
+    """Drop the reducer with its operations in flight: a failed world's engine is released
+    only when nothing holds its work any more (a Gloo peer still waiting on this rank then
+    sees the connection close at once)."""
+    if wrapper._reducer is not None:
+        wrapper._reducer.close()
+    wrapper._reducer = None
+
+
+def rejoin(wrapper: Any, who: str) -> None:
+    if wrapper.group is not None:
+        raise ValueError(f"{who} over {wrapper.group!r} cannot follow an elastic job's new world: "
+                         "its group's ranks are gone. Reduce over the world (group=None)")
+    leave(wrapper)
+    wrapper._reducer = wrapper._make_reducer()
+
+
+@contextlib.contextmanager
+def unsynced(reducer) -> Iterator[None]:
+    """`no_sync()` of both wrappers: hold the reducer's reductions back (none in a world of one)."""
+    if reducer is None:
+        yield
+        return
+    reducer.set_sync(False)
+    try:
+        yield
+    finally:
+        reducer.set_sync(True)
