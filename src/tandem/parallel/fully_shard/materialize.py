@@ -72,12 +72,13 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
     _agree_on_rng(seed, device)
     made = _materialize_tensors(model, device)
     with torch.no_grad():
-        open_units: dict[int, torch.Tensor] = {}
+        open_units: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pool: list[torch.Tensor] = []  # one temporary per nesting depth, reused unit after unit
         for name, module in _post_order(model):
             unit = slots[module][0] if module in slots else _unit_above(model, name)
             if unit is not None and id(unit) in pending and id(unit) not in open_units \
                     and _holds(module, unit):
-                open_units[id(unit)] = _open(unit, device)
+                open_units[id(unit)] = _open(unit, device, pool, len(open_units))
             (init or _reset)(module)
             mine = unit_of(module)
             if mine is not None and id(mine) in open_units:
@@ -197,16 +198,29 @@ def _agree_on_rng(seed: int | None, device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _open(unit: Unit, device: torch.device) -> torch.Tensor:
-    """The unit's full parameters, NaN until init sets them, viewed in place on their modules."""
-    flat = torch.full((unit.space.padded_numel,), float("nan"), dtype=unit.shard.dtype, device=device)
+def _open(unit: Unit, device: torch.device, pool: list[torch.Tensor],
+          depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's shard, still empty; the unit's full parameters, NaN until init sets them,
+    viewed in place on their modules). The full parameters live in `pool[depth]`, one buffer
+    per nesting depth kept for the next unit: a fresh temporary per unit, freed after it,
+    was not always given back by glibc (some ranks' resident memory grew by a unit per unit)."""
+    shard = torch.empty(unit.shard_numel, dtype=unit.shard.dtype, device=device)
+    n = unit.space.padded_numel
+    if depth == len(pool):
+        pool.append(torch.empty(0, dtype=unit.shard.dtype, device=device))
+    if pool[depth].numel() < n or pool[depth].dtype != unit.shard.dtype:
+        pool[depth] = torch.empty(0, dtype=unit.shard.dtype, device=device)  # the old one first
+        pool[depth] = torch.empty(n, dtype=unit.shard.dtype, device=device)
+    flat = pool[depth][:n]
+    flat[: unit.numel].fill_(float("nan"))
     flat[unit.numel:].zero_()
     unit._set_views(flat)
-    return flat
+    return shard, flat
 
 
-def _close(unit: Unit, flat: torch.Tensor, name: str) -> None:
-    """Keep this rank's shard of `flat` and free the rest."""
+def _close(unit: Unit, opened: tuple[torch.Tensor, torch.Tensor], name: str) -> None:
+    """Keep this rank's shard of the unit's parameters and free the rest."""
+    shard, flat = opened
     offset, unset = 0, []
     for param, shape in zip(unit.names, unit.shapes, strict=True):
         n = torch.Size(shape).numel()
@@ -219,6 +233,6 @@ def _close(unit: Unit, flat: torch.Tensor, name: str) -> None:
             f"{', '.join(unset)} without values; init must set every parameter of the module it "
             f"is called on (it is called on every module, children first)")
     lo = unit.rank * unit.shard_numel
-    unit.set_shard(flat[lo : lo + unit.shard_numel].clone())
+    unit.set_shard(shard.copy_(flat[lo : lo + unit.shard_numel]))
     unit.on_meta = False
     unit._placeholders()
