@@ -104,6 +104,8 @@ def check_features(hsdp: bool = True) -> dict:
         td.fully_shard(block)
     td.fully_shard(model)
     out["unmaterialized"] = _error(lambda: model(torch.randn(2, 4, 3)))
+    model.to_empty(device="cpu")  # FSDP2's habit: harmless (the shards are made anew)
+    out["unmaterialized_to_empty"] = _error(lambda: model(torch.randn(2, 4, 3)))
     td.materialize(model, seed=SEED)
     out["meta_init"] = _difference(model, _eager())
     # Each rank keeps its 1/N alone: no storage of the whole unit behind the shard.
@@ -233,6 +235,7 @@ def _bad_inputs() -> dict:
     errors["both"] = _error(lambda: td.fully_shard(
         nn.Linear(2, 2), param_dtype=torch.bfloat16, mp_policy=td.MixedPrecisionPolicy()))
     errors["offload_type"] = _error(lambda: td.fully_shard(nn.Linear(2, 2), offload_policy="cpu"))
+    errors["mesh_tp"] = _error(lambda: td.fully_shard(nn.Linear(2, 2), mesh=td.mesh(tp=td.size())))
     errors["mesh_and_group"] = _error(lambda: td.fully_shard(nn.Linear(2, 2), group=object(),
                                                              mesh=object()))
     return errors
@@ -241,6 +244,7 @@ def _bad_inputs() -> dict:
 def _assert_results(results, world_size: int, hsdp: bool = True, backend: str = "gloo"):
     for rank, r in enumerate(results):
         assert "meta device" in r["unmaterialized"] and "Sequential" not in r["unmaterialized"], r
+        assert r["unmaterialized_to_empty"] == r["unmaterialized"], r["unmaterialized_to_empty"]
         assert "td.materialize" in r["unmaterialized"] and "Net" in r["unmaterialized"], r
         assert r["meta_init"] == 0.0, (rank, r["meta_init"])  # exactly the eager model's values
         for name, (numel, shard, device) in r["shards"].items():
@@ -271,6 +275,7 @@ def _assert_results(results, world_size: int, hsdp: bool = True, backend: str = 
         assert "both param_dtype= and mp_policy=" in e["both"], e["both"]
         assert "td.CPUOffloadPolicy()" in e["offload_type"], e["offload_type"]
         assert "both group= and mesh=" in e["mesh_and_group"], e["mesh_and_group"]
+        assert f"tp={world_size}" in e["mesh_tp"] and "group=mesh.dp_group" in e["mesh_tp"], e["mesh_tp"]
 
 
 @pytest.mark.timeout(300)

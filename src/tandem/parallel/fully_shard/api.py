@@ -46,7 +46,7 @@ from tandem.comm.groups import Group, Mesh, group_ranks
 from tandem.parallel import layout, model_check, splits, state_hooks
 from tandem.parallel.fully_shard import fsdp2_methods, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
-from tandem.parallel.fully_shard.unit import Unit, attach, unit_of
+from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
@@ -88,6 +88,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
             f"({sliced[0] or 'itself'}): flattening their slices into one rank's shard would mix "
             f"the ranks' slices. Keep tensor parallelism across mesh.tp_group and shard only "
             f"modules without tensor-parallel layers (fully_shard(..., group=mesh.dp_group))")
+    _refuse_taken(module)
     unit = Unit(module, group, policy, reshard_after_forward, has_inner=bool(inner),
                 offload=offload, replicate=replicate)
     for sub in inner:
@@ -270,3 +271,17 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     groups = [{**g, "params": [name for i in g["params"] for name in names_of[i]]}
               for g in state["param_groups"]]
     return {"state": out, "param_groups": groups}
+
+
+def _refuse_taken(module: nn.Module) -> None:
+    """Sharding a block after its root took the block's parameters: say which order works."""
+    subtree = {id(m) for m in module.modules()}
+    for sub in module.modules():
+        outer = taken_by(sub)
+        if outer is not None and id(outer) not in subtree:  # not an inner unit's
+            which = "" if sub is module else f" (its {type(sub).__name__}'s)"
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): its parameters{which} already belong to "
+                f"the unit of {type(outer).__name__}, which was sharded first. Apply "
+                f"fully_shard to the inner blocks first, then the root: `for block in "
+                f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 #: What every tandem engine reduces (Gloo natively; MPI float16/bfloat16 through float32; NCCL).
 #: Gloo answers "Invalid scalar type" for the float8 dtypes, MPI has no datatype for them.
@@ -95,3 +96,12 @@ def offload(policy: Any) -> CPUOffloadPolicy | None:
         return CPUOffloadPolicy(bool(policy.pin_memory))
     raise TypeError(f"fully_shard: offload_policy={policy!r}: give td.CPUOffloadPolicy() "
                     f"(or None to keep the shards on the compute device)")
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its floating tensors cast to `dtype` (MixedPrecisionPolicy's casts)."""
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return tree_map(cast, tree)

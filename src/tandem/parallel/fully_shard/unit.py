@@ -14,13 +14,10 @@ The life of a step, per unit:
   views keep their shape) unless this is the root, and hook the outputs so that their
   gradient's arrival gathers again;
 - pre-backward: gather into the same storage, prefetch the unit before it;
-- `_Gather.backward`: the full gradient's reduce-scatter (fp32, sum) starts and the gathered
-  storage is freed; at the end of backward (an autograd callback, as DDP's) each is waited for
-  and the mean lands in the shard's `.grad`, so `.grad` is complete when backward() returns.
-
-A flag element rides with every reduce-scatter: whether any rank saw inf/NaN. Each rank puts
-inf into its shard's gradient when one did, so GradScaler's `unscale_` finds inf on every rank
-and all ranks skip the same step, with no extra call and no host sync.
+- `_Gather.backward`: the full gradient's reduce-scatter (in `reduce_dtype`, sum, with an
+  inf/NaN flag: `reduction.py`) starts and the gathered storage is freed; at the end of
+  backward (an autograd callback, as DDP's) each is waited for and the mean lands in the
+  shard's `.grad`, so `.grad` is complete when backward() returns.
 
 The gathers and reduce-scatters are not checked one by one: the root's forward opens with one
 agreement, and its backward with another (sent at the output's first gradient, finished before
@@ -37,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
 from tandem.comm import agreement
@@ -45,8 +42,8 @@ from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.parallel import model_check, splits
 from tandem.parallel.flat_shard import FlatShard
-from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from tandem.parallel.split_grads import as_split_grad
+from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, cast_floating
+from tandem.parallel.fully_shard.reduction import GradientReduction
 
 # module -> its Unit (FSDP2's `fully_shard.state(module)`), not an attribute on the module.
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -63,6 +60,11 @@ SHARD = "_tandem_shard"
 #: Module -> (a weak reference to) the module of the unit that took its parameters (an outer
 #: one, when the root was sharded before its blocks).
 _taken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def taken_by(module: nn.Module) -> nn.Module | None:
+    """The module of the unit that took `module`'s parameters (None: no unit did)."""
+    return _taken.get(module, lambda: None)()
 
 
 def _owned(module: nn.Module, prefix: str = ""):
@@ -92,7 +94,6 @@ class Unit:
     def __init__(self, module: nn.Module, group: Group | None, policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool, has_inner: bool,
                  offload: CPUOffloadPolicy | None = None, replicate: Group | None = None) -> None:
-        _refuse_taken(module)
         owned = list(_owned(module))
         seen: dict[int, str] = {}
         for name, _, _, param in owned:
@@ -106,8 +107,7 @@ class Unit:
                 f"fully_shard: {type(module).__name__} has no parameters to shard; wrap a module "
                 f"that has parameters")
         kinds = {(p.dtype, p.device) for _, _, _, p in owned}
-        # Built on the meta device: no values yet; `td.materialize` makes this rank's shard.
-        self.on_meta = any(p.device.type == "meta" for _, _, _, p in owned)
+        self.on_meta = any(p.device.type == "meta" for _, _, _, p in owned)  # td.materialize's
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
             raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
@@ -124,13 +124,11 @@ class Unit:
         self.numel = sum(p.numel() for _, _, _, p in owned)
         self.space = FlatShard(self.numel, self.size, self.rank)  # ZeroOptimizer's arithmetic too
         self.shard_numel = self.space.shard_numel
-        self.policy = policy
-        self.param_dtype = policy.param_dtype
-        self.reduce_dtype = policy.reduce_dtype or policy.param_dtype  # None: the shard's (fp32)
-        self.offload = offload
-        # HSDP: the replicas of this rank's shard, over which its gradient is all-reduced.
-        self.replicate = replicate if replicate is not None and group_size(replicate) > 1 else None
-        self.replicas = group_size(self.replicate) if self.replicate is not None else 1
+        self.policy, self.param_dtype, self.offload = policy, policy.param_dtype, offload
+        # reduce_dtype None: the shard's (fp32). HSDP: all-reduced over the replicas too.
+        self.reduction = GradientReduction(self.size, group, replicate,
+                                           policy.reduce_dtype or policy.param_dtype)
+        self.replicate = self.reduction.replicate
         self.compute_device: torch.device | None = None  # where forward runs (set with the shard)
         self.reshard_after_forward = reshard_after_forward
         self.check: model_check.ModelCheck | None = None
@@ -139,12 +137,9 @@ class Unit:
         self._recording = False
         self._full: torch.Tensor | None = None
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self._unsynced: torch.Tensor | None = None
         self._backward_ready = False
         self._root: Unit | None = None
         self._in_flight: list[Unit] = []  # (a root's) units whose reduce-scatter is in flight
-        self._reducing: tuple[Any, torch.Tensor] | None = None
-        self._reducing_input: torch.Tensor | None = None
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         self.shard: nn.Parameter | None = None
@@ -175,22 +170,19 @@ class Unit:
     def _make_shard(self, module: nn.Module, owned: list) -> None:
         dtype, device = owned[0][3].dtype, owned[0][3].device
         self.param_dtype = self.param_dtype or dtype
-        self.reduce_dtype = self.reduce_dtype or dtype
         group = self.group
         if self.on_meta:  # shapes only: `td.materialize` gives the shard its values
             self.set_shard(torch.empty(self.shard_numel, dtype=dtype, device="meta"))
         else:
+            from tandem.comm import collectives
             with torch.no_grad():
                 flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
                 torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])
                 if self.size > 1:  # every rank starts from rank 0's values, as DDP does
-                    from tandem.comm import collectives
                     collectives.broadcast(flat, root=group_ranks(group)[0], inplace=True, group=group)
-                lo = self.rank * self.shard_numel
-                shard = flat[lo : lo + self.shard_numel].clone()
+                shard = flat[self.rank * self.shard_numel :][: self.shard_numel].clone()
                 del flat
                 if self.replicate is not None:  # and every replica from the first one's
-                    from tandem.comm import collectives
                     collectives.broadcast(shard, root=group_ranks(self.replicate)[0], inplace=True,
                                           group=self.replicate)
             self.set_shard(shard)
@@ -272,31 +264,14 @@ class Unit:
             self._full.untyped_storage().resize_(0)
 
     def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """The averaged gradient of this rank's shard (None while gradient sync is off)."""
+        """Start the reduction of the unit's gradient (`reduction.py`); None: `_Gather` gives
+        the shard no gradient of its own, the reduction writes it at the end of backward."""
         self._backward_check()
         self.free()
         self._backward_ready = False
-        if not self.requires_gradient_sync:  # accumulated in the shard's dtype (fp32)
-            grad = grad.to(self.shard.dtype)
-            self._unsynced = grad.clone() if self._unsynced is None else self._unsynced.add_(grad)
+        if not self.reduction.start(grad, self.shard, self.requires_gradient_sync):
             return None
-        if self._unsynced is not None:
-            grad, self._unsynced = self._unsynced.add_(grad), None
-        grad = grad.to(self.reduce_dtype)  # MixedPrecisionPolicy.reduce_dtype: on the wire
-        n, s = self.size, self.shard_numel
-        packed = torch.empty(n, s + 1, dtype=grad.dtype, device=grad.device)
-        packed[:, :s].copy_(grad.view(n, s))
-        packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
-        work, out = None, packed[0]
-        if n > 1:
-            backend = runtime.get_backend()
-            out = on_wire(torch.empty(s + 1, dtype=grad.dtype, device=grad.device), backend,
-                          keep_values=False)
-            source = on_wire(packed, backend).view(-1)
-            work = backend.reducescatter_into(out, source, "sum", self.group)
-            self._reducing_input = source  # alive until the reduce-scatter is done
         # Waited for at the end of backward, so it overlaps the backward of the units before.
-        self._reducing = (work, out)
         owner = self._root if self._root is not None else self
         if not owner._in_flight:
             torch.autograd.Variable._execution_engine.queue_callback(owner.finish_reductions)
@@ -305,46 +280,13 @@ class Unit:
 
     def finish_reductions(self) -> None:
         """End of backward (an autograd callback on the root): every reduce-scatter its units
-        issued, waited for in the order issued; each shard's averaged gradient in place. HSDP:
-        each one's all-reduce over the replicas starts as its reduce-scatter is waited for, and
-        all of them travel together before the first is waited for."""
+        issued, waited for in the order issued, each one's all-reduce over the replicas (HSDP)
+        started as it is; then each shard's averaged gradient in place."""
         in_flight, self._in_flight = self._in_flight, []
         for unit in in_flight:
-            unit.wait_reduce_scatter()
+            unit.reduction.to_replicas()
         for unit in in_flight:
-            unit.finish_reduction()
-
-    def wait_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter; HSDP: start the sum over the replicas of its result."""
-        work, out = self._reducing
-        self._reducing_input = None
-        if work is not None:
-            work.wait(runtime.state().timeout)
-        work = None
-        if self.replicate is not None:
-            backend = runtime.get_backend()
-            staged = on_wire(out, backend)
-            work = backend.allreduce(staged, "sum", self.replicate)
-            out = staged if staged is out else (out, staged)
-        self._reducing = (work, out)
-
-    def finish_reduction(self) -> None:
-        """The averaged gradient goes into (or onto) `shard.grad` (in host memory when
-        offloaded), in the shard's dtype."""
-        work, out = self._reducing
-        self._reducing = None
-        if work is not None:
-            work.wait(runtime.state().timeout)
-        if isinstance(out, tuple):
-            out = out[0].copy_(out[1])
-        out = out.to(self.shard.device, self.shard.dtype)
-        s = self.shard_numel
-        shard_grad = out[:s].div_(self.size * self.replicas)
-        shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
-        if self.shard.grad is None:  # torch's norms of it are the unit's global norm
-            self.shard.grad = as_split_grad(shard_grad, splits.split_of(self.shard))
-        else:
-            self.shard.grad.add_(shard_grad)
+            unit.reduction.finish(unit.shard)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _set_views(self, full: torch.Tensor) -> None:
@@ -408,12 +350,12 @@ class Unit:
         elif root is self and self.order:
             self.order[0].start_gather()
         if self.policy.cast_forward_inputs and self.param_dtype is not None:
-            return _cast((args, kwargs), self.param_dtype)
+            return cast_floating((args, kwargs), self.param_dtype)
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.policy.output_dtype is not None:
-            output = _cast(output, self.policy.output_dtype)
+            output = cast_floating(output, self.policy.output_dtype)
         if self.is_root:
             self._recording = False
             _running.root = None
@@ -452,29 +394,6 @@ class Unit:
                 previous.start_gather(previous._full)
 
 
-def _cast(tree: Any, dtype: torch.dtype) -> Any:
-    """`tree` with its floating tensors cast to `dtype` (MixedPrecisionPolicy's casts)."""
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-    return tree_map(cast, tree)
-
-
 # The root unit whose forward is running in this thread: its inner units record their order
 # under it during the first forward.
 _running = threading.local()
-
-
-def _refuse_taken(module: nn.Module) -> None:
-    """Sharding a block after its root took the block's parameters: say which order works."""
-    subtree = {id(m) for m in module.modules()}
-    for sub in module.modules():
-        outer = _taken.get(sub, lambda: None)()
-        if outer is not None and id(outer) not in subtree:  # not an inner unit's
-            which = "" if sub is module else f" (its {type(sub).__name__}'s)"
-            raise ValueError(
-                f"fully_shard({type(module).__name__}): its parameters{which} already belong to "
-                f"the unit of {type(outer).__name__}, which was sharded first. Apply "
-                f"fully_shard to the inner blocks first, then the root: `for block in "
-                f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")
