@@ -92,7 +92,7 @@ def _train(model: nn.Module, reference: nn.Module) -> tuple[float, torch.optim.O
     return _difference(model, reference), sharded
 
 
-def check_features(hsdp: bool = True) -> dict:
+def check_features() -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
@@ -135,29 +135,43 @@ def check_features(hsdp: bool = True) -> dict:
         td.fully_shard(block, mp_policy=td.MixedPrecisionPolicy(torch.bfloat16))
     td.fully_shard(model, mp_policy=td.MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.float32))
     out["output_dtype"] = model(torch.randn(2, 4, 3)).dtype
-    if hsdp:  # replicas x shards: every feature at once
-        mesh = td.mesh(dp=2, shard=td.size() // 2)
-        model = _sharded(meta=True, mesh=mesh, offload_policy=td.CPUOffloadPolicy(),
-                         mp_policy=td.MixedPrecisionPolicy(reduce_dtype=torch.float64))
-        out["hsdp_shard"] = {name: (unit.numel, unit.shard.numel()) for name, unit in units(model)}
-        out["hsdp_train"] = _train(model, _eager())[0]
-        clip = _sharded(meta=False, mesh=mesh)
-        reference = _eager()
-        x, y = _data(0)
-        nn.functional.mse_loss(clip(_mine(x)), _mine(y)).backward()
-        nn.functional.mse_loss(reference(x), y).backward()
-        out["hsdp_norm"] = (td.clip_grad_norm_(clip, 1.0).item(),
-                            nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item())
-    out["checkpoint"] = _checkpoint()
+    # HSDP, replicas x shards: every feature at once.
+    mesh = td.mesh(dp=2, shard=td.size() // 2)
+    model = _sharded(meta=True, mesh=mesh, offload_policy=td.CPUOffloadPolicy(),
+                     mp_policy=td.MixedPrecisionPolicy(reduce_dtype=torch.float64))
+    out["hsdp_shard"] = {name: (unit.numel, unit.shard.numel()) for name, unit in units(model)}
+    out["hsdp_train"] = _train(model, _eager())[0]
+    clip = _sharded(meta=False, mesh=mesh)
+    reference = _eager()
+    x, y = _data(0)
+    nn.functional.mse_loss(clip(_mine(x)), _mine(y)).backward()
+    nn.functional.mse_loss(reference(x), y).backward()
+    out["hsdp_norm"] = (td.clip_grad_norm_(clip, 1.0).item(),
+                        nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item())
+    # GradScaler: rank 0 alone sees inf; every rank of every replica skips the step.
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    optimizer = torch.optim.SGD(clip.parameters(), lr=0.1)
+    before = td.full_state_dict(clip)
+    optimizer.zero_grad()
+    x = torch.randn(2, 4, 3)
+    if td.rank() == 0:
+        x[0, 0, 0] = float("inf")
+    scaler.scale(nn.functional.mse_loss(clip(x), torch.zeros(2, 4, 2))).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    after = td.full_state_dict(clip)
+    out["hsdp_skipped"] = (all(torch.equal(before[k], v) for k, v in after.items()), scaler.get_scale())
+    out["checkpoint"] = _checkpoint(mesh)
     out["errors"] = _bad_inputs()
     return out
 
 
-def _checkpoint() -> float:
-    """Checkpointer round trip of an offloaded bf16 model into a fresh one built on meta."""
+def _checkpoint(mesh) -> float:
+    """Checkpointer round trip of an offloaded bf16 HSDP model into a fresh one built on meta,
+    offloaded, bf16 and sharded over every rank (another layout)."""
     options = dict(offload_policy=td.CPUOffloadPolicy(),
                    mp_policy=td.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
-    model = _sharded(meta=True, **options)
+    model = _sharded(meta=True, mesh=mesh, **options)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = _data(0)
     nn.functional.mse_loss(model(_mine(x)).float(), _mine(y)).backward()
@@ -241,7 +255,7 @@ def _bad_inputs() -> dict:
     return errors
 
 
-def _assert_results(results, world_size: int, hsdp: bool = True, backend: str = "gloo"):
+def _assert_results(results, world_size: int, backend: str = "gloo"):
     for rank, r in enumerate(results):
         assert "meta device" in r["unmaterialized"] and "Sequential" not in r["unmaterialized"], r
         assert r["unmaterialized_to_empty"] == r["unmaterialized"], r["unmaterialized_to_empty"]
@@ -257,12 +271,12 @@ def _assert_results(results, world_size: int, hsdp: bool = True, backend: str = 
             assert r[f"{case}_seen"] == {(torch.bfloat16, torch.bfloat16)}, r[f"{case}_seen"]
             assert r[f"{case}_masters"] == {torch.float32}, r[f"{case}_masters"]
         assert r["output_dtype"] == torch.float32
-        if hsdp:
-            for name, (numel, shard) in r["hsdp_shard"].items():  # sharded within a replica only
-                assert shard == -(-numel // (world_size // 2)), (rank, name, numel, shard)
-            assert r["hsdp_train"] < 1e-5, (rank, r["hsdp_train"])
-            norm, reference = r["hsdp_norm"]
-            assert abs(norm - reference) < 1e-5 * reference, r["hsdp_norm"]
+        for name, (numel, shard) in r["hsdp_shard"].items():  # sharded within a replica only
+            assert shard == -(-numel // (world_size // 2)), (rank, name, numel, shard)
+        assert r["hsdp_train"] < 1e-5, (rank, r["hsdp_train"])
+        norm, reference = r["hsdp_norm"]
+        assert abs(norm - reference) < 1e-5 * reference, r["hsdp_norm"]
+        assert r["hsdp_skipped"] == (True, 2.0), r["hsdp_skipped"]
         assert r["checkpoint"] == 0.0, (rank, r["checkpoint"])
         e = r["errors"]
         assert "module '0' (_Positional)" in e["no_init"] and "unit _Positional '0'" in e["no_init"], e
