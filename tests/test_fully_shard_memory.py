@@ -303,3 +303,30 @@ def test_memory_features_on_mpi():
     pytest.importorskip("mpi4py")
     _assert_results(run_distributed(check_features, world_size=2, backend="mpi", timeout=240), 2,
                     backend="mpi")
+
+
+def test_policies_take_fsdp2_objects_and_refuse_what_no_backend_reduces():
+    """Process-free: the policy checks run before anything communicates."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import OffloadPolicy
+
+    from tandem.parallel.fully_shard import policies
+
+    ported = policies.mixed_precision(TorchPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+                                      None, "gloo")
+    assert ported == td.MixedPrecisionPolicy(torch.bfloat16, None, torch.float32, True)
+    # The older param_dtype= alone: fp32 reduction (the shards' dtype), no input casts.
+    assert policies.mixed_precision(None, torch.float16, "mpi") == td.MixedPrecisionPolicy(
+        torch.float16, cast_forward_inputs=False)
+    assert policies.offload(TorchOffload(pin_memory=False)) == td.CPUOffloadPolicy(pin_memory=False)
+    assert policies.offload(OffloadPolicy()) is None and policies.offload(None) is None
+    with pytest.raises(ValueError, match="the mpi backend cannot gather torch.float8_e5m2"):
+        policies.mixed_precision(td.MixedPrecisionPolicy(param_dtype=torch.float8_e5m2), None, "mpi")
+    with pytest.raises(ValueError, match="reduce_dtype=torch.int32: give a floating torch dtype"):
+        policies.mixed_precision(td.MixedPrecisionPolicy(reduce_dtype=torch.int32), None, "gloo")
+    with pytest.raises(TypeError, match="is not a MixedPrecisionPolicy"):
+        policies.mixed_precision(torch.bfloat16, None, "gloo")
+    cast = policies.cast_floating(((torch.ones(2), torch.ones(2, dtype=torch.long)), {"m": torch.ones(1)}),
+                                  torch.bfloat16)
+    assert [t.dtype for t in (*cast[0], cast[1]["m"])] == [torch.bfloat16, torch.long, torch.bfloat16]
