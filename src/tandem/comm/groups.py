@@ -104,13 +104,16 @@ def _create(members: tuple[int, ...], engine: context.Context) -> Group:
 @dataclass(frozen=True)
 class Mesh:
     """A world laid out as `dp` replicas of a `pp`-stage pipeline whose stages are each split
-    over `tp` ranks (tensor parallelism).
+    over `tp` ranks (tensor parallelism), and, with `shard` > 1, fully sharded over `shard`
+    ranks within each replica (HSDP: `td.fully_shard(block, mesh=mesh)`).
 
-    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: the tensor-parallel ranks of one
-    stage are neighbours (one node, where the most traffic is), then the stages of one
-    pipeline. `tp_group` links the ranks that split this rank's layers; `pp_group` the stages of
-    this rank's pipeline (same dp and tp position); `dp_group` the replicas of this rank's shard
-    (same stage and tp position), over which gradients are averaged.
+    Global rank = ((dp_rank * pp + pp_rank) * shard + shard_rank) * tp + tp_rank: the
+    tensor-parallel ranks of one stage are neighbours (one node, where the most traffic is),
+    then the ranks that shard it, then the stages of one pipeline. `tp_group` links the ranks
+    that split this rank's layers; `shard_group` those that share this replica's shards (None
+    when `shard` is 1); `pp_group` the stages of this rank's pipeline (same dp, shard and tp
+    position); `dp_group` the replicas of this rank's shard (same stage, shard and tp
+    position), over which gradients are averaged.
     """
 
     dp: int
@@ -122,10 +125,13 @@ class Mesh:
     tp: int = 1
     tp_rank: int = 0
     tp_group: Group | None = None
+    shard: int = 1
+    shard_rank: int = 0
+    shard_group: Group | None = None
 
 
-def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
-    """Split the world into `dp` × `pp` × `tp`.
+def mesh(dp: int = 1, pp: int = 1, tp: int = 1, shard: int = 1) -> Mesh:
+    """Split the world into `dp` × `pp` × `shard` × `tp`.
 
     Every rank must call it with the same sizes (and make the same `new_group` calls before
     it); ranks that pass other sizes get a `GroupMismatchError` naming each rank's call, on
@@ -135,31 +141,38 @@ def mesh(dp: int = 1, pp: int = 1, tp: int = 1) -> Mesh:
     world = engine.world
     # Agreed before the sizes are checked: a rank whose sizes are wrong alone is named as the
     # odd one out, where raising on it alone would leave the others waiting for it.
-    agree_on(f"td.mesh(dp={dp!r}, pp={pp!r}, tp={tp!r})", engine)
-    if dp < 1 or pp < 1 or tp < 1:
-        raise ValueError(f"mesh(dp={dp}, pp={pp}, tp={tp}): each must be >= 1")
-    if dp * pp * tp != world.size:
+    sizes = f"dp={dp!r}, pp={pp!r}, tp={tp!r}" + (f", shard={shard!r}" if shard != 1 else "")
+    agree_on(f"td.mesh({sizes})", engine)
+    if dp < 1 or pp < 1 or tp < 1 or shard < 1:
+        raise ValueError(f"mesh({sizes}): each must be >= 1")
+    needed = dp * pp * tp * shard
+    if needed != world.size:
         raise ValueError(
-            f"mesh(dp={dp}, pp={pp}, tp={tp}) needs {dp * pp * tp} ranks, but the world has "
-            f"{world.size}; start the job with -np {dp * pp * tp} or change the sizes"
+            f"mesh({sizes}) needs {needed} ranks, but the world has "
+            f"{world.size}; start the job with -np {needed} or change the sizes"
         )
     position, tp_rank = divmod(world.rank, tp)
+    position, shard_rank = divmod(position, shard)
     dp_rank, pp_rank = divmod(position, pp)
 
-    def rank_of(d: int, p: int, t: int) -> int:
-        return (d * pp + p) * tp + t
+    def rank_of(d: int, p: int, t: int, s: int = 0) -> int:
+        return ((d * pp + p) * shard + s) * tp + t
 
     def mine(members: list[int]) -> Group | None:
         # Every rank creates every group (the engines require it), keeping its own.
         group = _create(tuple(members), engine)
         return group if world.rank in members else None
 
-    dp_groups = [mine([rank_of(d, p, t) for d in range(dp)]) for p in range(pp) for t in range(tp)]
-    pp_groups = [mine([rank_of(d, p, t) for p in range(pp)]) for d in range(dp) for t in range(tp)]
-    tp_groups = [mine([rank_of(d, p, t) for t in range(tp)]) for d in range(dp) for p in range(pp)]
+    dp_groups, pp_groups, tp_groups = [], [], []
+    for s in range(shard):  # with shard == 1, the groups (and their order) of a dp x pp x tp mesh
+        dp_groups += [mine([rank_of(d, p, t, s) for d in range(dp)]) for p in range(pp) for t in range(tp)]
+        pp_groups += [mine([rank_of(d, p, t, s) for p in range(pp)]) for d in range(dp) for t in range(tp)]
+        tp_groups += [mine([rank_of(d, p, t, s) for t in range(tp)]) for d in range(dp) for p in range(pp)]
+    shard_groups = [mine([rank_of(d, p, t, s) for s in range(shard)])
+                    for d in range(dp) for p in range(pp) for t in range(tp)] if shard > 1 else []
 
     def own(groups: list[Group | None]) -> Group:
         return next(g for g in groups if g is not None)
 
     return Mesh(dp, pp, dp_rank, pp_rank, own(dp_groups), own(pp_groups), tp, tp_rank,
-                own(tp_groups))
+                own(tp_groups), shard, shard_rank, own(shard_groups) if shard > 1 else None)

@@ -8,6 +8,8 @@ from tandem.parallel.fully_shard.api import (
     load_full_state_dict,
     units,
 )
+from tandem.parallel.fully_shard.materialize import materialize
+from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
-__all__ = ["clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "fully_shard",
-           "load_full_state_dict", "units"]
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "clip_grad_norm_", "full_optimizer_state_dict",
+           "full_state_dict", "fully_shard", "load_full_state_dict", "materialize", "units"]

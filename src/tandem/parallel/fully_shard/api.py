@@ -15,10 +15,16 @@ Each rank keeps 1/N of every unit's parameters, gradients and optimizer state
 reduce-scattered (mean) into the shard's `.grad` during backward. Apply it to the inner
 blocks first and the root last, on every rank, with the same model.
 
-Options: `param_dtype=torch.bfloat16` computes in bf16 (gathers in bf16, reduces in fp32 into
-fp32 shards); `reshard_after_forward=False` keeps a unit gathered from forward to backward
-(the root always is, as in FSDP2). `td.set_requires_gradient_sync(model, False)` accumulates
-gradients locally (unsharded) over micro-batches; the next synced backward reduces them all.
+Options: `mp_policy=td.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=...)`
+computes in bf16 into fp32 master shards, FSDP2's fields and defaults (`policies.py`; the older
+`param_dtype=torch.bfloat16` alone reduces in fp32 and casts no inputs);
+`offload_policy=td.CPUOffloadPolicy()` keeps shards, gradients and optimizer state in host
+memory; `mesh=td.mesh(dp=R, shard=S)` shards over S ranks and all-reduces the shards'
+gradients over the R replicas (HSDP); a model built on the meta device gets its values from
+`td.materialize(model, seed=...)` (`materialize.py`). `reshard_after_forward=False` keeps a
+unit gathered from forward to backward (the root always is, as in FSDP2).
+`td.set_requires_gradient_sync(model, False)` accumulates gradients locally (unsharded) over
+micro-batches; the next synced backward reduces them all.
 GradScaler works unchanged: a rank that saw inf makes every rank skip the step.
 `td.clip_grad_norm_(model, max_norm)` clips by the global norm; torch's
 `nn.utils.clip_grad_norm_` would see this rank's shards only. `td.full_state_dict(model)` and
@@ -36,18 +42,31 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.comm.groups import Group, group_ranks
+from tandem.comm.groups import Group, Mesh, group_ranks
 from tandem.parallel import layout, model_check, splits, state_hooks
-from tandem.parallel.fully_shard import fsdp2_methods
+from tandem.parallel.fully_shard import fsdp2_methods, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
-from tandem.parallel.fully_shard.unit import Unit, attach, unit_of
+from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None, group: Group | None = None) -> nn.Module:
+                param_dtype: torch.dtype | None = None, group: Group | None = None,
+                mesh: Mesh | None = None, mp_policy: Any = None,
+                offload_policy: Any = None) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit owns) across `group`; returns `module`.
 
     Collective: every rank of the group calls it, in the same order, on the same model.
+
+    Args:
+        reshard_after_forward: free the gathered parameters after forward (gather again for
+            backward); the root keeps them, as in FSDP2.
+        param_dtype: compute in this dtype, reduce in the shards' (older spelling of mp_policy).
+        group: the ranks to shard over (default: the world).
+        mesh: a `td.mesh(dp=R, shard=S)`: shard over `mesh.shard_group`, all-reduce the
+            gradients over `mesh.dp_group` (HSDP; `td.mesh(shard=N)` is plain sharding,
+            `td.mesh(dp=N)` plain replication).
+        mp_policy: `td.MixedPrecisionPolicy` (or torch's FSDP2 one).
+        offload_policy: `td.CPUOffloadPolicy()` (or torch's FSDP2 one): shards in host memory.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -55,11 +74,12 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         raise ValueError(
             f"fully_shard: {type(module).__name__} is already fully sharded; call fully_shard "
             f"once per module (inner blocks first, then the root)")
+    group, replicate = _groups(group, mesh)
     if group is not None and group.rank < 0:
         raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
-    if param_dtype is not None and not (isinstance(param_dtype, torch.dtype)
-                                        and param_dtype.is_floating_point):
-        raise ValueError(f"param_dtype={param_dtype!r}: give a floating torch dtype, e.g. torch.bfloat16")
+    backend = runtime.get_backend().name if runtime.is_initialized() else "local"
+    policy = policies.mixed_precision(mp_policy, param_dtype, backend)
+    offload = policies.offload(offload_policy)
     inner = [unit_of(m) for m in module.modules() if unit_of(m) is not None]
     sliced = [name for name, m in module.named_modules() if hasattr(m, "local_pieces")]
     if sliced:
@@ -68,7 +88,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
             f"({sliced[0] or 'itself'}): flattening their slices into one rank's shard would mix "
             f"the ranks' slices. Keep tensor parallelism across mesh.tp_group and shard only "
             f"modules without tensor-parallel layers (fully_shard(..., group=mesh.dp_group))")
-    unit = Unit(module, group, param_dtype, reshard_after_forward, has_inner=bool(inner))
+    _refuse_taken(module)
+    unit = Unit(module, group, policy, reshard_after_forward, has_inner=bool(inner),
+                offload=offload, replicate=replicate)
     for sub in inner:
         sub.is_root = False
     attach(module, unit)
@@ -76,6 +98,26 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         state_hooks.install(module, UnitPieces(unit))
     fsdp2_methods.install(module, unit)  # model.unshard(), model.set_requires_gradient_sync(...)
     return module
+
+
+def _groups(group: Group | None, mesh: Mesh | None) -> tuple[Group | None, Group | None]:
+    """(the group to shard over, the replicas' group to all-reduce over, or None)."""
+    if mesh is None:
+        return group, None
+    if group is not None:
+        raise ValueError("fully_shard: received both group= and mesh=. Choose one: mesh= for "
+                         "HSDP (td.mesh(dp=replicas, shard=ranks per replica)), group= for one group")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"fully_shard: mesh={mesh!r} is not a td.mesh(...); build one with "
+                        f"td.mesh(dp=replicas, shard=ranks per replica)")
+    if mesh.pp > 1 or mesh.tp > 1:
+        raise ValueError(
+            f"fully_shard: mesh= takes a replicas x shards mesh (td.mesh(dp=R, shard=S)); this one "
+            f"has pp={mesh.pp}, tp={mesh.tp}. With pipeline or tensor parallelism pass "
+            f"group=mesh.dp_group (sharding over the replicas of this stage/slice)")
+    if mesh.shard == 1:  # replicas only: each rank holds whole units (a group of itself)
+        return Group((runtime.rank(),), None, 0), mesh.dp_group
+    return mesh.shard_group, mesh.dp_group
 
 
 def units(model: nn.Module) -> Iterable[tuple[str, Unit]]:
@@ -229,3 +271,17 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     groups = [{**g, "params": [name for i in g["params"] for name in names_of[i]]}
               for g in state["param_groups"]]
     return {"state": out, "param_groups": groups}
+
+
+def _refuse_taken(module: nn.Module) -> None:
+    """Sharding a block after its root took the block's parameters: say which order works."""
+    subtree = {id(m) for m in module.modules()}
+    for sub in module.modules():
+        outer = taken_by(sub)
+        if outer is not None and id(outer) not in subtree:  # not an inner unit's
+            which = "" if sub is module else f" (its {type(sub).__name__}'s)"
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): its parameters{which} already belong to "
+                f"the unit of {type(outer).__name__}, which was sharded first. Apply "
+                f"fully_shard to the inner blocks first, then the root: `for block in "
+                f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")

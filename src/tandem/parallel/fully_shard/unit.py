@@ -14,13 +14,10 @@ The life of a step, per unit:
   views keep their shape) unless this is the root, and hook the outputs so that their
   gradient's arrival gathers again;
 - pre-backward: gather into the same storage, prefetch the unit before it;
-- `_Gather.backward`: the full gradient's reduce-scatter (fp32, sum) starts and the gathered
-  storage is freed; at the end of backward (an autograd callback, as DDP's) each is waited for
-  and the mean lands in the shard's `.grad`, so `.grad` is complete when backward() returns.
-
-A flag element rides with every reduce-scatter: whether any rank saw inf/NaN. Each rank puts
-inf into its shard's gradient when one did, so GradScaler's `unscale_` finds inf on every rank
-and all ranks skip the same step, with no extra call and no host sync.
+- `_Gather.backward`: the full gradient's reduce-scatter (in `reduce_dtype`, sum, with an
+  inf/NaN flag: `reduction.py`) starts and the gathered storage is freed; at the end of
+  backward (an autograd callback, as DDP's) each is waited for and the mean lands in the
+  shard's `.grad`, so `.grad` is complete when backward() returns.
 
 The gathers and reduce-scatters are not checked one by one: the root's forward opens with one
 agreement, and its backward with another (sent at the output's first gradient, finished before
@@ -45,7 +42,8 @@ from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.parallel import model_check, splits
 from tandem.parallel.flat_shard import FlatShard
-from tandem.parallel.split_grads import as_split_grad
+from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, cast_floating
+from tandem.parallel.fully_shard.reduction import GradientReduction
 
 # module -> its Unit (FSDP2's `fully_shard.state(module)`), not an attribute on the module.
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -62,6 +60,11 @@ SHARD = "_tandem_shard"
 #: Module -> (a weak reference to) the module of the unit that took its parameters (an outer
 #: one, when the root was sharded before its blocks).
 _taken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def taken_by(module: nn.Module) -> nn.Module | None:
+    """The module of the unit that took `module`'s parameters (None: no unit did)."""
+    return _taken.get(module, lambda: None)()
 
 
 def _owned(module: nn.Module, prefix: str = ""):
@@ -88,9 +91,9 @@ class _Gather(torch.autograd.Function):
 
 
 class Unit:
-    def __init__(self, module: nn.Module, group: Group | None, param_dtype: torch.dtype | None,
-                 reshard_after_forward: bool, has_inner: bool) -> None:
-        _refuse_taken(module)
+    def __init__(self, module: nn.Module, group: Group | None, policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool, has_inner: bool,
+                 offload: CPUOffloadPolicy | None = None, replicate: Group | None = None) -> None:
         owned = list(_owned(module))
         seen: dict[int, str] = {}
         for name, _, _, param in owned:
@@ -104,12 +107,14 @@ class Unit:
                 f"fully_shard: {type(module).__name__} has no parameters to shard; wrap a module "
                 f"that has parameters")
         kinds = {(p.dtype, p.device) for _, _, _, p in owned}
+        self.on_meta = any(p.device.type == "meta" for _, _, _, p in owned)  # td.materialize's
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
             raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
         # Once, before the broadcast: ranks that built different models are told so by name.
         agreement.agree_layout(f"fully_shard of {type(module).__name__}",
-                               agreement.describe_tensors((n, p) for n, _, _, p in owned), group)
+                               agreement.describe_tensors((n, p) for n, _, _, p in owned),
+                               None if replicate is not None else group)  # HSDP: the world
         self.module = module
         self.group = group
         self.size, self.rank = group_size(group), group_rank(group)
@@ -119,7 +124,12 @@ class Unit:
         self.numel = sum(p.numel() for _, _, _, p in owned)
         self.space = FlatShard(self.numel, self.size, self.rank)  # ZeroOptimizer's arithmetic too
         self.shard_numel = self.space.shard_numel
-        self.param_dtype = param_dtype
+        self.policy, self.param_dtype, self.offload = policy, policy.param_dtype, offload
+        # reduce_dtype None: the shard's (fp32). HSDP: all-reduced over the replicas too.
+        self.reduction = GradientReduction(self.size, group, replicate,
+                                           policy.reduce_dtype or policy.param_dtype)
+        self.replicate = self.reduction.replicate
+        self.compute_device: torch.device | None = None  # where forward runs (set with the shard)
         self.reshard_after_forward = reshard_after_forward
         self.check: model_check.ModelCheck | None = None
         self.requires_gradient_sync = True
@@ -127,13 +137,10 @@ class Unit:
         self._recording = False
         self._full: torch.Tensor | None = None
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self._unsynced: torch.Tensor | None = None
         self._backward_ready = False
         self._root: Unit | None = None
         self._in_flight: list[Unit] = []  # (a root's) units whose reduce-scatter is in flight
-        self._reducing: tuple[Any, torch.Tensor] | None = None
-        self._reducing_input: torch.Tensor | None = None
-        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         self.shard: nn.Parameter | None = None
         if owned:  # else a root that only holds units: it orders them and prefetches the first
@@ -154,31 +161,52 @@ class Unit:
             units.append(self)
             lines = [f"{n} {s}" for u in units for n, s in zip(u.names, u.shapes, strict=True)]
             shards = [u.shard for u in units if u.shard is not None]
+            # HSDP (a mesh of replicas x shards, the whole world): every rank takes part.
+            group = None if self.replicate is not None else self.group
             self.check = model_check.ModelCheck.make("fully_shard", type(self.module).__name__,
-                                                     lines, self.group, shards)
+                                                     lines, group, shards)
         model_check.register(self.module, self.check)
 
     def _make_shard(self, module: nn.Module, owned: list) -> None:
         dtype, device = owned[0][3].dtype, owned[0][3].device
         self.param_dtype = self.param_dtype or dtype
         group = self.group
-        with torch.no_grad():
-            flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
-            torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])
-            if self.size > 1:  # every rank starts from rank 0's values, as DDP does
-                from tandem.comm import collectives
-                collectives.broadcast(flat, root=group_ranks(group)[0], inplace=True, group=group)
-            lo = self.rank * self.shard_numel
-            self.shard = nn.Parameter(flat[lo : lo + self.shard_numel].clone())
-        del flat
-        splits.mark(self.shard, splits.FULLY_SHARD, group)  # clip_grad_norm_ reduces over it
+        if self.on_meta:  # shapes only: `td.materialize` gives the shard its values
+            self.set_shard(torch.empty(self.shard_numel, dtype=dtype, device="meta"))
+        else:
+            from tandem.comm import collectives
+            with torch.no_grad():
+                flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
+                torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])
+                if self.size > 1:  # every rank starts from rank 0's values, as DDP does
+                    collectives.broadcast(flat, root=group_ranks(group)[0], inplace=True, group=group)
+                shard = flat[self.rank * self.shard_numel :][: self.shard_numel].clone()
+                del flat
+                if self.replicate is not None:  # and every replica from the first one's
+                    collectives.broadcast(shard, root=group_ranks(self.replicate)[0], inplace=True,
+                                          group=self.replicate)
+            self.set_shard(shard)
         for (owner, attr), (_, _, _, old) in zip(self._slots, owned, strict=True):
             splits.mark(old, splits.REPLACED)  # an optimizer built before fully_shard holds these
             del owner._parameters[attr]
             if owner is not module:
                 _taken[owner] = weakref.ref(module)
         self._placeholders()
-        module.register_parameter(SHARD, self.shard)
+
+    def set_shard(self, values: torch.Tensor) -> None:
+        """`values` become this rank's shard: a new parameter on the module, in host memory when
+        offloaded, computed on where the values are (on the offload's `td.device()`)."""
+        meta = values.device.type == "meta"
+        self.compute_device = None if meta else values.device
+        if self.offload is not None and not meta:
+            here = runtime.device() if runtime.is_initialized() else values.device
+            self.compute_device = here if values.device.type == "cpu" else values.device
+            pin = self.offload.pin_memory and torch.cuda.is_available()
+            values = values.to("cpu").pin_memory() if pin else values.to("cpu")
+        self.shard = nn.Parameter(values)
+        if self.size > 1 or self.group is None:  # clip_grad_norm_ reduces over the group
+            splits.mark(self.shard, splits.FULLY_SHARD, self.group)
+        self.module.register_parameter(SHARD, self.shard)
 
     # -- the unit's range in the flat space ------------------------------------------------------
     def my_range(self) -> tuple[int, int]:
@@ -197,7 +225,7 @@ class Unit:
             return
         if into is None:
             into = torch.empty(self.size * self.shard_numel, dtype=self.param_dtype,
-                               device=self.shard.device)
+                               device=self.compute_device)
         else:
             # Back into the freed storage that autograd's saved views point at, through an
             # alias of its own: writing through it leaves their version counters alone.
@@ -206,9 +234,9 @@ class Unit:
                 storage.resize_(into.numel() * into.element_size())
             into = torch.empty(0, dtype=into.dtype, device=into.device).set_(
                 storage, into.storage_offset(), into.shape)
-        source = self.shard.detach().to(self.param_dtype)
+        source = self.shard.detach().to(self.param_dtype)  # host memory when offloaded
         if self.size == 1:
-            into.copy_(source)
+            into.copy_(source, non_blocking=True)
             self._pending = (None, into)
             return
         backend = runtime.get_backend()
@@ -236,30 +264,14 @@ class Unit:
             self._full.untyped_storage().resize_(0)
 
     def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """The averaged gradient of this rank's shard (None while gradient sync is off)."""
-        grad = grad.to(self.shard.dtype)
+        """Start the reduction of the unit's gradient (`reduction.py`); None: `_Gather` gives
+        the shard no gradient of its own, the reduction writes it at the end of backward."""
         self._backward_check()
         self.free()
         self._backward_ready = False
-        if not self.requires_gradient_sync:
-            self._unsynced = grad.clone() if self._unsynced is None else self._unsynced.add_(grad)
+        if not self.reduction.start(grad, self.shard, self.requires_gradient_sync):
             return None
-        if self._unsynced is not None:
-            grad, self._unsynced = self._unsynced.add_(grad), None
-        n, s = self.size, self.shard_numel
-        packed = torch.empty(n, s + 1, dtype=grad.dtype, device=grad.device)
-        packed[:, :s].copy_(grad.view(n, s))
-        packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
-        work, out = None, packed[0]
-        if n > 1:
-            backend = runtime.get_backend()
-            out = on_wire(torch.empty(s + 1, dtype=grad.dtype, device=grad.device), backend,
-                          keep_values=False)
-            source = on_wire(packed, backend).view(-1)
-            work = backend.reducescatter_into(out, source, "sum", self.group)
-            self._reducing_input = source  # alive until the reduce-scatter is done
         # Waited for at the end of backward, so it overlaps the backward of the units before.
-        self._reducing = (work, out)
         owner = self._root if self._root is not None else self
         if not owner._in_flight:
             torch.autograd.Variable._execution_engine.queue_callback(owner.finish_reductions)
@@ -268,24 +280,13 @@ class Unit:
 
     def finish_reductions(self) -> None:
         """End of backward (an autograd callback on the root): every reduce-scatter its units
-        issued, waited for in the order issued; each shard's averaged gradient in place."""
-        while self._in_flight:
-            self._in_flight.pop(0).finish_reduction()
-
-    def finish_reduction(self) -> None:
-        """Wait for the reduce-scatter; the averaged gradient goes into (or onto) `shard.grad`."""
-        work, out = self._reducing
-        self._reducing = self._reducing_input = None
-        if work is not None:
-            work.wait(runtime.state().timeout)
-        out = out.to(self.shard.device)
-        s = self.shard_numel
-        shard_grad = out[:s].div_(self.size)
-        shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
-        if self.shard.grad is None:  # torch's norms of it are the unit's global norm
-            self.shard.grad = as_split_grad(shard_grad, splits.split_of(self.shard))
-        else:
-            self.shard.grad.add_(shard_grad)
+        issued, waited for in the order issued, each one's all-reduce over the replicas (HSDP)
+        started as it is; then each shard's averaged gradient in place."""
+        in_flight, self._in_flight = self._in_flight, []
+        for unit in in_flight:
+            unit.reduction.to_replicas()
+        for unit in in_flight:
+            unit.reduction.finish(unit.shard)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _set_views(self, full: torch.Tensor) -> None:
@@ -309,7 +310,14 @@ class Unit:
         if root is not None and root.check is not None:
             root.check.before_backward_collective()
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        if self.on_meta:
+            raise RuntimeError(
+                f"fully_shard: {type(module).__name__} was built on the meta device and its "
+                f"parameters ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}) "
+                f"have no values yet. After the fully_shard calls, run "
+                f"`td.materialize(model, seed=...)` (each module's reset_parameters(), or "
+                f"init=fn), which gives each rank its shard of the one-process initialisation")
         # Reductions left by a backward that raised: keep the collectives in step.
         (self._root if self._root is not None else self).finish_reductions()
         if self.is_root:
@@ -341,8 +349,13 @@ class Unit:
                 root.order[index + 1].start_gather()
         elif root is self and self.order:
             self.order[0].start_gather()
+        if self.policy.cast_forward_inputs and self.param_dtype is not None:
+            return cast_floating((args, kwargs), self.param_dtype)
+        return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.policy.output_dtype is not None:
+            output = cast_floating(output, self.policy.output_dtype)
         if self.is_root:
             self._recording = False
             _running.root = None
@@ -384,17 +397,3 @@ class Unit:
 # The root unit whose forward is running in this thread: its inner units record their order
 # under it during the first forward.
 _running = threading.local()
-
-
-def _refuse_taken(module: nn.Module) -> None:
-    """Sharding a block after its root took the block's parameters: say which order works."""
-    subtree = {id(m) for m in module.modules()}
-    for sub in module.modules():
-        outer = _taken.get(sub, lambda: None)()
-        if outer is not None and id(outer) not in subtree:  # not an inner unit's
-            which = "" if sub is module else f" (its {type(sub).__name__}'s)"
-            raise ValueError(
-                f"fully_shard({type(module).__name__}): its parameters{which} already belong to "
-                f"the unit of {type(outer).__name__}, which was sharded first. Apply "
-                f"fully_shard to the inner blocks first, then the root: `for block in "
-                f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")

@@ -1,0 +1,92 @@
+"""A fully sharded unit's gradient on its way to the shard: reduce-scatter, then (HSDP) the
+replicas' all-reduce, then the mean in the shard's `.grad`.
+
+`start` is called from the unit's backward with the gradient of the whole unit: with gradient
+sync off it is accumulated (in the shard's dtype); else it is cast to `reduce_dtype`
+(`MixedPrecisionPolicy`), packed with one flag element per shard (whether this rank saw
+inf/NaN: every rank puts inf into its shard's gradient when any did, so GradScaler skips the
+same step everywhere) and reduce-scattered (sum) over the shard group, asynchronously. At the
+end of backward `to_replicas` waits for it and starts the all-reduce over the replicas (HSDP),
+and `finish` waits for that and writes sum / (ranks x replicas) into the shard's `.grad`, in
+the shard's dtype and memory (the host when offloaded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tandem import runtime
+from tandem.comm.backend import on_wire
+from tandem.comm.groups import Group, group_size
+from tandem.parallel import splits
+from tandem.parallel.split_grads import as_split_grad
+
+
+class GradientReduction:
+    """One unit's gradient reduction over `group` (its shards) and `replicate` (HSDP)."""
+
+    def __init__(self, size: int, group: Group | None, replicate: Group | None,
+                 reduce_dtype: torch.dtype | None) -> None:
+        self.size, self.group = size, group
+        self.replicate = replicate if replicate is not None and group_size(replicate) > 1 else None
+        self.replicas = group_size(self.replicate) if self.replicate is not None else 1
+        self.reduce_dtype = reduce_dtype
+        self.unsynced: torch.Tensor | None = None  # accumulated while gradient sync is off
+        self._pending: tuple[Any, Any] | None = None  # (work, its output)
+        self._input: torch.Tensor | None = None  # alive until the reduce-scatter is done
+
+    def start(self, grad: torch.Tensor, shard: torch.Tensor, sync: bool) -> bool:
+        """Start reducing the unit's gradient (True), or accumulate it while `sync` is off."""
+        if not sync:
+            grad = grad.to(shard.dtype)
+            self.unsynced = grad.clone() if self.unsynced is None else self.unsynced.add_(grad)
+            return False
+        if self.unsynced is not None:
+            grad, self.unsynced = self.unsynced.add_(grad), None
+        grad = grad.to(self.reduce_dtype or shard.dtype)
+        n, s = self.size, shard.numel()
+        packed = torch.empty(n, s + 1, dtype=grad.dtype, device=grad.device)
+        packed[:, :s].copy_(grad.view(n, s))
+        packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
+        work, out = None, packed[0]
+        if n > 1:
+            backend = runtime.get_backend()
+            out = on_wire(torch.empty(s + 1, dtype=grad.dtype, device=grad.device), backend,
+                          keep_values=False)
+            self._input = on_wire(packed, backend).view(-1)
+            work = backend.reducescatter_into(out, self._input, "sum", self.group)
+        self._pending = (work, out)
+        return True
+
+    def to_replicas(self) -> None:
+        """Wait for the reduce-scatter; HSDP: start the sum of its result over the replicas."""
+        work, out = self._pending
+        self._input = None
+        if work is not None:
+            work.wait(runtime.state().timeout)
+        work = None
+        if self.replicate is not None:
+            backend = runtime.get_backend()
+            staged = on_wire(out, backend)
+            work = backend.allreduce(staged, "sum", self.replicate)
+            out = staged if staged is out else (out, staged)
+        self._pending = (work, out)
+
+    def finish(self, shard: torch.Tensor) -> None:
+        """The mean goes into (or onto) `shard.grad`, in the shard's dtype and memory."""
+        work, out = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait(runtime.state().timeout)
+        if isinstance(out, tuple):
+            out = out[0].copy_(out[1])
+        out = out.to(shard.device, shard.dtype)
+        s = shard.numel()
+        shard_grad = out[:s].div_(self.size * self.replicas)
+        shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
+        if shard.grad is None:  # torch's norms of it are the unit's global norm
+            shard.grad = as_split_grad(shard_grad, splits.split_of(shard))
+        else:
+            shard.grad.add_(shard_grad)
