@@ -124,8 +124,11 @@ class StepPeak:
     def sample(self, extra: int = 0) -> None:
         storages = {}
         for unit in self.units:
-            reducing = unit._reducing[1] if unit._reducing is not None else None
-            for t in (unit._full, unit._reducing_input, reducing):
+            pending = unit.reduction._pending
+            reducing = pending[1] if pending is not None else None
+            if isinstance(reducing, tuple):  # HSDP: (the output, its staged copy)
+                reducing = reducing[0]
+            for t in (unit._full, unit.reduction._input, reducing):
                 if t is not None:
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         self.peak = max(self.peak, sum(storages.values()) + extra)

@@ -9,10 +9,16 @@ same step everywhere) and reduce-scattered (sum) over the shard group, asynchron
 end of backward `to_replicas` waits for it and starts the all-reduce over the replicas (HSDP),
 and `finish` waits for that and writes sum / (ranks x replicas) into the shard's `.grad`, in
 the shard's dtype and memory (the host when offloaded).
+
+The packed input is the unit's whole gradient: were every unit's kept until the end of
+backward, a step would hold the whole model's gradient, unsharded. So at most
+`MAX_IN_FLIGHT` reduce-scatters are outstanding (FSDP2 keeps about as many): starting one
+more waits for the oldest (its `to_replicas`, early), which frees its input.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -22,6 +28,9 @@ from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_size
 from tandem.parallel import splits
 from tandem.parallel.split_grads import as_split_grad
+
+MAX_IN_FLIGHT = 2  # reduce-scatters whose whole-unit input is alive at once
+_in_flight: deque[GradientReduction] = deque()  # oldest first; backward runs on one thread
 
 
 class GradientReduction:
@@ -36,6 +45,7 @@ class GradientReduction:
         self.unsynced: torch.Tensor | None = None  # accumulated while gradient sync is off
         self._pending: tuple[Any, Any] | None = None  # (work, its output)
         self._input: torch.Tensor | None = None  # alive until the reduce-scatter is done
+        self._scattered = True  # no reduce-scatter outstanding
 
     def start(self, grad: torch.Tensor, shard: torch.Tensor, sync: bool) -> bool:
         """Start reducing the unit's gradient (True), or accumulate it while `sync` is off."""
@@ -57,11 +67,20 @@ class GradientReduction:
                           keep_values=False)
             self._input = on_wire(packed, backend).view(-1)
             work = backend.reducescatter_into(out, self._input, "sum", self.group)
-        self._pending = (work, out)
+        self._pending, self._scattered = (work, out), False
+        _in_flight.append(self)
+        while len(_in_flight) > MAX_IN_FLIGHT:
+            _in_flight.popleft().to_replicas()
         return True
 
     def to_replicas(self) -> None:
-        """Wait for the reduce-scatter; HSDP: start the sum of its result over the replicas."""
+        """Wait for the reduce-scatter; HSDP: start the sum of its result over the replicas.
+        Once per reduction (early, when later units need the memory; else at the end)."""
+        if self._scattered:
+            return
+        self._scattered = True
+        if self in _in_flight:
+            _in_flight.remove(self)
         work, out = self._pending
         self._input = None
         if work is not None:

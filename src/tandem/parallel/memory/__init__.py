@@ -23,10 +23,11 @@ fp32 with Adam gives the README's 16P (ddp), 8P + 8P/N (zero's model states) and
 (fully_shard). Shards are padded to a multiple of N as tandem pads them. fully_shard's step
 adds what `parallel/fully_shard/unit.py` keeps alive at once: the root (gathered from its
 forward to the end of its backward), the running unit and the one prefetched beside it, and
-the padded fp32 gradient of every unit whose reduce-scatter is still in flight (they are
-waited for at the end of backward). Activations, the input batch and allocator slack are not
-counted: they depend on the batch, not the layout. `benchmarks/sharding.py` measures the same
-quantities in real processes and prints measured / estimated.
+the padded fp32 gradient of each unit whose reduce-scatter is still in flight (at most two:
+`fully_shard/reduction.py` waits for the oldest before a third). Activations, the input
+batch and allocator slack are not counted: they depend on the batch, not the layout.
+`benchmarks/sharding.py` measures the same quantities in real processes and prints measured /
+estimated.
 """
 
 from __future__ import annotations

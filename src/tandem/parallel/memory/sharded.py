@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.parallel.fully_shard.reduction import MAX_IN_FLIGHT
 from tandem.parallel.memory.layouts import optimizer_bytes, padded
 from tandem.parallel.memory.report import MemoryEstimate
 
@@ -115,8 +116,9 @@ def step_peak(gathered: list[int], reducing: list[int], casts: list[int]) -> int
     `parallel/fully_shard/unit.py`'s schedule, units in forward order, the root last in the
     lists: the root stays gathered from its forward until its own reduce-scatter, which comes
     last in backward; a unit's forward prefetches the next, its backward the one before; a
-    unit's gradient (gathered size) is packed for its reduce-scatter, which is waited for at
-    the end of backward, so the packed gradients of the units behind it are all still alive.
+    unit's gradient (gathered size) is packed for its reduce-scatter, and starting one waits
+    for the oldest beyond `MAX_IN_FLIGHT` (`fully_shard/reduction.py`), so the packed
+    gradients of at most that many units behind it are still alive.
     """
     *inner, root_g = gathered
     *rs, root_rs = reducing
@@ -126,7 +128,7 @@ def step_peak(gathered: list[int], reducing: list[int], casts: list[int]) -> int
     for k in range(m):
         after = inner[k + 1] if k + 1 < m else 0
         before = inner[k - 1] if k > 0 else 0
-        behind = sum(rs[k + 1:])
+        behind = sum(rs[k + 1:k + 1 + MAX_IN_FLIGHT])
         peak = max(peak,
                    root_g + inner[k] + after,  # forward: this unit and the prefetched next
                    # backward: this unit, the one prefetched before it, its fresh gradient,
@@ -135,4 +137,5 @@ def step_peak(gathered: list[int], reducing: list[int], casts: list[int]) -> int
                    root_g + before + inner[k] + cast[k] + rs[k] + behind)
     # the root's own gradient at the very end (its gathered copy freed as it is packed); then
     # every packed gradient until the wait
-    return max(peak, root_g + root_g + sum(rs), root_g + root_cast + root_rs + sum(rs))
+    last = sum(rs[:MAX_IN_FLIGHT])  # the last units of backward, still reducing
+    return max(peak, root_g + root_g + last, root_g + root_cast + root_rs + last)
