@@ -36,6 +36,7 @@ from tandem.diagnostics import steps, timeline
 from tandem.parallel import splits
 from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
+from tandem.parallel.compile_split import BucketCaps, bucket_boundaries, call_module
 from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
 from tandem.parallel.step_clock import StepClock, StepStats
@@ -318,6 +319,7 @@ class DistributedDataParallel(nn.Module):
         self._clock = StepClock()
         self._reducer: Reducer | None = None
         self._buffers_to_sync: list[torch.Tensor] = []
+        self._split: BucketCaps | None = None  # where a compiled forward is cut (compile_split.py)
         if group_size(group) > 1:
             from tandem.parallel.broadcast import broadcast_parameters
 
@@ -331,6 +333,8 @@ class DistributedDataParallel(nn.Module):
             )
             if broadcast_buffers:
                 self._buffers_to_sync = list(module.buffers())
+            # Dynamo's splitter wants its first (1 MB) bucket no larger than the others.
+            self._split = BucketCaps(max(int(bucket_mb * _MB), DEFAULT_FIRST_CAP_BYTES))
 
     def _round_done(self, wait_s: float) -> None:
         reducer = self._reducer
@@ -340,6 +344,10 @@ class DistributedDataParallel(nn.Module):
     def last_step_stats(self) -> StepStats | None:
         return self._clock.last
 
+    # Run by Python even under torch.compile (as torch's DDP does): its bookkeeping (a counter
+    # that changes every step, collectives) would make dynamo recompile at every step or break
+    # the graph. Dynamo compiles the inner module's forward instead, cut at the buckets.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         reducer = self._reducer
         if reducer is not None and reducer.has_pending():
@@ -352,7 +360,8 @@ class DistributedDataParallel(nn.Module):
             reducer.step_check.forwards += 1  # a rank that skips a backward is named at the next
         if self._buffers_to_sync and self._training_forward(reducer):
             self._sync_buffers()
-        return self.module(*args, **kwargs)
+        with bucket_boundaries(self._split):
+            return call_module(self.module, args, kwargs)
 
     def _training_forward(self, reducer: Reducer) -> bool:
         """A forward whose backward will reduce: the only kind that communicates (as in DDP).
