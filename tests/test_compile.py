@@ -264,7 +264,7 @@ def check_checkpointing():
         model = td.checkpoint_wrapper(_blocks(counting=not compiled), policy=Block)
         run = torch.compile(model) if compiled else model
         opt = td.DistributedOptimizer(_adam(model.parameters()), named_parameters=model.named_parameters())
-        _train(model, lambda x, y: _loss(run(_mine(x)), _mine(y)).backward(), opt)
+        _train(model, lambda x, y, run=run: _loss(run(_mine(x)), _mine(y)).backward(), opt)
         key = "DistributedOptimizer compiled" if compiled else "DistributedOptimizer"
         results[key] = {"difference": _difference(reference, _copy(model.state_dict())),
                         "forwards per step": model[1].calls / STEPS, **_graphs()}

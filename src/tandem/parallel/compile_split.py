@@ -23,9 +23,9 @@ compile time, with `torch._dynamo.config.optimize_ddp`, on by default). `td.Dist
 runs its forward outside dynamo (as torch's DDP does) and, around the call of its inner
 module, publishes its bucket cap there (`bucket_boundaries`); the inner module is called
 through `call_module`, a frame of tandem's own, because dynamo does not start a graph at the
-frames of `torch.nn` (an `nn.Sequential`'s forward would otherwise run uncompiled). The published object is a small
-record with the one attribute dynamo reads (`bucket_bytes_cap`), never a torch DDP. Eager runs
-pay one attribute store and restore per forward.
+frames of `torch.nn` (an `nn.Sequential`'s forward would otherwise run uncompiled). The
+published object is a small record with the one attribute dynamo reads (`bucket_bytes_cap`),
+never a torch DDP. Eager runs pay one attribute store and restore per forward.
 
 `td.DistributedOptimizer` never sees the model's forward (it only holds the parameters), so a
 `torch.compile(model)` under it is one graph: correct, but its reductions all start at the end
