@@ -309,6 +309,9 @@ class Unit:
         if root is not None and root.check is not None:
             root.check.before_backward_collective()
 
+    # Both hooks run eagerly under torch.compile (a graph break each, docs/compile.md): they
+    # communicate and keep per-step state, which dynamo would trace into guards and recompile.
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         # Reductions left by a backward that raised: keep the collectives in step.
         (self._root if self._root is not None else self).finish_reductions()
@@ -342,6 +345,7 @@ class Unit:
         elif root is self and self.order:
             self.order[0].start_gather()
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.is_root:
             self._recording = False
