@@ -309,12 +309,9 @@ class Unit:
         if root is not None and root.check is not None:
             root.check.before_backward_collective()
 
-    # Both hooks run eagerly under torch.compile (a graph break each, docs/compile.md): they
-    # communicate and keep per-step state, which dynamo would trace into guards and recompile.
-    @torch.compiler.disable
+    @torch.compiler.disable  # both hooks stay eager under torch.compile (docs/compile.md)
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        # Reductions left by a backward that raised: keep the collectives in step.
-        (self._root if self._root is not None else self).finish_reductions()
+        (self._root if self._root is not None else self).finish_reductions()  # of a raised backward
         if self.is_root:
             if self.check is not None:  # every rank is in this same forward, or all raise
                 self.check.forward_starts()
@@ -332,9 +329,8 @@ class Unit:
             self._root = root
         if self.shard is not None:
             full = _Gather.apply(self.shard, self)
-            # An evaluation forward while a training forward's backward is still due (a no_grad
-            # validation pass before loss.backward()) must not replace the storage record that
-            # backward gathers into again.
+            # A no_grad evaluation forward before a training forward's backward must not replace
+            # the storage record that backward gathers into again.
             if torch.is_grad_enabled() or not self._backward_ready:
                 self._full = full
             self._set_views(full)
