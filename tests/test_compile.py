@@ -119,8 +119,15 @@ def _wide() -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(512, 512), nn.Tanh())])
 
 
+def _with_buffers() -> nn.Sequential:
+    """BatchNorm: DDP broadcasts its buffers before each training forward (outside the graph)."""
+    torch.manual_seed(0)
+    # No bias before the norm: its gradient is float noise, which Adam turns into full steps.
+    return nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
 def _ddp(compiled: bool, wide: bool = False, events: list | None = None):
-    model = _wide() if wide else _mlp()
+    model = _wide() if wide else _with_buffers()
     wrapped = td.DistributedDataParallel(model, bucket_mb=1)
     if events is not None:  # record the reducer's gradient arrivals and bucket launches
         reducer = wrapped._reducer
@@ -200,7 +207,7 @@ def check_overlap_under_compile():
 def check_compiled_twice():
     """torch.compile outside a DDP wrapper around a compiled model: one graph, no break."""
     _fresh()
-    model = _mlp()
+    model = _with_buffers()
     wrapped = torch.compile(td.DistributedDataParallel(torch.compile(model)))
     _train(model, lambda x, y: _loss(wrapped(_mine(x)), _mine(y)).backward(), _adam(model.parameters()))
     twice = _graphs()

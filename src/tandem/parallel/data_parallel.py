@@ -349,6 +349,12 @@ class DistributedDataParallel(nn.Module):
     # the graph. Dynamo compiles the inner module's forward instead, cut at the buckets.
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        with bucket_boundaries(self._split):
+            return call_module(self.module, args, kwargs)
+
+    @torch.compiler.disable  # and all it calls: the buffers' broadcast goes through the engine
+    def _before_forward(self) -> None:
         reducer = self._reducer
         if reducer is not None and reducer.has_pending():
             raise RuntimeError(
@@ -360,8 +366,6 @@ class DistributedDataParallel(nn.Module):
             reducer.step_check.forwards += 1  # a rank that skips a backward is named at the next
         if self._buffers_to_sync and self._training_forward(reducer):
             self._sync_buffers()
-        with bucket_boundaries(self._split):
-            return call_module(self.module, args, kwargs)
 
     def _training_forward(self, reducer: Reducer) -> bool:
         """A forward whose backward will reduce: the only kind that communicates (as in DDP).
