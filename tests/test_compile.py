@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters
 
 import tandem as td
 from tandem.parallel.activation_checkpoint import is_checkpointed
+from tandem.parallel.compile_split import BucketCaps
 from tandem.parallel.fully_shard import units
 from tandem.testing import run_distributed
 
@@ -378,3 +379,13 @@ def check_compile_pipeline_twice():
 def test_pipeline_compiled_twice_is_refused():
     for message in run_distributed(check_compile_pipeline_twice, world_size=2):
         assert message is not None and "is already compiled; call compile() once" in message
+
+
+def test_split_cap_is_the_smallest_full_bucket():
+    """Pieces of the smallest full bucket end no later than the buckets (compile_split.py)."""
+    mb = 1 << 20
+    assert BucketCaps.of([9 * mb, 14 * mb, 2 * mb]).bucket_bytes_cap == 14 * mb  # ResNet-9's
+    assert BucketCaps.of([mb, 20 * mb, 24 * mb, 3 * mb]).bucket_bytes_cap == 20 * mb
+    assert BucketCaps.of([100, 30 * mb]).bucket_bytes_cap == 30 * mb  # two: the second
+    assert BucketCaps.of([100]).bucket_bytes_cap == mb  # one bucket: nothing to cut
+    assert BucketCaps.of([2 * mb, 100, 200]).bucket_bytes_cap == mb  # never under 1 MB

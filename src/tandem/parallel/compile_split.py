@@ -49,6 +49,23 @@ class BucketCaps:
 
     bucket_bytes_cap: int
 
+    @staticmethod
+    def of(bucket_bytes: list[int]) -> BucketCaps:
+        """The cap that makes the splitter's pieces end no later than the reducer's buckets.
+
+        The splitter closes a piece once it holds `cap` bytes (the first at 1 MB, as the
+        reducer's first bucket); the reducer closes a bucket before it would exceed its cap, so
+        its buckets are smaller than the cap, and pieces of the cap itself would end later and
+        later. Pieces of the smallest full bucket (neither the small first nor the small last)
+        end inside or at the end of each bucket, so a bucket's last gradient is ready no later
+        than it would be with pieces cut exactly at the buckets. Never under 1 MB: the splitter
+        requires its first piece to be no larger than the others.
+        """
+        full = bucket_bytes[1:-1] if len(bucket_bytes) > 2 else bucket_bytes[1:]
+        return BucketCaps(max(min(full, default=_FIRST_PIECE_BYTES), _FIRST_PIECE_BYTES))
+
+
+_FIRST_PIECE_BYTES = 1 << 20  # torch's splitter's first piece (torch.distributed's default)
 
 # Torch's hook point; without it (another torch) there is nothing to publish to, and compiled
 # models are one graph (correct, without overlap).

@@ -333,8 +333,7 @@ class DistributedDataParallel(nn.Module):
             )
             if broadcast_buffers:
                 self._buffers_to_sync = list(module.buffers())
-            # Dynamo's splitter wants its first (1 MB) bucket no larger than the others.
-            self._split = BucketCaps(max(int(bucket_mb * _MB), DEFAULT_FIRST_CAP_BYTES))
+            self._split = BucketCaps.of([b.buffer.nbytes for b in self._reducer.buckets])
 
     def _round_done(self, wait_s: float) -> None:
         reducer = self._reducer
