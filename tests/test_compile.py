@@ -8,7 +8,8 @@ to one graph with no break and no recompilation. Under the DDP wrapper the graph
 the gradient buckets, so a bucket is reduced while the backward of the layers before it still
 runs: checked by the order of events (a bucket launched before the last gradient arrived),
 never by timing. fully_shard and parallelize train correctly compiled, with the graph breaks
-their collectives cause (docs/compile.md says which).
+their collectives cause (docs/compile.md says which); no wrapper recompiles after its second
+step (tandem state that changes per step must never become a dynamo guard).
 
 Activation checkpointing (`td.checkpoint_wrapper`) is checked against one process: each rank
 also trains a plain copy on the global batch.
@@ -96,7 +97,11 @@ def _copy(state: dict) -> dict:
 # -- one wrapper, eager or compiled ------------------------------------------------------------
 
 
+_graphs_after_step: list[int] = []  # graphs compiled so far, after each step of the last run
+
+
 def _train(model, step_fn, optimizer, wide: bool = False) -> None:
+    _graphs_after_step.clear()
     for step in range(STEPS):
         x, y = _batch(step)
         if wide:
@@ -104,6 +109,7 @@ def _train(model, step_fn, optimizer, wide: bool = False) -> None:
         optimizer.zero_grad()
         step_fn(x, y)
         optimizer.step()
+        _graphs_after_step.append(counters["stats"]["unique_graphs"])
 
 
 def _distributed_optimizer(compiled: bool):
@@ -190,7 +196,10 @@ def check_compiled():
         eager = train(False)
         _fresh()
         compiled = train(True)
-        results[name] = {"difference": _difference(eager, compiled), **_graphs()}
+        # Graphs compiled after the second step: recompilations (tandem state in a guard).
+        recompiled = _graphs_after_step[-1] - _graphs_after_step[1]
+        results[name] = {"difference": _difference(eager, compiled), "recompiled": recompiled,
+                         **_graphs()}
     return results
 
 
@@ -221,6 +230,7 @@ def _assert_compiled(results_per_rank):
         for name, result in results.items():
             assert result["difference"] <= TOLERANCE, (rank, name, result)
             assert result["graphs"] >= 1, (rank, name, "nothing was compiled", result)
+            assert result["recompiled"] == 0, (rank, name, result)
         for name in ("DistributedOptimizer", "DistributedDataParallel", "Pipeline"):
             # One graph for the model (a stage), no break and no recompilation (a counter that
             # changes every step would recompile every step, then fall back to eager).
