@@ -4,12 +4,13 @@ One world per engine (Gloo, MPI) runs every wrapper twice, eagerly and under
 `torch.compile` (default mode: dynamo + inductor), on the same data from the same start; the
 parameters after 4 Adam steps must agree to 1e-5. The compiled runs also count dynamo's graph
 breaks and graphs: DistributedOptimizer, DistributedDataParallel and Pipeline stages compile
-to one graph with no break and no recompilation. Under the DDP wrapper the graph is split at
+to one graph with no break and no recompilation. Under the DDP wrapper the graph is cut at
 the gradient buckets, so a bucket is reduced while the backward of the layers before it still
-runs: checked by the order of events (a bucket launched before the last gradient arrived),
-never by timing. fully_shard and parallelize train correctly compiled, with the graph breaks
-their collectives cause (docs/compile.md says which); no wrapper recompiles after its second
-step (tandem state that changes per step must never become a dynamo guard).
+runs: checked by structure (the compiled backward is one autograd node per bucket, where
+DistributedOptimizer's is one node), never by timing. fully_shard and parallelize train
+correctly compiled, with the graph breaks their collectives cause (docs/compile.md says
+which); no wrapper recompiles after its second step (tandem state that changes per step must
+never become a dynamo guard).
 
 Activation checkpointing (`td.checkpoint_wrapper`) is checked against one process: each rank
 also trains a plain copy on the global batch.
@@ -100,12 +101,10 @@ def _copy(state: dict) -> dict:
 _graphs_after_step: list[int] = []  # graphs compiled so far, after each step of the last run
 
 
-def _train(model, step_fn, optimizer, wide: bool = False) -> None:
+def _train(model, step_fn, optimizer) -> None:
     _graphs_after_step.clear()
     for step in range(STEPS):
         x, y = _batch(step)
-        if wide:
-            x, y = x.repeat(1, 86)[:, :512], y.repeat(1, 256)
         optimizer.zero_grad()
         step_fn(x, y)
         optimizer.step()
@@ -133,17 +132,11 @@ def _with_buffers() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _ddp(compiled: bool, wide: bool = False, events: list | None = None):
-    model = _wide() if wide else _with_buffers()
+def _ddp(compiled: bool):
+    model = _with_buffers()
     wrapped = td.DistributedDataParallel(model, bucket_mb=1)
-    if events is not None:  # record the reducer's gradient arrivals and bucket launches
-        reducer = wrapped._reducer
-        on_grad, launch = reducer._on_grad, reducer._launch
-        reducer._on_grad = lambda i: (events.append("grad"), on_grad(i))[1]
-        reducer._launch = lambda b: (events.append("launch"), launch(b))[1]
     run = torch.compile(wrapped) if compiled else wrapped
-    _train(model, lambda x, y: _loss(run(_mine(x)), _mine(y)).backward(), _adam(model.parameters()),
-           wide)
+    _train(model, lambda x, y: _loss(run(_mine(x)), _mine(y)).backward(), _adam(model.parameters()))
     return _copy(model.state_dict())
 
 
@@ -203,15 +196,45 @@ def check_compiled():
     return results
 
 
-def check_overlap_under_compile():
-    """The order of gradient arrivals and bucket launches of one compiled step, DDP wrapper.
+def _compiled_backward_nodes(loss: torch.Tensor) -> int:
+    """How many compiled backward functions autograd will run for `loss` (one per piece)."""
+    seen, stack, count = set(), [loss.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += "CompiledFunction" in type(node).__name__
+        stack.extend(child for child, _ in node.next_functions)
+    return count
 
-    Each layer is a bucket of its own, and a subgraph of its own."""
+
+def check_pieces_under_compile():
+    """The compiled backward's nodes: one per bucket under the DDP wrapper (each piece's
+    gradients are handed to the reducer before the next piece's backward runs), one in all
+    under DistributedOptimizer. Three Linear(512, 512): a 1 MiB bucket each (bucket_mb=1)."""
+    x = torch.randn(4, 512)
+    pieces = {}
     _fresh()
-    events: list[str] = []
-    _ddp(True, wide=True, events=events)
-    per_step = len(events) // STEPS
-    return {"graphs": _graphs(), "last_step": events[-per_step:]}
+    model = _wide()
+    wrapped = td.DistributedDataParallel(model, bucket_mb=1)
+    run = torch.compile(wrapped)
+    for _ in range(2):  # the second forward runs the compiled code, the first compiles it
+        loss = run(x).square().mean()
+        pieces["DistributedDataParallel"] = (_compiled_backward_nodes(loss),
+                                             len(wrapped._reducer.buckets))
+        loss.backward()
+    _fresh()
+    model = _wide()
+    opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), bucket_mb=1)
+    run = torch.compile(model)
+    for _ in range(2):
+        loss = run(x).square().mean()
+        pieces["DistributedOptimizer"] = (_compiled_backward_nodes(loss), len(opt._reducer.buckets))
+        loss.backward()
+        opt.step()
+    return {"pieces": pieces, **_graphs()}
 
 
 def check_compiled_twice():
@@ -245,15 +268,14 @@ def test_compiled_wrappers_match_eager(backend):
     _assert_compiled(run_distributed(check_compiled, world_size=2, backend=backend, timeout=300))
 
 
-def test_compiled_ddp_reduces_buckets_during_backward():
-    for rank, result in enumerate(run_distributed(check_overlap_under_compile, world_size=2,
+def test_compiled_ddp_backward_is_one_node_per_bucket():
+    for rank, result in enumerate(run_distributed(check_pieces_under_compile, world_size=2,
                                                   timeout=300)):
-        events = result["last_step"]
-        assert result["graphs"]["breaks"] == 0, (rank, result["graphs"])
-        # Unsplit, all 6 gradients arrive (at the end of the one compiled backward) before any
-        # bucket is launched; split, the first bucket leaves while gradients are still to come.
-        assert events.count("grad") == 6 and events.count("launch") >= 3, (rank, events)
-        assert events.index("launch") < len(events) - 1 - events[::-1].index("grad"), (rank, events)
+        assert result["breaks"] == 0, (rank, result)
+        nodes, buckets = result["pieces"]["DistributedDataParallel"]
+        assert buckets == 3 and nodes == 3, (rank, result)
+        # Without the wrapper's cut, one node: every gradient is ready at the end of backward.
+        assert result["pieces"]["DistributedOptimizer"] == (1, 3), (rank, result)
 
 
 def test_compiling_twice_is_one_graph():

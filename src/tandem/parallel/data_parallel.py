@@ -333,7 +333,8 @@ class DistributedDataParallel(nn.Module):
             )
             if broadcast_buffers:
                 self._buffers_to_sync = list(module.buffers())
-            self._split = BucketCaps.of([b.buffer.nbytes for b in self._reducer.buckets])
+            # Parameter bytes, as the splitter counts them (no padding, no flags).
+            self._split = BucketCaps.of([sum(v.nbytes for v in b.views) for b in self._reducer.buckets])
 
     def _round_done(self, wait_s: float) -> None:
         reducer = self._reducer
