@@ -9,8 +9,9 @@ end of backward, and every bucket is launched then: nothing overlaps.
 
 The fix is the one torch uses for its own DDP (Note [DDPOptimizer] in
 `torch/_dynamo/backends/distributed.py`): split the captured graph at bucket boundaries before
-the backend compiles it. Walking the graph backwards, parameters are counted into buckets of
-the reducer's cap (the first one small, as the reducer's is); each bucket's nodes become a
+the backend compiles it. Walking the graph backwards, parameters are counted into pieces of
+a cap (the first one small, as the reducer's first bucket; `BucketCaps.of` sizes the others so
+that pieces end inside or at the end of the reducer's buckets); each piece's nodes become a
 subgraph compiled on its own (by inductor, or whichever backend was asked for), and each
 subgraph gets its own backward node. Autograd then runs the subgraphs' backwards one after
 the other, and the gradients of a bucket are ready, and its reduction under way, while the
