@@ -311,17 +311,23 @@ def check_checkpointing():
     # A graph under compile ends in the checkpoint's own recomputation, not a forward call.
     results["DistributedOptimizer compiled"].pop("forwards per step")
 
-    # fully_shard: the blocks' gathers are made again for the recomputation, then freed.
-    model = _blocks()
-    td.checkpoint_wrapper(model, policy=Block)
-    for block in (model[1], model[2]):
-        td.fully_shard(block)
-    td.fully_shard(model)
-    opt = _adam(model.parameters())
-    _train(model, lambda x, y: _loss(model(_mine(x)), _mine(y)).backward(), opt)
-    freed = [unit.freed() for name, unit in units(model) if name in ("1", "2")]
-    results["fully_shard"] = {"difference": _difference(reference, td.full_state_dict(model)),
-                              "forwards per step": model[1].calls / STEPS, "freed": freed}
+    # fully_shard: the blocks' gathers are made again for the recomputation, then freed; the
+    # order of checkpoint_wrapper and fully_shard does not matter.
+    for checkpoint_first in (True, False):
+        model = _blocks()
+        if checkpoint_first:
+            td.checkpoint_wrapper(model, policy=Block)
+        for block in (model[1], model[2]):
+            td.fully_shard(block)
+        td.fully_shard(model)
+        if not checkpoint_first:
+            td.checkpoint_wrapper(model, policy=Block)
+        opt = _adam(model.parameters())
+        _train(model, lambda x, y, model=model: _loss(model(_mine(x)), _mine(y)).backward(), opt)
+        freed = [unit.freed() for name, unit in units(model) if name in ("1", "2")]
+        key = "fully_shard" if checkpoint_first else "fully_shard, then checkpoint_wrapper"
+        results[key] = {"difference": _difference(reference, td.full_state_dict(model)),
+                        "forwards per step": model[1].calls / STEPS, "freed": freed}
 
     # Pipeline: each rank checkpoints the blocks of its stage.
     pipe = td.Pipeline(_blocks(), chunks=2)
@@ -343,9 +349,10 @@ def test_checkpointing_matches_one_process(backend):
             assert result["difference"] <= TOLERANCE, (rank, name, result)
         # Forward, then the recomputation in backward (2 micro-batches each on the pipeline).
         assert results["DistributedOptimizer"]["forwards per step"] == 2, (rank, results)
-        assert results["fully_shard"]["forwards per step"] == 2, (rank, results)
+        for key in ("fully_shard", "fully_shard, then checkpoint_wrapper"):
+            assert results[key]["forwards per step"] == 2, (rank, key, results[key])
+            assert results[key]["freed"] == [True, True], (rank, key, results[key])
         assert results["Pipeline"]["forwards per step"] == 4, (rank, results)
-        assert results["fully_shard"]["freed"] == [True, True], (rank, results)
         assert results["DistributedOptimizer compiled"]["breaks"] == 0, (rank, results)
 
 
