@@ -36,6 +36,7 @@ from tandem.diagnostics import steps, timeline
 from tandem.parallel import splits
 from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
+from tandem.parallel.compile_split import BucketCaps, bucket_boundaries, call_module
 from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
 from tandem.parallel.reducer_front import MB as _MB
@@ -144,7 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._make_reducer = reducer
         self._reducer: Reducer | None = reducer()
 
-    def _tandemleave(self) -> None:
+    def _tandem_leave(self) -> None:
         """This world is over (`tandem.elastic`): no more operations on it."""
         leave(self)
 
@@ -308,17 +309,21 @@ class DistributedDataParallel(nn.Module):
         self._reducer: Reducer | None = None
         self._buffers_to_sync: list[torch.Tensor] = []
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._split: BucketCaps | None = None  # where a compiled forward is cut (compile_split.py)
 
         def reducer() -> Reducer | None:
             if group_size(group) == 1:
                 return None
             self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
             hook = make_comm_hook(compression)
-            return Reducer(
+            built = Reducer(
                 named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
                 first_cap_bytes=int(first_bucket_mb * _MB), group=group, on_round_end=self._round_done,
                 owner="DistributedDataParallel", options=f"op={op} compression={describe(hook)}",
             )
+            # Parameter bytes, as the splitter counts them (no padding, no flags).
+            self._split = BucketCaps.of([sum(v.nbytes for v in b.views) for b in built.buckets])
+            return built
 
         if group_size(group) > 1:
             from tandem.parallel.broadcast import broadcast_parameters
@@ -327,7 +332,7 @@ class DistributedDataParallel(nn.Module):
         self._make_reducer = reducer
         self._reducer = reducer()
 
-    def _tandemleave(self) -> None:
+    def _tandem_leave(self) -> None:
         """This world is over (`tandem.elastic`): no more operations on it."""
         leave(self)
 
@@ -343,7 +348,17 @@ class DistributedDataParallel(nn.Module):
     def last_step_stats(self) -> StepStats | None:
         return self._clock.last
 
+    # Run by Python even under torch.compile (as torch's DDP does): its bookkeeping (a counter
+    # that changes every step, collectives) would make dynamo recompile at every step or break
+    # the graph. Dynamo compiles the inner module's forward instead, cut at the buckets.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        with bucket_boundaries(self._split):
+            return call_module(self.module, args, kwargs)
+
+    @torch.compiler.disable  # and all it calls: the buffers' broadcast goes through the engine
+    def _before_forward(self) -> None:
         reducer = self._reducer
         if reducer is not None and reducer.has_pending():
             raise RuntimeError(
@@ -355,7 +370,6 @@ class DistributedDataParallel(nn.Module):
             reducer.step_check.forwards += 1  # a rank that skips a backward is named at the next
         if self._buffers_to_sync and self._training_forward(reducer):
             self._sync_buffers()
-        return self.module(*args, **kwargs)
 
     def _training_forward(self, reducer: Reducer) -> bool:
         """A forward whose backward will reduce: the only kind that communicates (as in DDP).

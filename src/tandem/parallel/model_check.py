@@ -237,6 +237,9 @@ class _Hooks:
     def __init__(self, explain_inputs: Callable[[tuple[int, ...], list], str] | None) -> None:
         self.explain_inputs = explain_inputs
 
+    # Eager under torch.compile (a graph break each): the agreement communicates, and its
+    # per-step counters would become dynamo guards that change every step.
+    @torch.compiler.disable
     def before(self, module: torch.nn.Module, args, kwargs) -> None:
         check = _of_module.get(module)
         if check is None:
@@ -247,6 +250,7 @@ class _Hooks:
                           if isinstance(t, torch.Tensor)])
         check.forward_starts(shapes, self.explain_inputs)
 
+    @torch.compiler.disable
     def after(self, module: torch.nn.Module, _args, output) -> None:
         check = _of_module.get(module)
         if check is not None:

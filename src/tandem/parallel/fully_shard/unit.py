@@ -310,6 +310,7 @@ class Unit:
         if root is not None and root.check is not None:
             root.check.before_backward_collective()
 
+    @torch.compiler.disable  # both hooks stay eager under torch.compile (docs/compile.md)
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if self.on_meta:
             raise RuntimeError(
@@ -337,9 +338,8 @@ class Unit:
             self._root = root
         if self.shard is not None:
             full = _Gather.apply(self.shard, self)
-            # An evaluation forward while a training forward's backward is still due (a no_grad
-            # validation pass before loss.backward()) must not replace the storage record that
-            # backward gathers into again.
+            # A no_grad evaluation forward before a training forward's backward must not replace
+            # the storage record that backward gathers into again.
             if torch.is_grad_enabled() or not self._backward_ready:
                 self._full = full
             self._set_views(full)
@@ -353,6 +353,7 @@ class Unit:
             return cast_floating((args, kwargs), self.param_dtype)
         return None
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.policy.output_dtype is not None:
             output = cast_floating(output, self.policy.output_dtype)

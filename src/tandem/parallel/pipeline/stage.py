@@ -185,6 +185,19 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
+    def compile(self, **options) -> Pipeline:
+        """Compile this rank's stage with `torch.compile(**options)`; returns the pipeline.
+
+        `nn.Module.compile()`'s spelling, for the stage this rank holds. The stage's forward is
+        compiled, not `pipe.stage.compile()`: on an `nn.Sequential` (the stage of a split
+        Sequential) torch 2.13's in-place compile captures nothing and silently runs eager.
+        Names and state dict are unchanged; micro-batches of a new shape recompile once.
+        """
+        if "forward" in self.stage.__dict__ and hasattr(self.stage.forward, "_torchdynamo_orig_callable"):
+            raise ValueError(f"{self!r} is already compiled; call compile() once")
+        self.stage.forward = torch.compile(self.stage.forward, **options)
+        return self
+
     def format_schedule(self) -> str:
         """The training schedule as a stage × step grid."""
         return format_grid(self.schedule)

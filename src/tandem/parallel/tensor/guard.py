@@ -79,6 +79,7 @@ class _Cover:
         self.group, self.key, self.check, self.explain = group, key, check, explain
         self.open: list[direct.Frame] = []  # the forwards of the module running now
 
+    @torch.compiler.disable  # eager under torch.compile, as the regions' collectives are
     def before(self, module: nn.Module, args, kwargs) -> None:
         if _watched.get(module, {}).get(self.key) is not self:
             return
@@ -88,6 +89,7 @@ class _Cover:
             self.check.forward_starts(shapes, self.explain)
         self.open.append(direct.enter(self.group))
 
+    @torch.compiler.disable
     def after(self, module: nn.Module, _args, output) -> None:
         if _watched.get(module, {}).get(self.key) is not self:
             return

@@ -18,6 +18,9 @@ with one agreement over the group, and so does its backward (`guard`); shards ar
 size is exchanged. A tensor that enters the split region several times in one forward (the
 input of separate q, k and v projections) enters once: its gradient is summed locally and
 all-reduced once, as a fused projection's would be.
+
+Under torch.compile each region runs eagerly between two graphs (a graph break each,
+`torch.compiler.disable`): dynamo never traces into the engine or the agreement.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class _ScatterTo(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group, ctx.checked), None, None, None
 
 
+@torch.compiler.disable
 def copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Enter a split region: identity forward, gradients summed over the group backward."""
     if group_size(group) == 1:
@@ -109,6 +113,7 @@ def copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     return entered
 
 
+@torch.compiler.disable
 def reduce_from(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Leave a split region by summing the partial results: all-reduce forward, identity back."""
     if group_size(group) == 1:
@@ -116,6 +121,7 @@ def reduce_from(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     return _ReduceFrom.apply(tensor, group, guard.ensure(group))
 
 
+@torch.compiler.disable
 def gather_from(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
     """Leave a split region by concatenating the shards along `dim`."""
     if group_size(group) == 1:
@@ -123,6 +129,7 @@ def gather_from(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> tor
     return _GatherFrom.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))
 
 
+@torch.compiler.disable
 def scatter_to(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
     """Enter a split region by keeping this rank's equal slice along `dim`."""
     if group_size(group) == 1:
