@@ -110,7 +110,7 @@ def _await_next_round(state: State, error: Exception) -> None:
         if time.monotonic() >= deadline:
             raise error
         try:  # the next round's key appears as the launcher publishes it
-            state._store.wait([f"tandem/elastic/{state._round + 1}/record"],
+            state._store.wait([elastic_rounds.record_key(state._round + 1)],
                               timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         except TimeoutError:
             pass

@@ -39,7 +39,7 @@ class Round:
         return self.workers.index(worker) if worker in self.workers else None
 
 
-def _record_key(number: int) -> str:
+def record_key(number: int) -> str:
     return f"tandem/elastic/{number}/record"
 
 
@@ -55,7 +55,7 @@ OVER = "over"  # on a round's watchdog board: the launcher formed a later round
 def publish(store, new: Round) -> None:
     """The launcher's side: write the round, point the job at it, and tell the watchdogs of
     the round before that their world is over (a rank still waiting in it stops waiting)."""
-    store.set(_record_key(new.number), json.dumps(
+    store.set(record_key(new.number), json.dumps(
         {"workers": list(new.workers), "why": new.why, "since": new.since}))
     store.set(ROUND_KEY, str(new.number))
     if new.number:
@@ -67,7 +67,7 @@ def current_number(store) -> int:
 
 
 def read(store, number: int) -> Round:
-    record = json.loads(store.get(_record_key(number)))
+    record = json.loads(store.get(record_key(number)))
     return Round(number, tuple(record["workers"]), record["why"], record["since"])
 
 
@@ -129,7 +129,7 @@ def settle(store, worker: int, deadline: float) -> tuple[Round, int]:
                 raise TimeoutError(f"elastic: no round included worker {worker} (the newest, "
                                    f"{number}: {joined.why})")
             try:
-                store.wait([_record_key(number + 1)], timeout=min(1.0, left))
+                store.wait([record_key(number + 1)], timeout=min(1.0, left))
             except TimeoutError:
                 pass
             continue
