@@ -321,6 +321,11 @@ def test_policies_take_fsdp2_objects_and_refuse_what_no_backend_reduces():
         torch.float16, cast_forward_inputs=False)
     assert policies.offload(TorchOffload(pin_memory=False)) == td.CPUOffloadPolicy(pin_memory=False)
     assert policies.offload(OffloadPolicy()) is None and policies.offload(None) is None
+    assert policies.offload(None, "cpu") == td.CPUOffloadPolicy()  # offload="cpu"
+    with pytest.raises(ValueError, match='the one place to offload to is "cpu"'):
+        policies.offload(None, "gpu")
+    with pytest.raises(ValueError, match='give offload="cpu" or offload_policy=, not both'):
+        policies.offload(td.CPUOffloadPolicy(), "cpu")
     with pytest.raises(ValueError, match="the mpi backend cannot gather torch.float8_e5m2"):
         policies.mixed_precision(td.MixedPrecisionPolicy(param_dtype=torch.float8_e5m2), None, "mpi")
     with pytest.raises(ValueError, match="reduce_dtype=torch.int32: give a floating torch dtype"):

@@ -52,7 +52,7 @@ from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
                 param_dtype: torch.dtype | None = None, group: Group | None = None,
                 mesh: Mesh | None = None, mp_policy: Any = None,
-                offload_policy: Any = None) -> nn.Module:
+                offload_policy: Any = None, offload: str | None = None) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit owns) across `group`; returns `module`.
 
     Collective: every rank of the group calls it, in the same order, on the same model.
@@ -67,6 +67,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
             `td.mesh(dp=N)` plain replication).
         mp_policy: `td.MixedPrecisionPolicy` (or torch's FSDP2 one).
         offload_policy: `td.CPUOffloadPolicy()` (or torch's FSDP2 one): shards in host memory.
+        offload: `"cpu"`, the same as `offload_policy=td.CPUOffloadPolicy()`.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -79,7 +80,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
     backend = runtime.get_backend().name if runtime.is_initialized() else "local"
     policy = policies.mixed_precision(mp_policy, param_dtype, backend)
-    offload = policies.offload(offload_policy)
+    offload = policies.offload(offload_policy, offload)
     inner = [unit_of(m) for m in module.modules() if unit_of(m) is not None]
     sliced = [name for name, m in module.named_modules() if hasattr(m, "local_pieces")]
     if sliced:

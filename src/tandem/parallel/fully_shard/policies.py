@@ -85,9 +85,16 @@ def _check_dtype(field: str, dtype: Any, backend: str) -> None:
             f"memory and bandwidth, or torch.float32")
 
 
-def offload(policy: Any) -> CPUOffloadPolicy | None:
+def offload(policy: Any, shorthand: str | None = None) -> CPUOffloadPolicy | None:
     """The offload policy, checked: None (FSDP2's `OffloadPolicy()`, no offload, too) or a
-    `CPUOffloadPolicy` (tandem's or torch's)."""
+    `CPUOffloadPolicy` (tandem's or torch's); `offload="cpu"` is `CPUOffloadPolicy()`."""
+    if shorthand is not None:
+        if shorthand != "cpu":
+            raise ValueError(f"fully_shard: offload={shorthand!r}: the one place to offload to "
+                             f"is \"cpu\" (or give offload_policy=td.CPUOffloadPolicy(...))")
+        if policy is not None:
+            raise ValueError("fully_shard: give offload=\"cpu\" or offload_policy=, not both")
+        return CPUOffloadPolicy()
     if policy is None or type(policy).__name__ == "OffloadPolicy":
         return None
     if isinstance(policy, CPUOffloadPolicy):
