@@ -184,16 +184,18 @@ class Watchdog(Ledger):
         while (board.add(f"ans/{generation}/count", 0) or 0) < len(others):
             if time.monotonic() > deadline:
                 break
-            # A rank that left (or that an elastic job's launcher saw die) will not answer.
+            # A rank that an elastic job's launcher saw die will not answer. (Not so for ranks
+            # that left: waiting for them lets a rank that raised and left end its process
+            # first, so that its launcher names it rather than the ranks it left waiting.)
             if all(board.get(f"ans/{generation}/{r}") is not None
-                   or board.get(f"left/{r}") is not None for r in others):
+                   or board.get(f"died/{r}") is not None for r in others):
                 break
             self._serve()  # peers may be asking us at the same moment: answer while we wait
             self._pause.wait(QUERY_POLL_S)
         for rank in others:
             text = board.get(f"ans/{generation}/{rank}")
             if text is None:
-                text = board.get(f"left/{rank}")
+                text = board.get(f"left/{rank}") or board.get(f"died/{rank}")
             answers[rank] = json.loads(text) if text else None
             board.delete(f"ans/{generation}/{rank}")
         return answers

@@ -103,7 +103,7 @@ def report_death(store, number: int, rank: int, how: str) -> None:
     """The launcher saw rank `rank` of round `number` die: say so where the ranks' watchdogs
     look for ranks that left (`comm.monitor`), so that a survivor's failed wait is explained at once
     instead of after the watchdog's wait for an answer."""
-    store.set(_watchdog_board(number) + f"left/{rank}", json.dumps(
+    store.set(_watchdog_board(number) + f"died/{rank}", json.dumps(
         {"rank": rank, "state": "died", "issued": {}, "waits": [], "inside": None,
          "stack": f"(it {how})"}))
 
