@@ -115,11 +115,12 @@ def test_below_min_np_the_job_ends_with_the_usual_report(tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly(
+def test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly_ddp(
         tmp_path, one_process):
+    """Written with td.DistributedDataParallel and a plain torch optimizer this time."""
     out = tmp_path / "out.pt"
     done = tandem_run("-np", "3", "--min-np", "2", TRAIN, str(out), "--die", "2:5",
-                      "--no-commit")
+                      "--no-commit", "--ddp")
     assert done.returncode == 0, done.stderr
     warning = "the world changed before any State.commit(): the job goes on from the state " \
               "the job started with"

@@ -17,6 +17,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --no-commit        never commit (the warning, and the start state as the fallback)
   --diverge W:S      worker W counts one step more than the others at step S (named at commit)
   --horovod          the same job written against `tandem.horovod` (hvd.elastic)
+  --ddp              the model wrapped in td.DistributedDataParallel, a plain torch optimizer
 """
 
 import argparse
@@ -40,6 +41,7 @@ parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--no-commit", action="store_true")
 parser.add_argument("--diverge", default=None)
 parser.add_argument("--horovod", action="store_true")
+parser.add_argument("--ddp", action="store_true")
 args = parser.parse_args()
 
 if args.horovod:
@@ -59,9 +61,12 @@ else:
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 if args.horovod:
     optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+elif args.ddp:
+    optimizer = inner
 else:
     optimizer = td.DistributedOptimizer(inner)
-state = make_state(model=model, optimizer=optimizer, step=0, sizes=[])
+net = td.DistributedDataParallel(model) if args.ddp else model
+state = make_state(model=net, optimizer=optimizer, step=0, sizes=[])
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
@@ -96,7 +101,7 @@ def train(state):
         x, y = batch(state.step)
         rows = td.elastic.local_rows(GLOBAL_BATCH)
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
+        loss = torch.nn.functional.cross_entropy(net(x[rows]), y[rows])
         if die is not None and (worker, state.step) == die:
             os._exit(9)
         loss.backward()
