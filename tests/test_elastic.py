@@ -130,6 +130,22 @@ def test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly_
     assert_same_model(result, one_process["sgd"])
 
 
+def test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size(
+        tmp_path, one_process):
+    """A job of 2 stops after 8 steps; a new job of 3 on the same directory holds no commit in
+    memory, so it starts from the checkpointer's newest checkpoint (extras included)."""
+    ckpt = str(tmp_path / "ckpt")
+    first = tandem_run("-np", "2", "--min-np", "1", TRAIN, str(tmp_path / "first.pt"),
+                       "--steps", "8", "--checkpoint", ckpt)
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "1", TRAIN, str(out), "--checkpoint", ckpt)
+    assert done.returncode == 0, done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [2] * 8 + [3] * 4
+    assert_same_model(result, one_process["sgd"])
+
+
 def test_ranks_that_commit_different_states_are_named(tmp_path):
     done = tandem_run("-np", "2", "--min-np", "1", TRAIN, str(tmp_path / "out.pt"),
                       "--diverge", "1:3")

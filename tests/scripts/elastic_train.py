@@ -18,6 +18,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --diverge W:S      worker W counts one step more than the others at step S (named at commit)
   --horovod          the same job written against `tandem.horovod` (hvd.elastic)
   --ddp              the model wrapped in td.DistributedDataParallel, a plain torch optimizer
+  --checkpoint DIR   State(checkpointer=td.Checkpointer(DIR, every=4)): the disk fallback
 """
 
 import argparse
@@ -42,6 +43,7 @@ parser.add_argument("--no-commit", action="store_true")
 parser.add_argument("--diverge", default=None)
 parser.add_argument("--horovod", action="store_true")
 parser.add_argument("--ddp", action="store_true")
+parser.add_argument("--checkpoint", default=None)
 args = parser.parse_args()
 
 if args.horovod:
@@ -66,7 +68,8 @@ elif args.ddp:
 else:
     optimizer = td.DistributedOptimizer(inner)
 net = td.DistributedDataParallel(model) if args.ddp else model
-state = make_state(model=net, optimizer=optimizer, step=0, sizes=[])
+checkpointer = td.Checkpointer(args.checkpoint, every=4) if args.checkpoint else None
+state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, step=0, sizes=[])
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None

@@ -220,7 +220,9 @@ class Watchdog(Ledger):
     def failed(self, wait: tuple, error: BaseException) -> None:
         """Called by a failing `wait`: raise a better error, or return to re-raise `error`."""
         text = str(error).lower()
-        if self._abandoned:
+        # In an elastic job whose launcher already formed the next round, a failed wait needs no
+        # inquiry: the peers are dead or gone to that round (asking would wait for them).
+        if self._abandoned or (self.world_over is not None and self.world_over()):
             raise PeerUnreachableError(
                 f"rank {self.rank}: {waitgraph.describe_op(op_dict(wait[WAIT_OP], self.size))} "
                 f"was abandoned: the elastic job's launcher formed its next round (a peer died, "

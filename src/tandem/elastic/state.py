@@ -171,10 +171,10 @@ class State:
         them), so survivors of a failure, all at one commit, send nothing: each rolls back to
         its own snapshot. Only a rank behind (a newcomer, a rank that missed the last commit)
         receives, and only it takes a new snapshot."""
-        if rollback:
-            self.restore()
         counts = collectives.allgather(torch.tensor([self._commits], dtype=torch.int64))
         newest, oldest = int(counts.max()), int(counts.min())
+        if rollback and self._commits in (newest, 0):  # a rank behind receives it all instead
+            self.restore()
         if newest == oldest > 0:
             return
         if newest == 0:
