@@ -154,6 +154,16 @@ def test_ranks_that_commit_different_states_are_named(tmp_path):
            "rank 0 step=3)" in done.stderr
 
 
+def test_a_rank_that_skips_a_commit_is_named_not_averaged(tmp_path):
+    done = tandem_run("-np", "2", "--min-np", "1", TRAIN, str(tmp_path / "out.pt"),
+                      "--skip-commit", "1:3")
+    assert done.returncode != 0
+    assert "DivergedError: ranks are in different operations (nothing was sent)" in done.stderr
+    assert "rank 0: allgather(shape=(*,), dtype=int64)" in done.stderr
+    assert "rank 1: gradient reduction #4 of DistributedOptimizer" in done.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--min-np", "3", "--max-np", "2"), "--min-np 3 is larger than --max-np 2"),
     (("-np", "4", "--min-np", "1", "--max-np", "3"), "-np 4 is outside --min-np 1 .. --max-np 3"),
@@ -181,11 +191,23 @@ def refusals() -> list[str]:
     def train(state):
         return "trained"
 
+    def split(kind: str):
+        layers = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        if kind == "tp":
+            return td.elastic.State(model=td.parallelize(layers, {"0": "colwise",
+                                                                  "2": "rowwise"}))
+        if kind == "pipeline":
+            return td.elastic.State(model=td.Pipeline(layers, chunks=2))
+        group = td.new_group([0, 1])
+        return td.elastic.State(optimizer=td.DistributedOptimizer(
+            torch.optim.SGD(layers.parameters(), lr=0.1), group=group))
+
     for attempt in (lambda: train(state),
                     lambda: td.elastic.State(optimizer=td.ZeroOptimizer(
                         torch.optim.SGD(model.parameters(), lr=0.1))),
                     lambda: td.elastic.local_rows(9),
-                    lambda: train(object())):
+                    lambda: train(object()),
+                    lambda: split("tp"), lambda: split("pipeline"), lambda: split("group")):
         try:
             attempt()
         except (RuntimeError, ValueError, TypeError) as error:
@@ -196,9 +218,13 @@ def refusals() -> list[str]:
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_td_elastic_where_the_world_cannot_change_says_so(backend):
     for said in run_distributed(refusals, world_size=2, backend=backend):
-        assert len(said) == 4, said
+        assert len(said) == 7, said
         assert "td.elastic.run needs a launcher that can resize the job" in said[0]
         assert "tandem run --min-np A --max-np B" in said[0]
-        assert "ZeroOptimizer holds sharded state" in said[1]
+        assert "ZeroOptimizer is sharded (ZeroOptimizer): its ranks hold different parts" \
+            in said[1]
         assert "9 rows do not split evenly over 2 ranks" in said[2]
         assert "takes a td.elastic.State first, got object" in said[3]
+        assert "is split (tensor parallel)" in said[4]
+        assert "Pipeline is split (pipeline)" in said[5]
+        assert "DistributedOptimizer is reduced over" in said[6] and "not the world" in said[6]

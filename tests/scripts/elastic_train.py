@@ -16,6 +16,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --optimizer adam   Adam instead of SGD with momentum
   --no-commit        never commit (the warning, and the start state as the fallback)
   --diverge W:S      worker W counts one step more than the others at step S (named at commit)
+  --skip-commit W:S  worker W does not commit after step S (the others' commit is named)
   --horovod          the same job written against `tandem.horovod` (hvd.elastic)
   --ddp              the model wrapped in td.DistributedDataParallel, a plain torch optimizer
   --checkpoint DIR   State(checkpointer=td.Checkpointer(DIR, every=4)): the disk fallback
@@ -41,6 +42,7 @@ parser.add_argument("--offer", default=None)
 parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--no-commit", action="store_true")
 parser.add_argument("--diverge", default=None)
+parser.add_argument("--skip-commit", default=None)
 parser.add_argument("--horovod", action="store_true")
 parser.add_argument("--ddp", action="store_true")
 parser.add_argument("--checkpoint", default=None)
@@ -73,6 +75,7 @@ state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, st
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
+skip = tuple(map(int, args.skip_commit.split(":"))) if args.skip_commit else None
 wait = tuple(map(int, args.wait_size.split(":"))) if args.wait_size else None
 
 
@@ -113,7 +116,7 @@ def train(state):
         state.step += 1
         if diverge is not None and (worker, state.step) == diverge:
             state.step += 1
-        if not args.no_commit:
+        if not args.no_commit and (worker, state.step) != skip:
             state.commit()
 
 

@@ -63,19 +63,18 @@ class State:
         if bad:
             raise ValueError(f"td.elastic.State: extra {bad[0]!r} starts with '_': give names "
                              "without it (those are the state's own)")
+        for owner in (model, optimizer):
+            split = None if owner is None else _split_how(owner)
+            if split is not None:
+                raise ValueError(
+                    f"td.elastic.State: {type(owner).__name__} is {split}: its ranks hold "
+                    f"different parts, so a rank that dies takes its part with it and no rank can "
+                    f"send a newcomer the whole. Use a replicated layout over the world "
+                    f"(td.DistributedOptimizer, td.DistributedDataParallel) in an elastic job, or "
+                    f"a fixed -np with --max-restarts and td.Checkpointer, which reshards on load")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"td.elastic.State(model=...) takes an nn.Module, got "
                             f"{type(model).__name__}")
-        for owner in (model, optimizer):
-            sharded = owner is not None and _sharded(owner)
-            if sharded:
-                raise ValueError(
-                    f"td.elastic.State: {type(owner).__name__} holds sharded state "
-                    f"(ZeroOptimizer or td.fully_shard): each rank keeps a part no other rank "
-                    f"has, so a rank that dies takes its part with it. Use a replicated "
-                    f"layout (td.DistributedOptimizer, td.DistributedDataParallel) in an "
-                    f"elastic job, or a fixed -np with --max-restarts and td.Checkpointer, "
-                    f"which reshards on load")
         d = self.__dict__
         d["model"], d["optimizer"], d["checkpointer"] = model, optimizer, checkpointer
         d["_extras"] = dict(extras)
@@ -243,12 +242,17 @@ class State:
             self.__dict__["_store"] = None
 
 
-def _sharded(owner: Any) -> bool:
+def _split_how(owner: Any) -> str | None:
+    """How `owner` (a model or an optimizer) is split across ranks, in words; None when every
+    rank holds the whole of it (the layout protocol's `splits` registry says)."""
     if isinstance(owner, ZeroOptimizer):
-        return True
-    params = (owner.parameters() if isinstance(owner, torch.nn.Module)
+        return "sharded (ZeroOptimizer)"
+    if getattr(owner, "group", None) is not None:
+        return f"reduced over {owner.group!r}, not the world"
+    params = (owner.parameters() if hasattr(owner, "parameters")
               else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))
-    return any(splits.kind_of(p) == splits.FULLY_SHARD for p in params)
+    kinds = {splits.kind_of(p) for p in params} - {None}
+    return f"split ({', '.join(sorted(kinds))})" if kinds else None
 
 
 class _Extras:
