@@ -188,8 +188,8 @@ class State:
         if self._commits < newest or newest == 0:
             self._extras.clear()
             self._extras.update(extras)
-            self.__dict__["_snapshot"] = self._take()
-            self.__dict__["_commits"] = newest
+            self._snapshot = self._take()
+            self._commits = newest
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:
@@ -221,7 +221,7 @@ class State:
             job = runtime.state().job
             store = StoreClient(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
                                 runtime.state().timeout)
-            self.__dict__["_store"] = store
+            self._store = store
         return elastic_rounds.current_number(store)
 
     def _digests(self) -> tuple[int, int]:
@@ -230,8 +230,10 @@ class State:
         extras = hashlib.blake2b(pickle.dumps(sorted(self._extras.items(), key=str)),
                                  digest_size=8)
         model = (self._snapshot or {}).get("model", {})
-        total = sum(float(t.double().sum()) for t in model.values()
-                    if torch.is_tensor(t) and t.is_floating_point())
+        sums = [t.double().sum() for t in model.values()
+                if torch.is_tensor(t) and t.is_floating_point()]
+        # one host read per commit, not one per tensor
+        total = torch.stack([x.to(sums[0].device) for x in sums]).sum().item() if sums else 0.0
         weights = hashlib.blake2b(repr(total).encode(), digest_size=8)
         return (int.from_bytes(extras.digest(), "little") >> 2,
                 int.from_bytes(weights.digest(), "little") >> 2)
@@ -239,7 +241,7 @@ class State:
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
-            self.__dict__["_store"] = None
+            self._store = None
 
 
 def _split_how(owner: Any) -> str | None:

@@ -19,7 +19,6 @@ job is finishing: no round changes after that, and a failure then ends the job.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import threading
@@ -43,17 +42,19 @@ class ElasticRanks(LocalRanks):
     """The workers of an elastic job: started in groups, whenever a round adds some; the
     output and the events name each by its worker id (its rank when the job started)."""
 
-    def start_workers(self, workers: list[int], joined: Round, store: rendezvous.StoreServer
-                      ) -> None:
+    def start_workers(self, workers: list[int], first_rank: int, size: int, number: int,
+                      store: rendezvous.StoreServer) -> None:
+        """Start `workers` as ranks `first_rank`, ... of a world of `size`, for round `number`
+        (-1: a round that will add them, once they are ready). `td.init()` reads its place
+        from the store's current round anyway; these are where it starts from."""
         self.store_port = store.port
-        placement = Placement(attempt=0, offset=0, world=joined.size,
+        placement = Placement(attempt=0, offset=first_rank, world=size,
                               store=(MASTER_ADDR, store.port), store_key=store.key)
         low, high = self.config.min_np or 1, self.config.max_np or self.config.np
         envs = []
-        for worker in workers:
-            rank = joined.rank_of(worker)
-            env = rank_environment(self.config, rank, placement, os.environ, joined.size)
-            env.update(TANDEM_ELASTIC_ROUND=str(joined.number), TANDEM_ELASTIC_WORKER=str(worker),
+        for local, worker in enumerate(workers):
+            env = rank_environment(self.config, local, placement, os.environ, size)
+            env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
                        TANDEM_ELASTIC_RANGE=f"{low}:{high}")
             envs.append(env)
         command = rank_command(self.config)
@@ -119,18 +120,16 @@ class ElasticJob(Agent):
         """The job's first workers: round 0."""
         workers = list(range(count))
         self.next_worker = count
-        self.ranks.start_workers(workers, self.publish(workers, "start", time.time()),
-                                 self.store)
+        self.publish(workers, "start", time.time())
+        self.ranks.start_workers(workers, 0, count, 0, self.store)
 
     def grow(self, count: int) -> None:
         """Start `count` new workers; their round is formed once they are ready (`admit`)."""
         new = list(range(self.next_worker, self.next_worker + count))
         self.next_worker += count
         self.pending.update(new)
-        size = len(self.ranks.live) + count
-        placeholder = Round(-1, tuple(new), "joining", time.time())  # their first rank/size
-        self.ranks.start_workers(new, dataclasses.replace(
-            placeholder, workers=tuple(range(size - count)) + tuple(new)), self.store)
+        first = len(self.ranks.live)
+        self.ranks.start_workers(new, first, first + count, -1, self.store)
         keys = [ready_key(worker) for worker in new]
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
 
