@@ -336,6 +336,23 @@ def check_checkpointing():
     _train(pipe, lambda x, y: pipe.train_step(x, y, _loss), _adam(pipe.parameters()))
     results["Pipeline"] = {"difference": _difference(reference, pipe.state_dict()),
                            "forwards per step": block.calls / STEPS}
+
+    # td.parallelize: the recomputation repeats the slices' collectives, on every rank alike;
+    # each rank's gradients are its slices of the one-process ones.
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    sliced = copy.deepcopy(whole)
+    td.parallelize(sliced, {"0": "colwise", "2": "rowwise"})
+    td.checkpoint_wrapper(sliced)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    whole(x).square().sum().backward()
+    sliced(x).square().sum().backward()
+    r, g = td.rank(), dict(sliced.named_parameters())
+    expected = {"0.weight": whole[0].weight.grad[4 * r:4 * r + 4],
+                "0.bias": whole[0].bias.grad[4 * r:4 * r + 4],
+                "2.weight": whole[2].weight.grad[:, 4 * r:4 * r + 4], "2.bias": whole[2].bias.grad}
+    results["parallelize"] = {"difference": max(
+        (g[name].grad - grad).abs().max().item() for name, grad in expected.items())}
     return results
 
 
