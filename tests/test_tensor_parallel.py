@@ -207,6 +207,38 @@ def check_bad_input():
     return messages
 
 
+def check_attention_masks_match_one_process():
+    """Every mask nn.MultiheadAttention takes means the same to the tensor-parallel layer: a
+    boolean one (True = not attended, the reverse of SDPA's), a float one, one per batch row and
+    head (3-D, this rank keeps its heads), and the `is_causal` hint beside the causal mask."""
+    torch.manual_seed(3)
+    reference = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
+    model = nn.Sequential(copy.deepcopy(reference))
+    td.parallelize(model, {"0": "attention"})
+    x = torch.randn(2, SEQ, EMBED)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    per_head = torch.randn(2 * HEADS, SEQ, SEQ)
+    cases = {"bool causal": {"attn_mask": causal},
+             "float causal": {"attn_mask": nn.Transformer.generate_square_subsequent_mask(SEQ)},
+             "per head": {"attn_mask": per_head},
+             "per head, bool": {"attn_mask": per_head > 0.5},
+             "is_causal hint": {"attn_mask": causal, "is_causal": True}}
+    errors = []
+    for name, masks in cases.items():
+        got = model[0](x, x, x, need_weights=False, **masks)[0]
+        expected = reference(x, x, x, need_weights=False, **masks)[0]
+        if not torch.allclose(got, expected, atol=1e-5):
+            errors.append(f"rank {td.rank()} {name}: max difference "
+                          f"{(got - expected).abs().max().item():.3g}")
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_attention_masks_mean_what_they_mean_to_multihead_attention(backend):
+    results = run_distributed(check_attention_masks_match_one_process, 3, backend)
+    assert results == [[]] * 3, "\n".join(e for errors in results for e in errors)
+
+
 @pytest.mark.parametrize("backend,world_size", [("gloo", 2), ("gloo", 3), ("mpi", 2), ("mpi", 3)])
 def test_transformer_block_equals_one_process(backend, world_size):
     results = run_distributed(check_transformer_matches_one_process, world_size, backend)

@@ -103,7 +103,9 @@ def check_mpi() -> Check:
     except (ImportError, RuntimeError) as error:
         return Check("MPI", False, f"mpi4py {mpi4py.__version__} cannot load an MPI library "
                      f"({error})", "pip install mpich (or point mpi4py at a system MPI)")
-    library = MPI.Get_library_version().strip().splitlines()[0].strip()
+    # Open MPI's answer holds NUL bytes (seen with Open MPI 4.1.6): text readers take the
+    # report for binary.
+    library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
     major, minor = MPI.Get_version()
     return Check("MPI", True,
                  f"available: {' '.join(library.split())} (MPI {major}.{minor}, mpi4py "

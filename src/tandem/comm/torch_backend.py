@@ -27,6 +27,12 @@ _OPS = {
     "bxor": dist.ReduceOp.BXOR,
 }
 
+# torch 2.13 named the flat-tensor collectives `all_gather_single` / `reduce_scatter_single` and
+# deprecated the old names (a FutureWarning per call); older torch (2.11 on the GPU machines) has
+# only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # Each init in one process gets its own key prefix, so a shutdown followed by a new init on the
 # same hosted store (the test harness does this) never reads the previous rendezvous' keys.
 _generation = count()
@@ -176,7 +182,7 @@ class TorchBackend(Backend):
 
     def allgather_into(self, output, input, group):
         return TorchWork(
-            dist.all_gather_single(output, input, group=self._pg(group), async_op=True)
+            _all_gather_single(output, input, group=self._pg(group), async_op=True)
         )
 
     def reduce(self, tensor, root, op, group):
@@ -184,7 +190,7 @@ class TorchBackend(Backend):
 
     def reducescatter_into(self, output, input, op, group):
         return TorchWork(
-            dist.reduce_scatter_single(
+            _reduce_scatter_single(
                 output, input, _OPS[op], group=self._pg(group), async_op=True
             )
         )

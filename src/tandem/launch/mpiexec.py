@@ -74,16 +74,22 @@ def find_mpiexec() -> str:
 @functools.cache
 def _version(mpiexec: str) -> str:
     """What `mpiexec --version` says (which MPI it is), or "" when it cannot be asked."""
+    # Open MPI 4 refuses even `--version` to root unless told it may (seen on a GPU machine
+    # run as root): asked so, it answers; MPICH ignores the two variables.
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     try:
-        return subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout
+        answer = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                timeout=30, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return ""
+    return answer.stdout + answer.stderr
 
 
 def is_open_mpi(mpiexec: str) -> bool:
-    """`mpiexec (Open MPI) 5.0.11`, also Open MPI 4's `mpirun (Open MPI) 4.1.x`."""
-    return "OPEN MPI" in _version(mpiexec).upper()
+    """`mpiexec (Open MPI) 5.0.11`; Open MPI 4's `mpirun (Open MPI) 4.1.x`, or `(OpenRTE)`
+    under its other names."""
+    said = _version(mpiexec).upper()
+    return "OPEN MPI" in said or "OPENRTE" in said
 
 
 def start_flags(mpiexec: str) -> list[str]:

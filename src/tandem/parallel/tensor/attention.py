@@ -70,13 +70,35 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (t.reshape(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))
         dropout = self.dropout if self.training else 0.0
-        heads = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
+        mask = None if is_causal else self._local_mask(attn_mask, batch, q.dtype)
+        heads = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                is_causal=is_causal)
         merged = heads.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         out = reduce_from(F.linear(merged, self.out_weight), self.group)
         if self.out_bias is not None:
             out = out + self.out_bias
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def _local_mask(self, attn_mask: torch.Tensor | None, batch: int,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+        """`attn_mask` as nn.MultiheadAttention reads it, made SDPA's for this rank's heads.
+
+        nn.MultiheadAttention's boolean mask marks the positions *not* attended (SDPA's marks
+        those attended): passed through as is, it would silently attend to the wrong ones. A
+        3-D mask holds one (L, S) mask per batch row and head, of which this rank keeps its own
+        heads. `is_causal=True` is, as for nn.MultiheadAttention, a hint that the mask given is
+        the causal one, and the caller skips the mask then (SDPA refuses both on CUDA).
+        """
+        if attn_mask is None:
+            return None
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device
+                                    ).masked_fill_(attn_mask, float("-inf"))
+        if attn_mask.dim() == 3:
+            first, _ = shard_range(self.num_heads, self.group, "num_heads")
+            per_head = attn_mask.reshape(batch, self.num_heads, *attn_mask.shape[1:])
+            attn_mask = per_head[:, first:first + self.local_heads]
+        return attn_mask
 
     def local_pieces(self, prefix: str) -> list[Held]:
         """nn.MultiheadAttention's names; in_proj holds this rank's rows of q, k and v, stacked
