@@ -2,6 +2,7 @@
 
     python benchmarks/elastic.py                       # worlds of 2, 3 and 4 ranks
     python benchmarks/elastic.py --ranks 2 3 --params-mb 32
+    python benchmarks/elastic.py --nodes               # across two --nnodes agents
 
 For each N, one `tandem run -np N --min-np 1 --max-np N --host-discovery-script ...` job of
 this file's worker (a data-parallel MLP of `--params-mb` MB of fp32 parameters, SGD with
@@ -10,6 +11,11 @@ momentum, `td.elastic.State` committed after every step):
 - shrink: the last worker kills itself (SIGKILL) at step 5; the survivors go on with N - 1;
 - grow: at step 10 the discovery script starts offering N slots again; a new worker starts,
   and once it has reached `td.init()` the job grows back to N at the next commit.
+
+`--nodes`: each job runs as two `tandem run --nnodes 2` agents on this machine (node 0 with
+N - 1 ranks, node 1 with one): at step 5 node 1's machine vanishes (the benchmark SIGKILLs its
+agent and its rank; node 0 sees the connection close at once) and at step 10 a new agent for
+node 1 joins; JSON to `results/elastic_nodes.json`.
 
 Seconds lost are what rank 0 prints when it resumes ("... resumed from commit C, X s after
 the event"): from the launcher's round (the death it saw, or the new worker being ready) to
@@ -42,7 +48,7 @@ RESUMED = re.compile(r"tandem elastic: world (\d+) -> (\d+) .*resumed from commi
                      r"([\d.]+) s after the event")
 
 
-def worker(out: str, offer: str, params_mb: float, steps: int = 14) -> None:
+def worker(out: str, offer: str, params_mb: float, lose: str | None, steps: int = 14) -> None:
     import torch
 
     import tandem as td
@@ -65,7 +71,12 @@ def worker(out: str, offer: str, params_mb: float, steps: int = 14) -> None:
                     Path(offer).touch()
                 while td.size() < size:  # commits until the joining worker is in
                     state.commit()
-            if state.step == 5 and worker_id == size - 1:
+            if state.step == 5 and lose and td.size() == size:
+                if td.rank() == 0:
+                    Path(lose).touch()  # the benchmark now takes node 1's machine away
+                while td.size() == size:
+                    state.commit()
+            elif state.step == 5 and worker_id == size - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             x = torch.randn(24, width, generator=torch.Generator().manual_seed(state.step))
             optimizer.zero_grad()
@@ -125,31 +136,100 @@ def run_job(ranks: int, params_mb: float, folder: Path) -> dict:
     return row
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL an agent and its ranks (its children): a machine that vanished."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    for victim in [pid, *map(int, children.split())]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for(path: Path, agents: list[subprocess.Popen], deadline_s: float = 120) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not path.exists():
+        if any(agent.poll() is not None for agent in agents) or time.monotonic() > deadline:
+            raise SystemExit(f"the job stopped before it reached {path.name}")
+        time.sleep(0.05)
+
+
+def run_nodes_job(ranks: int, params_mb: float, folder: Path) -> dict:
+    """The same job as two `--nnodes` agents on this machine: node 0 with ranks - 1 ranks and
+    node 1 with one. At step 5 node 1's machine vanishes (its agent and rank SIGKILLed); at
+    step 10 a new agent for node 1 joins."""
+    offer, lose, out = folder / "offer", folder / "lose", folder / "out.json"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+
+    def agent(node: int, np: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
+             "--master", f"127.0.0.1:{port}", "--secret", "bench", "--min-np", "1", "--max-np",
+             str(ranks), "-np", str(np), __file__, "--worker", str(out), "--offer", str(offer),
+             "--lose", str(lose), "--params-mb", str(params_mb)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    node0, node1 = agent(0, ranks - 1), agent(1, 1)
+    _wait_for(lose, [node0, node1])
+    _kill_tree(node1.pid)
+    node1.wait()
+    _wait_for(offer, [node0])
+    node1 = agent(1, 1)
+    try:
+        _, err = node0.communicate(timeout=300)
+        node1.communicate(timeout=60)
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+    if node0.returncode != 0:
+        raise SystemExit(f"the {ranks}-rank job over 2 nodes failed:\n{err[-3000:]}")
+    row = {"ranks": ranks, "nodes": 2, **json.loads(out.read_text())}
+    for before, after, seconds in RESUMED.findall(err):
+        row["shrink_s" if int(after) < int(before) else "grow_s"] = float(seconds)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--params-mb", type=float, default=16.0)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", action="store_true",
+                        help="each job as two --nnodes agents: node 1 vanishes, then rejoins")
     parser.add_argument("--offer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--lose", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.offer, args.params_mb)
+        worker(args.worker, args.offer, args.params_mb, args.lose)
         return
     from tandem.bench.results import write_json
 
     rows = []
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory(prefix="tandem-elastic-bench-") as folder:
-            rows.append(run_job(ranks, args.params_mb, Path(folder)))
+            job = run_nodes_job if args.nodes else run_job
+            rows.append(job(ranks, args.params_mb, Path(folder)))
     print(f"{'ranks':>5} {'shrink':>9} {'grow':>9} {'restore: survivor':>18} {'newcomer':>9} "
           f"{'disk':>9} {'newcomer/disk':>14}   (Gloo, {rows[0]['state_mb']:.0f} MB of model + "
-          f"optimizer state)")
+          f"optimizer state{'; node 1 lost, then rejoined' if args.nodes else ''})")
     for row in rows:
         print(f"{row['ranks']:>5} {row.get('shrink_s', float('nan')):>7.2f} s "
               f"{row.get('grow_s', float('nan')):>7.2f} s {row['survivor_s'] * 1e3:>15.0f} ms "
               f"{row['memory_s'] * 1e3:>6.0f} ms {row['disk_s'] * 1e3:>6.0f} ms "
               f"{row['memory_s'] / row['disk_s']:>14.2f}")
-    out = write_json({"params_mb": args.params_mb, "rows": rows}, "results/elastic.json")
+    name = "results/elastic_nodes.json" if args.nodes else "results/elastic.json"
+    out = write_json({"params_mb": args.params_mb, "nodes": 2 if args.nodes else 1,
+                      "rows": rows}, name)
     print(f"JSON: {out}")
 
 

@@ -1,4 +1,8 @@
-"""Deterministic per-rank data and a NumPy reference, shared by the collective tests."""
+"""Deterministic per-rank data and a NumPy reference, shared by the collective tests; and
+`kill_tree`, a machine vanishing, for the multi-node tests."""
+
+import os
+import signal
 
 import numpy as np
 import torch
@@ -56,3 +60,26 @@ def mismatch(label: str, actual, expected: np.ndarray, dtype: torch.dtype,
                 f"{worst}: {float(got.ravel()[worst])!r} != {float(expected.ravel()[worst])!r} "
                 f"(rtol {tol:g})")
     return None
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (ranks run in sessions of their own): a machine
+    that vanished, as the other agents see it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    doomed, todo = [], [pid]
+    while todo:
+        doomed.append(todo.pop())
+        todo.extend(children.get(doomed[-1], []))
+    for victim in doomed:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

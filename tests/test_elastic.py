@@ -170,7 +170,12 @@ def test_a_rank_that_skips_a_commit_is_named_not_averaged(tmp_path):
     (("-np", "2:3", "--min-np", "2"), "-np 2:3 already gives the range"),
     (("-np", "2", "--min-np", "0"), "--min-np 0: give 1 or more"),
     (("-np", "2:3", "--backend", "mpi"), "an elastic job cannot run on MPI"),
-    (("-np", "2:3", "--max-restarts", "1"), "runs on this machine only, for now"),
+    (("-np", "2:3", "--max-restarts", "1"), "replaces --max-restarts"),
+    (("-np", "2:3", "-H", "localhost:3"), "starts one agent per machine with --nnodes N"),
+    (("--nnodes", "2", "--master", "127.0.0.1:1", "-np", "1:3"),
+     "an elastic job across nodes: give each node's ranks with -np N"),
+    (("--nnodes", "2", "--master", "127.0.0.1:1", "-np", "4", "--max-np", "3"),
+     "-np 4 on this node is more than the job's --max-np 3"),
     (("-np", "2", "--host-discovery-script", "x.sh"), "--host-discovery-script is for elastic"),
     (("-np", "2:3", "--host-discovery-script", "no-such.sh"), "no-such.sh does not exist"),
     (("-np", "2:3", "--host-discovery-script", "README.md"), "is not executable (chmod +x it)"),
@@ -228,3 +233,99 @@ def test_td_elastic_where_the_world_cannot_change_says_so(backend):
         assert "is split (tensor parallel)" in said[4]
         assert "Pipeline is split (pipeline)" in said[5]
         assert "DistributedOptimizer is reduced over" in said[6] and "not the world" in said[6]
+
+
+# --- across nodes: one agent per machine (localhost agents, as tests/test_multinode.py) -------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _node(rank: int, port: int, np: int, *args: str) -> subprocess.Popen:
+    """`tandem run --nnodes 2` agent `rank` of an elastic job of 2 to 3 ranks."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(rank),
+         "--master", f"127.0.0.1:{port}", "--secret", "s3cret", "--min-np", "2", "--max-np", "3",
+         "-np", str(np), *args], cwd=ROOT, env={**_env(), "TANDEM_TIMEOUT": "10"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _appears(path: Path, agents: list[subprocess.Popen], deadline_s: float = SCENARIO_S) -> None:
+    """Wait for rank 0 to create `path` (an event, polled with a deadline: no fixed sleep)."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while not path.exists():
+        finished = [a for a in agents if a.poll() is not None]
+        assert not finished, [a.communicate() for a in finished]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _outcome(agent: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = agent.communicate(timeout=SCENARIO_S)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    return agent.returncode, err
+
+
+def test_a_node_that_vanishes_leaves_the_job_on_the_other_and_equals_one_process(
+        tmp_path, one_process):
+    """3 ranks on 2 machines (2 + 1); node 1's machine vanishes (its agent and rank killed)
+    at step 5: node 0 goes on with 2 ranks, exactly."""
+    from helpers import kill_tree
+
+    port, out, marker = _free_port(), tmp_path / "out.pt", tmp_path / "at-step-5"
+    job = [TRAIN, str(out), "--wait-size", "2:5", "--offer", str(marker)]
+    node0 = _node(0, port, 2, *job)
+    node1 = _node(1, port, 1, *job)
+    _appears(marker, [node0, node1])
+    kill_tree(node1.pid)
+    code, err = _outcome(node0)
+    node1.communicate()
+    assert code == 0, err
+    assert "tandem run: elastic: node 1 (" in err and "joined with 1 slot(s)" in err
+    assert "tandem run: elastic: world 3 -> 2 (round 1): node 1 (" in err
+    assert "is unreachable" in err
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 7
+    assert_same_model(result, one_process["sgd"])
+
+
+def test_a_node_that_joins_mid_job_grows_it_to_3_adam_equals_one_process(tmp_path, one_process):
+    """Node 0 starts alone with 2 ranks; at step 8 node 1's agent joins with one slot: the
+    job grows to 3 at the next commit, exactly."""
+    port, out, marker = _free_port(), tmp_path / "out.pt", tmp_path / "at-step-8"
+    job = [TRAIN, str(out), "--wait-size", "3:8", "--offer", str(marker), "--optimizer", "adam"]
+    node0 = _node(0, port, 2, *job)
+    _appears(marker, [node0])
+    node1 = _node(1, port, 1, *job)
+    code, err = _outcome(node0)
+    code1, err1 = _outcome(node1)
+    assert code == 0, err
+    assert code1 == 0, err1
+    assert "tandem run: elastic: node 1 (" in err and "joined; starting 1 worker(s)" in err
+    assert "tandem run: elastic: world 2 -> 3 (round 1): 1 worker(s) joined" in err
+    result = torch.load(out)
+    assert result["sizes"] == [2] * 8 + [3] * 4
+    assert_same_model(result, one_process["adam"])
+
+
+def test_an_agent_of_a_fixed_job_is_refused_by_an_elastic_node_0(tmp_path):
+    port = _free_port()
+    node0 = _node(0, port, 2, TRAIN, str(tmp_path / "out.pt"))
+    fixed = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", "1", "--master",
+         f"127.0.0.1:{port}", "--secret", "s3cret", "-np", "1", TRAIN, str(tmp_path / "x.pt")],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code1, err1 = _outcome(fixed)
+    code, err = _outcome(node0)
+    assert code1 == 2, err1
+    assert "node 0 runs an elastic job (--min-np/--max-np)" in err1
+    assert code == 0, err  # it went on with its own 2 ranks

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import kill_tree
 from streams import Lines
 
 from tandem.cli import build_parser, main
@@ -202,29 +202,6 @@ def test_two_agents_train_together_and_a_failure_on_one_stops_both():
         assert "[1] failing at" in err  # both summaries carry rank 1's last lines
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (ranks run in sessions of their own): a machine
-    that vanished, as the other agents see it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    doomed, todo = [], [pid]
-    while todo:
-        doomed.append(todo.pop())
-        todo.extend(children.get(doomed[-1], []))
-    for victim in doomed:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.mark.timeout(180)
 def test_a_lost_node_with_restarts_left_is_replaced_by_an_agent_started_by_hand(tmp_path):
     """--nnodes with --max-restarts: node 1's machine vanishes mid-training; node 0 waits for an
@@ -247,7 +224,7 @@ def test_a_lost_node_with_restarts_left_is_replaced_by_an_agent_started_by_hand(
     agents = [node0, node1]
     try:
         assert lines.wait_for("[0] step 3"), errors.text()
-        _kill_tree(node1.pid)
+        kill_tree(node1.pid)
         assert errors.wait_for("for an agent to take node 1's place"), errors.text()
         wrong = _agent(1, port, "-np", "2", *args, env=env)  # the later -np wins: 2 ranks
         agents.append(wrong)
@@ -262,7 +239,7 @@ def test_a_lost_node_with_restarts_left_is_replaced_by_an_agent_started_by_hand(
     finally:
         for agent in agents:
             if agent.poll() is None:
-                _kill_tree(agent.pid)
+                kill_tree(agent.pid)
                 agent.wait(10)
     stderr = errors.text()
     assert node0.returncode == 0 and code1 == 0, stderr + err1

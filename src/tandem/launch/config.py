@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from tandem.launch.elastic_options import elastic_problem
 from tandem.launch.hosts import Host, check_unique, parse_hosts, read_hostfile, total_slots
 from tandem.launch.programs import file_problem, is_command, shape_problem
 from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
@@ -114,10 +115,11 @@ OPTIONS: tuple[Option, ...] = (
            "an elastic job: when ranks fail it goes on with the others, down to A ranks "
            "(td.elastic.run restores the last State.commit()); below A it ends"),
     Option("max_np", ("--max-np",), _integer, "B",
-           "an elastic job: it grows up to B ranks when --host-discovery-script offers slots"),
+           "an elastic job: it grows up to B ranks when --host-discovery-script offers slots "
+           "or another node's agent joins (with --nnodes, -np N is each node's slots)"),
     Option("discovery", ("--host-discovery-script",), str, "SCRIPT",
-           "an elastic job: a program printing `host:slots` lines, run every second; more "
-           "slots than ranks make the job grow (this machine's hosts only, for now)"),
+           "an elastic job on one machine: a program printing `host:slots` lines, run every "
+           "second; more slots than ranks make the job grow"),
     Option("backend", ("--backend",), _backend, "NAME",
            f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs; else mpi "
            "when mpi4py and mpiexec are installed and the job is local without restarts (no "
@@ -236,34 +238,9 @@ class LaunchConfig:
             )
 
     def _check_elastic(self) -> None:
-        if not self.elastic:
-            if self.discovery is not None:
-                raise LaunchError("--host-discovery-script is for elastic jobs: give --min-np A "
-                                  "--max-np B (or -np A:B) too")
-            return
-        low, high = self.min_np, self.max_np
-        for flag, value in (("--min-np", low), ("--max-np", high)):
-            if value is not None and value < 1:
-                raise LaunchError(f"{flag} {value}: give 1 or more")
-        if low is not None and high is not None and low > high:
-            raise LaunchError(f"--min-np {low} is larger than --max-np {high}: the job could "
-                              f"never have a size; give --min-np <= --max-np")
-        if not (low or 1) <= self.np <= (high or self.np):
-            raise LaunchError(f"-np {self.np} is outside --min-np {low} .. --max-np {high}: the "
-                              "job starts with -np ranks, so give a number in the range")
-        script = self.discovery
-        if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
-            why = "is not executable (chmod +x it)" if os.path.isfile(script) else "does not exist"
-            raise LaunchError(f"--host-discovery-script {script} {why}: it must be a program "
-                              "that prints `host:slots` lines")
-        if self.backend == "mpi":
-            raise LaunchError("an elastic job cannot run on MPI: an MPI world is fixed once "
-                              "mpiexec started it. Use --backend gloo (or nccl), or a fixed "
-                              "-np with --max-restarts")
-        if self.max_restarts or self.nnodes > 1 or self.hosts:
-            raise LaunchError("an elastic job (--min-np/--max-np) runs on this machine only, "
-                              "for now: drop -H/--hostfile/--nnodes/--max-restarts, or drop "
-                              "--min-np/--max-np for a multi-node job that restarts as a whole")
+        problem = elastic_problem(self)
+        if problem is not None:
+            raise LaunchError(problem)
 
     @property
     def remote_hosts(self) -> tuple[Host, ...]:
@@ -325,6 +302,10 @@ def config_from_args(
         raise LaunchError(str(error)) from None
 
     np, min_np, max_np = values["np"], values["min_np"], values["max_np"]
+    if (values["nnodes"] or 1) > 1 and (isinstance(np, tuple) or np is None) \
+            and (min_np is not None or max_np is not None or isinstance(np, tuple)):
+        raise LaunchError("an elastic job across nodes: give each node's ranks with -np N and "
+                          "the job's range of ranks with --min-np A --max-np B")
     if isinstance(np, tuple):
         if min_np is not None or max_np is not None:
             raise LaunchError(f"-np {np[0]}:{np[1]} already gives the range: drop --min-np "

@@ -53,6 +53,40 @@ def lost_after(config: LaunchConfig) -> float:
     return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
 
 
+def unwrap_hello(hello) -> dict:
+    """An agent's first message, ("hello", {...}) or the dict itself; {} when it is neither."""
+    if isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello":
+        hello = hello[1]
+    return hello if isinstance(hello, dict) else {}
+
+
+def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool) -> str | None:
+    """Why node 0 turns an authenticated agent away, or None to let it in."""
+    node = hello.get("node_rank")
+    if not isinstance(node, int) or not 0 <= node < nnodes:
+        return f"node rank {node!r} is out of range: this job has nodes 0..{nnodes - 1}"
+    if hello.get("nnodes") != nnodes:
+        return (f"it says the job has {hello.get('nnodes')} nodes, node 0 says {nnodes}: give "
+                "every node the same --nnodes")
+    if bool(hello.get("elastic", False)) != elastic:
+        return ("node 0 runs an elastic job (--min-np/--max-np): give every node the same "
+                "--min-np/--max-np" if elastic else "node 0 runs a job of a fixed size: drop "
+                "--min-np/--max-np here, or give them to node 0 too")
+    if node in joined:
+        return f"node {node} has joined already (two agents with the same --node-rank?)"
+    return None
+
+
+def refuse(conn, reason: str, where: str, output) -> None:
+    """Tell an agent why it is turned away (it prints that and exits 2), then hang up."""
+    try:
+        conn.send(("refused", {"reason": reason}))
+    except OSError:
+        pass
+    conn.close()
+    output.message(f"tandem run: refused the agent from {where}: {reason}")
+
+
 class Coordinator(Agent):
     """Node 0: the store, the control plane, the attempts; its own ranks if it has any."""
 
@@ -248,27 +282,14 @@ class Coordinator(Agent):
         return None
 
     def _admit(self, conn, hello, where: str) -> None:
-        if isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello":
-            hello = hello[1]
-        node = hello.get("node_rank") if isinstance(hello, dict) else None
-        reason = None
-        if not isinstance(node, int) or not 0 <= node < self.nnodes:
-            reason = f"node rank {node!r} is out of range: this job has nodes 0..{self.nnodes - 1}"
-        elif hello.get("nnodes") != self.nnodes:
-            reason = (f"it says the job has {hello.get('nnodes')} nodes, node 0 says "
-                      f"{self.nnodes}: give every node the same --nnodes")
-        elif node in self.nprocs:
-            reason = f"node {node} has joined already (two agents with the same --node-rank?)"
-        elif node in self.replacing and hello.get("nproc") != self.replacing[node]:
+        hello = unwrap_hello(hello)
+        node = hello.get("node_rank")
+        reason = refusal(hello, self.nnodes, set(self.nprocs), elastic=False)
+        if reason is None and node in self.replacing and hello.get("nproc") != self.replacing[node]:
             reason = (f"it would run {hello.get('nproc')} rank(s) in place of node {node}, "
                       f"which ran {self.replacing[node]}: give it -np {self.replacing[node]}")
         if reason is not None:
-            try:
-                conn.send(("refused", {"reason": reason}))
-            except OSError:
-                pass
-            conn.close()
-            self.output.message(f"tandem run: refused the agent from {where}: {reason}")
+            refuse(conn, reason, where, self.output)
             return
         peer = Peer(conn, node, self.events, lost_after(self.config))
         self.peers[node] = peer

@@ -15,21 +15,31 @@ the life of its process. Who forms the world is a *round* on the store
 
 Every transition is one line: the old and new world and why. A rank that exits 0 means the
 job is finishing: no round changes after that, and a failure then ends the job.
+
+Across machines (`--nnodes`), this agent is node 0: the workers of the other nodes' agents
+(`elastic_nodes`) are in its rounds too, their exits come as messages, a lost node takes its
+workers with it in one round, and a node that joins grows the job like a discovered slot.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import TextIO
 
 from tandem import rendezvous
-from tandem.launch.config import LaunchConfig, StartError
+from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.control import new_secret
+from tandem.launch.coordinator import REMOTE_STOP_S
+from tandem.launch.elastic_nodes import ElasticMember, ElasticRanks, Node, Nodes
+from tandem.launch.multinode import gloo_interface, listen_address, read_secret
 from tandem.launch.output import block_agent_signals, signals_blocked
-from tandem.launch.processes import describe, start_failure_code, start_ranks
-from tandem.launch.ranks import MASTER_ADDR, LocalRanks, Placement, rank_command, rank_environment
+from tandem.launch.processes import describe
+from tandem.launch.ranks import MASTER_ADDR
 from tandem.launch.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
 from tandem.rendezvous.elastic_rounds import Round, publish, ready_key, report_death
 from tandem.settings import DEFAULT_TIMEOUT_S
@@ -38,72 +48,70 @@ DISCOVERY_S = 1.0  # how often --host-discovery-script runs
 DISCOVERY_TIMEOUT_S = 10.0  # a discovery script that takes longer is killed and reported
 
 
-class ElasticRanks(LocalRanks):
-    """The workers of an elastic job: started in groups, whenever a round adds some; the
-    output and the events name each by its worker id (its rank when the job started)."""
-
-    def start_workers(self, workers: list[int], first_rank: int, size: int, number: int,
-                      store: rendezvous.StoreServer) -> None:
-        """Start `workers` as ranks `first_rank`, ... of a world of `size`, for round `number`
-        (-1: a round that will add them, once they are ready). `td.init()` reads its place
-        from the store's current round anyway; these are where it starts from."""
-        self.store_port = store.port
-        placement = Placement(attempt=0, offset=first_rank, world=size,
-                              store=(MASTER_ADDR, store.port), store_key=store.key)
-        low, high = self.config.min_np or 1, self.config.max_np or self.config.np
-        envs = []
-        for local, worker in enumerate(workers):
-            env = rank_environment(self.config, local, placement, os.environ, size)
-            env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
-                       TANDEM_ELASTIC_RANGE=f"{low}:{high}")
-            envs.append(env)
-        command = rank_command(self.config)
-        try:
-            processes = start_ranks(command, envs)
-        except OSError as error:
-            raise StartError(f"could not start {command[0]}: {error.strerror or error}",
-                             code=start_failure_code(error)) from None
-        for worker, proc in zip(workers, processes, strict=True):
-            self.watch(worker, proc.pid, proc.stdout, proc.stderr, proc.wait)
-
-
 class ElasticJob(Agent):
-    """One machine's elastic job; `run()` returns its exit code."""
+    """Node 0 of an elastic job (the only node, on one machine); `run()` returns its exit code."""
 
-    def __init__(self, config: LaunchConfig, stdout: TextIO | None = None,
-                 stderr: TextIO | None = None) -> None:
+    def __init__(self, config: LaunchConfig, secret: str | None = None,
+                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
         super().__init__(config, ranks=ElasticRanks, stdout=stdout, stderr=stderr)
         self.low, self.high = config.min_np or 1, config.max_np or config.np
+        self.nodes = Nodes(config, self.events, self.output, secret)
         self.store: rendezvous.StoreServer | None = None
+        self.store_address: tuple[str, int] = (MASTER_ADDR, 0)  # what the workers are told
+        self.gloo_interface: str | None = None
         self.round: Round | None = None
         self.next_worker = 0
         self.pending: set[int] = set()  # started, not yet in a round (`grow`, `admit`)
         self._stop_discovery = threading.Event()
 
+    def close(self) -> None:
+        super().close()
+        self.nodes.close()
+        if self.store is not None:
+            self.store.close()
+
+    def _open(self) -> None:
+        """The store (and, across nodes, the control plane) the job lives on."""
+        if not self.nodes.several:
+            with signals_blocked():  # the store's threads leave our signals to this one
+                self.store = rendezvous.StoreServer(MASTER_ADDR, 0)
+            self.store_address = (MASTER_ADDR, self.store.port)
+            return
+        host, port = self.config.master
+        listen = listen_address(self.config.master, self.config.nnodes)
+        key = rendezvous.store_key(self.nodes.secret)
+        with signals_blocked():
+            self.store = rendezvous.StoreServer(
+                listen, port, key, lambda where, why: self.events.put(("rejected", where, why)))
+        self.store_address = (host, self.store.port)
+        self.gloo_interface = gloo_interface(host)
+        self.nodes.open(self.store, listen)
+
     def _run(self) -> int:
-        with signals_blocked():  # the store's threads leave our signals to this one
-            self.store = rendezvous.StoreServer(MASTER_ADDR, 0)
+        self._open()
         try:
-            self.start(self.config.np)
-            if self.config.discovery is not None:
-                with signals_blocked():
-                    threading.Thread(target=self._discover, name="tandem-discovery",
-                                     daemon=True).start()
-            failure = _ElasticWatch(self).run()
+            failure = self.nodes.gather(self.config.timeout or DEFAULT_TIMEOUT_S)
+            if failure is None:
+                self.start()
+                if self.config.discovery is not None:
+                    with signals_blocked():
+                        threading.Thread(target=self._discover, name="tandem-discovery",
+                                         daemon=True).start()
+                failure = _ElasticWatch(self).run()
         finally:
             self._stop_discovery.set()
             self.ranks.reap()
-            self.store.close()
         self.output.join(DRAIN_S)
-        if failure is None:
-            return 0
-        if failure.interrupt is not None:
-            return failure.code
-        tail = tuple(self.output.tail(failure.rank)) if failure.rank is not None else ()
-        failure = Failure(rank=failure.rank, pid=failure.pid, returncode=failure.returncode,
-                          tail=tail)
-        self.output.message(summary(failure))
-        return failure.code
+        text = None
+        if failure is not None and failure.interrupt is None:
+            if failure.node in (None, 0) and failure.rank is not None:
+                failure = dataclasses.replace(failure,
+                                              tail=tuple(self.output.tail(failure.rank)))
+            text = summary(failure)
+            self.output.message(text)
+        code = 0 if failure is None else failure.code
+        self.nodes.finish(code, text)
+        return code
 
     # -- rounds ----------------------------------------------------------------------------
     def publish(self, workers: list[int], why: str, since: float) -> Round:
@@ -116,20 +124,41 @@ class ElasticJob(Agent):
                                 f"(round {number}): {why}")
         return self.round
 
-    def start(self, count: int) -> None:
-        """The job's first workers: round 0."""
-        workers = list(range(count))
-        self.next_worker = count
-        self.publish(workers, "start", time.time())
-        self.ranks.start_workers(workers, 0, count, 0, self.store)
-
-    def grow(self, count: int) -> None:
-        """Start `count` new workers; their round is formed once they are ready (`admit`)."""
-        new = list(range(self.next_worker, self.next_worker + count))
+    def _place(self, node: Node, count: int, first_rank: int, size: int, number: int) -> list[int]:
+        """Start `count` new workers on `node` as ranks `first_rank`, ...; their ids."""
+        workers = list(range(self.next_worker, self.next_worker + count))
         self.next_worker += count
+        slots = node.free_slots(count)
+        node.workers.update(zip(workers, slots, strict=True))
+        if node.peer is None:
+            self.ranks.start_workers(workers, slots, first_rank, size, number,
+                                     self.store_address, self.store.key, self.gloo_interface)
+        else:
+            self.nodes.send(node, ("workers", {
+                "workers": workers, "slots": slots, "first_rank": first_rank, "size": size,
+                "round": number, "store": self.store_address}))
+        return workers
+
+    def start(self) -> None:
+        """The job's first workers, on the nodes there now (node 0's first): round 0."""
+        counts, left = {}, self.high
+        for number in sorted(self.nodes.nodes):
+            counts[number] = min(self.nodes.nodes[number].slots, left)
+            left -= counts[number]
+        size = sum(counts.values())
+        self.publish(list(range(size)), "start", time.time())
+        first = 0
+        for number, count in counts.items():
+            if count:
+                self._place(self.nodes.nodes[number], count, first, size, 0)
+                first += count
+
+    def grow(self, node: Node, count: int) -> None:
+        """Start `count` new workers on `node`; their round is formed once they are ready
+        (`admit`)."""
+        first = len(self.nodes.live())
+        new = self._place(node, count, first, first + count, -1)
         self.pending.update(new)
-        first = len(self.ranks.live)
-        self.ranks.start_workers(new, first, first + count, -1, self.store)
         keys = [ready_key(worker) for worker in new]
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
 
@@ -142,21 +171,25 @@ class ElasticJob(Agent):
 
     def admit(self, workers: tuple[int, ...], why: str) -> None:
         """The new workers reached td.init(): the round that adds those still alive."""
-        joining = [w for w in workers if w in self.pending and w in self.ranks.live]
+        live = self.nodes.live()
+        joining = [w for w in workers if w in self.pending and w in live]
         self.pending.difference_update(workers)
         if joining:
-            staying = [w for w in self.round.workers if w in self.ranks.live]
+            staying = [w for w in self.round.workers if w in live]
             self.publish(staying + joining, why, time.time())
 
-    def shrink(self, worker: int, returncode: int) -> Round | None:
-        """The round without `worker`; None when too few would be left."""
-        rank = self.round.rank_of(worker)
-        report_death(self.store, self.round.number, rank, describe(returncode))
-        staying = [w for w in self.round.workers if w in self.ranks.live]
+    def shrink(self, gone: dict[int, str], why: str) -> Round | None:
+        """The round without the `gone` workers (worker -> how it went, "exit code 9"); None
+        when too few would be left."""
+        for worker, how in gone.items():
+            rank = self.round.rank_of(worker)
+            if rank is not None:
+                report_death(self.store, self.round.number, rank, how)
+        live = self.nodes.live()
+        staying = [w for w in self.round.workers if w in live]
         if len(staying) < self.low:
             return None
-        return self.publish(staying, f"rank {rank} (worker {worker}) {describe(returncode)}",
-                            time.time())
+        return self.publish(staying, why, time.time())
 
     # -- discovery -------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -190,19 +223,38 @@ def discover(script: str) -> tuple[int | None, str | None]:
 
 
 class _ElasticWatch(Supervisor):
-    """The supervisor's loop, where a failed rank shrinks the job instead of ending it."""
+    """The supervisor's loop, where a failed rank shrinks the job instead of ending it, and,
+    across nodes, the other agents' reports, arrivals and losses."""
 
     def __init__(self, job: ElasticJob) -> None:
         super().__init__(job.ranks, job.events, job.output)
         self.job = job
-        self.failed: set[int] = set()
+        self.finished: set[int] = set()  # workers that exited 0
+        if job.nodes.several:
+            self.kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
 
     def finishing(self) -> bool:
         """A worker exited 0: the job is at its end."""
-        return bool(set(self.ranks.pids) - self.ranks.live - self.failed)
+        return bool(self.finished)
+
+    def others_running(self) -> bool:
+        return bool(self.job.nodes.remote_live())
+
+    def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
+        if not self.stopping:
+            self.job.nodes.tell_all(("stop", {}))
+        super().stop(failure, signum)
+
+    def rank_finished(self, worker: int) -> None:
+        self.job.nodes.gone(worker)
+        self.finished.add(worker)
 
     def rank_exited(self, worker: int, returncode: int) -> None:
-        self.failed.add(worker)
+        self.job.nodes.gone(worker)
+        self.failed(worker, returncode, self.rank_failure(worker, returncode))
+
+    def failed(self, worker: int, returncode: int, failure: Failure) -> None:
+        """Worker `worker` (here or on another node) exited `returncode` != 0."""
         if self.failure is not None:
             return
         if worker in self.job.pending:  # never joined a round: the others did not miss it
@@ -210,27 +262,98 @@ class _ElasticWatch(Supervisor):
             self.output.message(f"tandem run: elastic: new worker {worker} "
                                 f"{describe(returncode)} before it joined; the job goes on")
             return
-        if not self.finishing() and self.job.shrink(worker, returncode) is not None:
+        rank = self.job.round.rank_of(worker)
+        why = f"rank {rank} (worker {worker}{self._where(failure)}) {describe(returncode)}"
+        if not self.finishing() and self.job.shrink({worker: describe(returncode)}, why):
             return
-        left = len(self.ranks.live)
+        self.end(f"worker {worker} {describe(returncode)}", failure)
+
+    def end(self, what: str, failure: Failure) -> None:
+        """Stop the whole job: too few workers left, or the job was finishing."""
+        left = len(self.job.nodes.live())
         why = (f"{left} rank(s) left, below --min-np {self.job.low}" if not self.finishing()
                else "the job was finishing")
-        self.output.message(f"tandem run: worker {worker} {describe(returncode)}; {why}: "
-                            f"stopping the job")
-        self.stop(self.rank_failure(worker, returncode))
+        self.output.message(f"tandem run: {what}; {why}: stopping the job")
+        self.stop(failure)
+
+    def _where(self, failure: Failure) -> str:
+        return f" on node {failure.node}" if failure.node else ""
 
     def other(self, event: tuple) -> None:
-        if self.stopping or self.finishing():
+        kind = event[0]
+        if kind == "message":
+            self._message(event[1], *event[2])
+        elif kind == "lost":
+            self._lost(event[1], event[2])
+        elif kind == "joined":
+            node = self.job.nodes.admit(*event[1:])
+            if node is not None and not (self.stopping or self.finishing()):
+                self._grow(node, f"node {node.number} ({node.host}) joined")
+        elif kind == "rejected":
+            self.output.message(f"tandem run: rejected an agent from {event[1]}: {event[2]}")
+        elif self.stopping or self.finishing():
             return
-        if event[0] == "ready":
+        elif kind == "ready":
             self.job.admit(event[1], f"{len(event[1])} worker(s) joined")
-        elif event[0] == "slots" and not self.job.pending:
-            missing = min(self.job.high, event[1]) - len(self.ranks.live)
-            if missing > 0:
-                self.output.message(f"tandem run: elastic: the discovery script offers "
-                                    f"{event[1]} slot(s); starting {missing} worker(s)")
-                self.job.grow(missing)
+        elif kind == "slots" and not self.job.pending:
+            self.job.nodes.nodes[0].slots = event[1]
+            self._grow(self.job.nodes.nodes[0],
+                       f"the discovery script offers {event[1]} slot(s)")
+
+    def _grow(self, node: Node, why: str) -> None:
+        count = min(self.job.high - len(self.job.nodes.live()), node.capacity())
+        if count > 0:
+            self.output.message(f"tandem run: elastic: {why}; starting {count} worker(s)")
+            self.job.grow(node, count)
+
+    def _message(self, number: int, kind: str, body: dict) -> None:
+        if kind != "exit":
+            return
+        worker, returncode = int(body["worker"]), int(body["returncode"])
+        node = self.job.nodes.gone(worker)
+        if returncode == 0:
+            self.finished.add(worker)
+            return
+        host = node.host if node is not None else "?"
+        self.failed(worker, returncode, Failure(
+            node=number, host=host, rank=worker, pid=body.get("pid"), returncode=returncode,
+            tail=tuple(body.get("tail") or ())))
+
+    def _lost(self, number: int, reason: str) -> None:
+        """Node `number`'s agent went away or silent: its workers are lost with it."""
+        node, workers = self.job.nodes.lost(number)
+        if node is None or self.stopping or self.finishing():
+            return
+        self.job.pending.difference_update(workers)
+        how = f"was lost with node {number} ({node.host})"
+        why = f"node {number} ({node.host}) is unreachable: {reason}"
+        in_round = {w: how for w in workers if self.job.round.rank_of(w) is not None}
+        if not in_round:
+            self.output.message(f"tandem run: elastic: {why}; none of its workers had joined")
+            return
+        if self.job.shrink(in_round, why):
+            return
+        ranks = sorted(self.job.round.rank_of(w) for w in in_round)
+        self.end(f"node {number} ({node.host}) is unreachable", Failure(
+            node=number, host=node.host, lost=reason, ranks=(ranks[0], ranks[-1])))
 
 
 def launch(config: LaunchConfig) -> int:
-    return ElasticJob(config).run()
+    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`)."""
+    if config.nnodes == 1:
+        return ElasticJob(config).run()
+    try:
+        secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
+        if config.node_rank == 0:
+            if secret is None:
+                secret = new_secret()
+                print(f"tandem run: no --secret given: this job's secret is {secret}; start the "
+                      f"other nodes with --secret {secret} (or TANDEM_SECRET={secret})",
+                      file=sys.stderr, flush=True)
+            return ElasticJob(config, secret).run()
+        if secret is None:
+            raise LaunchError(f"node {config.node_rank} needs the job's secret: pass --secret S "
+                              "(or set TANDEM_SECRET) with the value node 0 printed or was given")
+        return ElasticMember(config, secret, gloo_interface(config.master[0])).run()
+    except rendezvous.PortInUseError as error:
+        raise LaunchError(str(error)) from None

@@ -144,7 +144,8 @@ class Member(Agent):
             self.say(f"node 0 is unreachable: {error}")
             return 1
         conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
-                             "nproc": self.config.np, "host": socket.gethostname()}))
+                             "nproc": self.config.np, "host": socket.gethostname(),
+                             "elastic": self.config.elastic}))
         self.peer = control.Peer(conn, 0, self.events, lost_after(self.config))
         self.peer.start()
         return None

@@ -107,21 +107,24 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, 
 
 
 def rank_environment(config: LaunchConfig, local: int, placement: Placement,
-                     base: Mapping[str, str], nproc: int | None = None) -> dict[str, str]:
+                     base: Mapping[str, str], nproc: int | None = None,
+                     rank: int | None = None) -> dict[str, str]:
     """The environment of this node's rank `local` (of `nproc`, default `config.np`):
-    `job_environment` plus its place in the job."""
+    `job_environment` plus its place in the job: global rank `rank`, by default the node's
+    offset + `local` (an elastic job's new worker takes a free local slot instead)."""
     env = job_environment(config, base)
     host, port = placement.store
+    rank = placement.offset + local if rank is None else rank
     env.update(tandem_variables(
-        rank=placement.offset + local, size=placement.world, local_rank=local,
+        rank=rank, size=placement.world, local_rank=local,
         local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
         backend=config.backend, store_key=placement.store_key,
     ))
-    env.update(horovod_variables(rank=placement.offset + local, size=placement.world,
+    env.update(horovod_variables(rank=rank, size=placement.world,
                                  local_rank=local, local_size=nproc or config.np))
     if placement.torch_port is not None:
         env.update(torchrun_variables(
-            rank=placement.offset + local, size=placement.world, local_rank=local,
+            rank=rank, size=placement.world, local_rank=local,
             local_size=nproc or config.np, node=placement.node, nodes=placement.nodes,
             master_addr=host, master_port=placement.torch_port, run_id=placement.run_id,
             restart=placement.attempt, max_restarts=config.max_restarts))

@@ -117,8 +117,9 @@ def signals_to(events: queue.SimpleQueue):
 class Supervisor:
     """One attempt's watch over this machine's ranks; `run()` returns its first failure.
 
-    The hooks (`rank_exited`, `interrupted`, `other`, `others_running`, `give_up`) are where
-    node 0 and the other nodes of a multi-node job add their conversation with each other.
+    The hooks (`rank_exited`, `rank_finished`, `interrupted`, `other`, `others_running`,
+    `give_up`) are where node 0 and the other nodes of a multi-node job add their conversation
+    with each other.
     """
 
     kill_wait = KILL_WAIT_S  # after SIGKILL, how long to wait before giving up
@@ -151,6 +152,8 @@ class Supervisor:
                 self.ranks.exited(rank)
                 if returncode != 0:
                     self.rank_exited(rank, returncode)
+                else:
+                    self.rank_finished(rank)
             elif event[0] == "signal":
                 if not self.stopping:
                     self.interrupted(event[1])
@@ -191,6 +194,9 @@ class Supervisor:
                 self.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
                                     f"stopping the other {len(self.ranks.live)} rank(s)")
             self.stop(self.rank_failure(rank, returncode))
+
+    def rank_finished(self, rank: int) -> None:
+        """A rank exited 0 (an elastic job's agents tell node 0; nothing to do otherwise)."""
 
     def interrupted(self, signum: int) -> None:
         startup = bool(self.ranks.live) and self.ranks.starting() == self.ranks.live
