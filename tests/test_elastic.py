@@ -130,6 +130,52 @@ def test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly_
     assert_same_model(result, one_process["sgd"])
 
 
+def test_zero_optimizer_state_is_resharded_in_memory_when_the_job_grows_2_to_3(
+        tmp_path, one_process):
+    """td.ZeroOptimizer's shards (Adam's moments, 1/N per rank) are cut again for 3 ranks from
+    the 2 that hold them: no file is read, and the result is the one process's."""
+    out, offered = tmp_path / "out.pt", tmp_path / "offered"
+    discovery = tmp_path / "slots.sh"
+    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
+                         f"else echo localhost:2; fi\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    done = tandem_run("-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                      str(discovery), TRAIN, str(out), "--zero", "--optimizer", "adam",
+                      "--wait-size", "3:8", "--offer", str(offered))
+    assert done.returncode == 0, done.stderr
+    assert "world 2 -> 3 (round 1): 1 worker(s) joined" in done.stderr
+    assert "checkpoint" not in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [2] * 8 + [3] * 4
+    assert_same_model(result, one_process["adam"])
+
+
+def test_zero_optimizer_state_lost_with_a_rank_comes_from_the_checkpointer(
+        tmp_path, one_process):
+    """A dead rank takes its ZeroOptimizer shard with it: the job goes on from the
+    checkpointer's newest checkpoint (every 4 commits), resharded for 2, exactly."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out), "--zero",
+                      "--die", "2:5", "--checkpoint", str(tmp_path / "ckpt"))
+    assert done.returncode == 0, done.stderr
+    assert "the ZeroOptimizer state of flat elements [" in done.stderr
+    assert "left with the lost rank(s): going on from the checkpointer's newest checkpoint" \
+        in done.stderr
+    result = torch.load(out)
+    assert result["sizes"][-7:] == [2] * 7 and set(result["sizes"][:5]) <= {2, 3}
+    assert_same_model(result, one_process["sgd"])
+
+
+def test_zero_optimizer_state_lost_without_a_checkpointer_is_named(tmp_path):
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN,
+                      str(tmp_path / "out.pt"), "--zero", "--die", "2:5")
+    assert done.returncode != 0
+    assert "td.elastic: the ZeroOptimizer state of flat elements [" in done.stderr
+    assert "was held only by the rank(s) that left" in done.stderr
+    assert "checkpointer=td.Checkpointer(dir, every=N)" in done.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size(
         tmp_path, one_process):
     """A job of 2 stops after 8 steps; a new job of 3 on the same directory holds no commit in
@@ -208,8 +254,7 @@ def refusals() -> list[str]:
             torch.optim.SGD(layers.parameters(), lr=0.1), group=group))
 
     for attempt in (lambda: train(state),
-                    lambda: td.elastic.State(optimizer=td.ZeroOptimizer(
-                        torch.optim.SGD(model.parameters(), lr=0.1))),
+                    lambda: td.elastic.State(model=td.fully_shard(torch.nn.Linear(4, 2))),
                     lambda: td.elastic.local_rows(9),
                     lambda: train(object()),
                     lambda: split("tp"), lambda: split("pipeline"), lambda: split("group")):
@@ -226,8 +271,7 @@ def test_td_elastic_where_the_world_cannot_change_says_so(backend):
         assert len(said) == 7, said
         assert "td.elastic.run needs a launcher that can resize the job" in said[0]
         assert "tandem run --min-np A --max-np B" in said[0]
-        assert "ZeroOptimizer is sharded (ZeroOptimizer): its ranks hold different parts" \
-            in said[1]
+        assert "Linear is split (fully_shard): its ranks hold different parts" in said[1]
         assert "9 rows do not split evenly over 2 ranks" in said[2]
         assert "takes a td.elastic.State first, got object" in said[3]
         assert "is split (tensor parallel)" in said[4]

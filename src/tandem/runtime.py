@@ -193,6 +193,13 @@ def _start(job: JobEnvironment, backend: str | None, timeout: float | None, debu
     return world
 
 
+def joins_running_job() -> bool:
+    """Whether this process was started to join an elastic job already running (a newcomer,
+    `tandem.elastic`): the collectives of its set-up meet nobody, and are skipped."""
+    elastic = state().job.elastic
+    return elastic is not None and elastic.newcomer
+
+
 def elastic_membership(job: JobEnvironment, timeout: float) -> JobEnvironment:
     """`job` as the elastic job's current round places it: the launcher may have replaced the
     round this process was started for (a rank failed, others joined) before it got here."""

@@ -19,6 +19,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --skip-commit W:S  worker W does not commit after step S (the others' commit is named)
   --horovod          the same job written against `tandem.horovod` (hvd.elastic)
   --ddp              the model wrapped in td.DistributedDataParallel, a plain torch optimizer
+  --zero             td.ZeroOptimizer: the optimizer state sharded, resharded at each change
   --checkpoint DIR   State(checkpointer=td.Checkpointer(DIR, every=4)): the disk fallback
 """
 
@@ -45,6 +46,7 @@ parser.add_argument("--diverge", default=None)
 parser.add_argument("--skip-commit", default=None)
 parser.add_argument("--horovod", action="store_true")
 parser.add_argument("--ddp", action="store_true")
+parser.add_argument("--zero", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 args = parser.parse_args()
 
@@ -67,6 +69,8 @@ if args.horovod:
     optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
 elif args.ddp:
     optimizer = inner
+elif args.zero:
+    optimizer = td.ZeroOptimizer(inner)
 else:
     optimizer = td.DistributedOptimizer(inner)
 net = td.DistributedDataParallel(model) if args.ddp else model

@@ -33,7 +33,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.parallel import splits
+from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.zero import ZeroOptimizer
 from tandem.rendezvous import elastic_rounds
@@ -69,9 +69,10 @@ class State:
                 raise ValueError(
                     f"td.elastic.State: {type(owner).__name__} is {split}: its ranks hold "
                     f"different parts, so a rank that dies takes its part with it and no rank can "
-                    f"send a newcomer the whole. Use a replicated layout over the world "
-                    f"(td.DistributedOptimizer, td.DistributedDataParallel) in an elastic job, or "
-                    f"a fixed -np with --max-restarts and td.Checkpointer, which reshards on load")
+                    f"send a newcomer the whole. Use a replicated model over the world "
+                    f"(td.DistributedOptimizer, td.DistributedDataParallel, or td.ZeroOptimizer's "
+                    f"shards over the world, resharded at each change) in an elastic job, or a "
+                    f"fixed -np with --max-restarts and td.Checkpointer, which reshards on load")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"td.elastic.State(model=...) takes an nn.Module, got "
                             f"{type(model).__name__}")
@@ -122,18 +123,27 @@ class State:
         if self.model is not None:
             snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                  for k, v in self.model.state_dict().items()}
-        if self.optimizer is not None:
+        if self._sharded:  # this rank's shard: a copy, no communication
+            snapshot["optimizer"] = zero_reshard.shard_state(self.optimizer)
+        elif self.optimizer is not None:
             snapshot["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         return snapshot
 
-    def restore(self) -> None:
-        """Back to the last snapshot (nothing to do before the first)."""
+    @property
+    def _sharded(self) -> bool:
+        return isinstance(self.optimizer, ZeroOptimizer)
+
+    def restore(self, optimizer: bool = True) -> None:
+        """Back to the last snapshot (nothing to do before the first). `optimizer=False`:
+        the model and the extras only (a sharded optimizer after a change of world)."""
         snapshot = self._snapshot
         if snapshot is None:
             return
         if self.model is not None:
             self.model.load_state_dict(snapshot["model"])
-        if self.optimizer is not None:
+        if self._sharded and optimizer:
+            zero_reshard.load_shards(self.optimizer, [snapshot["optimizer"]])
+        elif self.optimizer is not None and optimizer:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         self._extras.clear()
         self._extras.update(copy.deepcopy(snapshot["extras"]))
@@ -173,7 +183,9 @@ class State:
         counts = collectives.allgather(torch.tensor([self._commits], dtype=torch.int64))
         newest, oldest = int(counts.max()), int(counts.min())
         if rollback and self._commits in (newest, 0):  # a rank behind receives it all instead
-            self.restore()
+            self.restore(optimizer=not self._sharded)
+        if self._sharded and newest > 0 and not self._reshard(newest):
+            return
         if newest == oldest > 0:
             return
         if newest == 0:
@@ -181,7 +193,7 @@ class State:
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
         if self.model is not None:
             broadcast_parameters(self.model, root=source)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self._sharded:
             broadcast_optimizer_state(self.optimizer, root=source)
         extras = collectives.broadcast_object(self._extras if runtime.rank() == source else None,
                                               root=source)
@@ -190,6 +202,34 @@ class State:
             self._extras.update(extras)
             self._snapshot = self._take()
             self._commits = newest
+
+    def _reshard(self, newest: int) -> bool:
+        """A ZeroOptimizer's shards of commit `newest`, from the ranks that hold them, cut for
+        this world; True when they cover its whole state. Else, every rank goes on from the
+        checkpointer's newest checkpoint (resharded on load) and this returns False; without
+        one, an error names what was lost. Collective."""
+        mine = self._snapshot["optimizer"] if self._commits == newest else None
+        shards = zero_reshard.gather_shards(mine)
+        holes = zero_reshard.missing(shards, self.optimizer.numel)
+        if not holes:
+            zero_reshard.load_shards(self.optimizer, shards)
+            return True
+        lost = ", ".join(f"[{a}, {b})" for a, b in holes)
+        if self.checkpointer is None:
+            raise RuntimeError(
+                f"td.elastic: the ZeroOptimizer state of flat elements {lost} was held only by "
+                f"the rank(s) that left, so no rank can send it. Give the state a disk "
+                f"fallback, td.elastic.State(..., checkpointer=td.Checkpointer(dir, every=N)): "
+                f"a job with sharded state then goes on from its last checkpoint when a rank "
+                f"is lost (and grows without reading it)")
+        if runtime.rank() == 0:
+            warnings.warn(f"td.elastic: the ZeroOptimizer state of flat elements {lost} left "
+                          f"with the lost rank(s): going on from the checkpointer's newest "
+                          f"checkpoint", stacklevel=3)
+        self._from_checkpoint()
+        self._snapshot = self._take()
+        self._commits = newest
+        return False
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:
@@ -247,10 +287,10 @@ class State:
 def _split_how(owner: Any) -> str | None:
     """How `owner` (a model or an optimizer) is split across ranks, in words; None when every
     rank holds the whole of it (the layout protocol's `splits` registry says)."""
-    if isinstance(owner, ZeroOptimizer):
-        return "sharded (ZeroOptimizer)"
     if getattr(owner, "group", None) is not None:
         return f"reduced over {owner.group!r}, not the world"
+    if isinstance(owner, ZeroOptimizer):
+        return None  # sharded over the world: resharded by `State.sync` (`zero_reshard`)
     params = (owner.parameters() if hasattr(owner, "parameters")
               else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))
     kinds = {splits.kind_of(p) for p in params} - {None}

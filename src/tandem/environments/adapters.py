@@ -27,6 +27,13 @@ class ElasticPlace:
     worker: int
     min_np: int
     max_np: int
+    started_in: int = 0  # the round the launcher started this process for; -1: a later one
+
+    @property
+    def newcomer(self) -> bool:
+        """Started to join a running job: the others do not build the model with it, so its
+        construction must not wait for them."""
+        return self.started_in < 0
 
 
 def meeting_tag(job: JobEnvironment, restart: int, generation: int) -> str:
@@ -127,8 +134,9 @@ def _elastic_place(env: Env) -> ElasticPlace | None:
     if "TANDEM_ELASTIC_ROUND" not in env:
         return None
     low, _, high = env.get("TANDEM_ELASTIC_RANGE", "1:1").partition(":")
-    return ElasticPlace(env_int(env, "TANDEM_ELASTIC_ROUND"), env_int(env, "TANDEM_ELASTIC_WORKER"),
-                        int(low), int(high))
+    started_in = env_int(env, "TANDEM_ELASTIC_ROUND")
+    return ElasticPlace(started_in, env_int(env, "TANDEM_ELASTIC_WORKER"), int(low), int(high),
+                        started_in)
 
 
 def store_key(env: Env) -> str | None:

@@ -64,8 +64,9 @@ class ElasticRanks(LocalRanks):
                               store_key=store_key, gloo_interface=gloo_interface)
         low, high = self.config.min_np or 1, self.config.max_np or self.config.np
         envs = []
+        local_size = max(self.nproc, *(slot + 1 for slot in slots))  # slots offered later
         for index, (worker, slot) in enumerate(zip(workers, slots, strict=True)):
-            env = rank_environment(self.config, slot, placement, os.environ, self.nproc,
+            env = rank_environment(self.config, slot, placement, os.environ, local_size,
                                    rank=first_rank + index)
             env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
                        TANDEM_ELASTIC_RANGE=f"{low}:{high}")

@@ -97,10 +97,6 @@ class ZeroOptimizer:
             if p.requires_grad:  # torch's own clip_grad_norm_ is refused with the fix
                 mark_grads(p, splits.Split(splits.ZERO, group))
         self.group = group
-        self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
-        self._flat: torch.Tensor | None = None
-        self._size = group_size(group)
-        self._rank = group_rank(group)
         self._params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         flat = [p for params in self._params for p in params]
         if not flat:
@@ -114,12 +110,23 @@ class ZeroOptimizer:
             )
         if len({id(p) for p in flat}) != len(flat):
             raise ValueError("a parameter appears twice in the optimizer's param_groups")
-        agree_layout("ZeroOptimizer", describe_tensors(
-            (f"group{g}.param{i}", p) for g, params in enumerate(self._params)
-            for i, p in enumerate(params)), group)
+        if not runtime.joins_running_job():  # whose ranks are not building one with it
+            agree_layout("ZeroOptimizer", describe_tensors(
+                (f"group{g}.param{i}", p) for g, params in enumerate(self._params)
+                for i, p in enumerate(params)), group)
         previous = optimizer.state_dict() if len(optimizer.state) else None
-
         self._dtype, self._device = flat[0].dtype, flat[0].device
+        self._partition()
+        if previous is not None:
+            self.load_state_dict(previous)
+
+    def _partition(self) -> None:
+        """Cut the flat space into this group's shards and point the wrapped optimizer at this
+        rank's; its state starts empty (the caller loads it)."""
+        optimizer = self.optimizer
+        self._size, self._rank = group_size(self.group), group_rank(self.group)
+        self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
+        self._flat: torch.Tensor | None = None
         self._offsets: list[list[int]] = []
         self._group_ranges: list[tuple[int, int]] = []
         offset = 0
@@ -148,9 +155,12 @@ class ZeroOptimizer:
             self._views.append((view, grad))
             self._view_starts.append(a)
             group_dict["params"] = [view]
-        optimizer.state = defaultdict(dict)  # keyed by the old parameters: rebuilt below
-        if previous is not None:
-            self.load_state_dict(previous)
+        optimizer.state = defaultdict(dict)  # keyed by the old parameters or views
+
+    def _tandem_rejoin(self) -> None:
+        """A new world (td.elastic): shards for its size; td.elastic.State then loads this
+        rank's new shard of the committed state, gathered from the ranks that held it."""
+        self._partition()
 
     # -- the optimizer interface -----------------------------------------------------------
     @property

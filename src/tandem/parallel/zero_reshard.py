@@ -1,0 +1,81 @@
+"""A ZeroOptimizer's state moved between world sizes in memory (td.elastic).
+
+A commit keeps this rank's shard only (`shard_state`: a copy, no communication). After a
+change of world the optimizer cuts its flat space for the new size (`_tandem_rejoin`), and
+every rank receives the shards of the newest commit from the ranks that hold them
+(`gather_shards`) and keeps its new part (`load_shards`). When no remaining rank holds some
+part of the flat space (its only holder left the job), `missing` says which: the state can then
+only come from a checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from tandem.comm import collectives
+from tandem.parallel.zero import ZeroOptimizer
+
+
+def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
+    """This rank's part of the state, each group's as a slice of the flat space."""
+    inner = optimizer.optimizer.state_dict()
+    groups = []
+    for g, (view, _) in enumerate(optimizer._views):
+        start = optimizer._lo + optimizer._view_starts[g]
+        state = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                 for k, v in inner["state"].get(g, {}).items()}
+        groups.append((start, view.numel(), state))
+    return {"numel": optimizer.numel,
+            "range": (optimizer._lo, min(optimizer._hi, optimizer.numel)),
+            "groups": groups, "param_groups": copy.deepcopy(inner["param_groups"])}
+
+
+def gather_shards(mine: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Every rank's shard of the newest commit (None from the ranks that hold none)."""
+    return [shard for shard in collectives.allgather_object(mine) if shard is not None]
+
+
+def missing(shards: list[dict[str, Any]], numel: int) -> list[tuple[int, int]]:
+    """The parts [a, b) of the flat space that none of `shards` covers."""
+    holes, reached = [], 0
+    for a, b in sorted(shard["range"] for shard in shards):
+        if a > reached:
+            holes.append((reached, a))
+        reached = max(reached, b)
+    return holes + ([(reached, numel)] if reached < numel else [])
+
+
+def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
+    """Assemble the full state from `shards` (which cover the flat space) and keep this rank's
+    part of it, in the optimizer's current partition."""
+    state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for g, (params, offsets) in enumerate(zip(optimizer._params, optimizer._offsets,
+                                              strict=True)):
+        start, end = optimizer._group_ranges[g]
+        flats: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for shard in shards:
+            at, n, held = shard["groups"][g]
+            for k, v in held.items():
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n and k != "step":
+                    flat = flats.setdefault(k, torch.zeros(end - start, dtype=v.dtype,
+                                                           device=optimizer._device))
+                    flat[at - start: at - start + n].copy_(v)
+                else:
+                    scalars.setdefault(k, v)
+        for p, offset in zip(params, offsets, strict=True):
+            if flats or scalars:
+                entry = {k: copy.deepcopy(v) for k, v in scalars.items()}
+                entry.update({k: flat[offset - start: offset - start + p.numel()].view(p.shape)
+                              for k, flat in flats.items()})
+                state[index] = entry
+            index += 1
+    groups, index = [], 0
+    for group_dict, params in zip(shards[0]["param_groups"], optimizer._params, strict=True):
+        groups.append({**group_dict, "params": list(range(index, index + len(params)))})
+        index += len(params)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
