@@ -176,6 +176,46 @@ def test_zero_optimizer_state_lost_without_a_checkpointer_is_named(tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_a_fully_sharded_model_and_its_adam_state_are_cut_again_when_the_job_grows(
+        tmp_path, one_process):
+    """td.fully_shard (two units) with a plain Adam over the shards: 2 -> 3 ranks, the model
+    from the commit every rank holds, Adam's moments from the two ranks' parts; no file."""
+    out, offered = tmp_path / "out.pt", tmp_path / "offered"
+    discovery = tmp_path / "slots.sh"
+    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
+                         f"else echo localhost:2; fi\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    done = tandem_run("-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                      str(discovery), TRAIN, str(out), "--fsdp", "--optimizer", "adam",
+                      "--wait-size", "3:8", "--offer", str(offered))
+    assert done.returncode == 0, done.stderr
+    assert "world 2 -> 3 (round 1): 1 worker(s) joined" in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [2] * 8 + [3] * 4
+    assert_same_model(result, one_process["adam"])
+
+
+def test_a_fully_sharded_models_optimizer_state_lost_with_a_rank(tmp_path, one_process):
+    """3 -> 2: the lost rank's part of the momentum comes from the checkpointer; without one,
+    what was lost is named."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out), "--fsdp",
+                      "--die", "2:5", "--checkpoint", str(tmp_path / "ckpt"))
+    assert done.returncode == 0, done.stderr
+    assert "the optimizer state of fully_shard's " in done.stderr
+    assert "left with the lost rank(s): going on from the checkpointer's newest checkpoint" \
+        in done.stderr
+    result = torch.load(out)
+    assert result["sizes"][-7:] == [2] * 7
+    assert_same_model(result, one_process["sgd"])
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN,
+                      str(tmp_path / "none.pt"), "--fsdp", "--die", "2:5")
+    assert done.returncode != 0
+    assert "td.elastic: the optimizer state of fully_shard's " in done.stderr
+    assert "unit '0' elements [" in done.stderr
+    assert "was held only by the rank(s) that left" in done.stderr
+
+
 def test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size(
         tmp_path, one_process):
     """A job of 2 stops after 8 steps; a new job of 3 on the same directory holds no commit in
@@ -254,7 +294,8 @@ def refusals() -> list[str]:
             torch.optim.SGD(layers.parameters(), lr=0.1), group=group))
 
     for attempt in (lambda: train(state),
-                    lambda: td.elastic.State(model=td.fully_shard(torch.nn.Linear(4, 2))),
+                    lambda: td.elastic.State(model=td.fully_shard(
+                        torch.nn.Linear(4, 2), group=td.new_group([0, 1]))),
                     lambda: td.elastic.local_rows(9),
                     lambda: train(object()),
                     lambda: split("tp"), lambda: split("pipeline"), lambda: split("group")):

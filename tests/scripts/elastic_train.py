@@ -20,6 +20,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --horovod          the same job written against `tandem.horovod` (hvd.elastic)
   --ddp              the model wrapped in td.DistributedDataParallel, a plain torch optimizer
   --zero             td.ZeroOptimizer: the optimizer state sharded, resharded at each change
+  --fsdp             td.fully_shard (two units), a plain torch optimizer over the shards
   --checkpoint DIR   State(checkpointer=td.Checkpointer(DIR, every=4)): the disk fallback
 """
 
@@ -47,6 +48,7 @@ parser.add_argument("--skip-commit", default=None)
 parser.add_argument("--horovod", action="store_true")
 parser.add_argument("--ddp", action="store_true")
 parser.add_argument("--zero", action="store_true")
+parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 args = parser.parse_args()
 
@@ -61,13 +63,16 @@ else:
 worker = int(os.environ.get("TANDEM_ELASTIC_WORKER", "0"))
 torch.manual_seed(worker)  # every worker starts from another model: the state sync fixes it
 model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+if args.fsdp:  # two units: the first layer, and the root (the rest)
+    td.fully_shard(model[0])
+    td.fully_shard(model)
 if args.optimizer == "adam":
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
 else:
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 if args.horovod:
     optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-elif args.ddp:
+elif args.ddp or args.fsdp:
     optimizer = inner
 elif args.zero:
     optimizer = td.ZeroOptimizer(inner)
@@ -125,7 +130,8 @@ def train(state):
 
 
 train(state)
+params = {k: v.clone() for k, v in model.state_dict().items()}  # collective when sharded
 if td.rank() == 0:
-    torch.save({"params": {k: v.clone() for k, v in model.state_dict().items()},
+    torch.save({"params": params,
                 "sizes": state.sizes, "step": state.step}, args.out)
 td.shutdown()

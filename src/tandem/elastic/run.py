@@ -53,10 +53,8 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
             state._round = runtime.state().job.elastic.round
             try:  # a peer may die while the state is sent too
                 if before is not None:
-                    for wrapper in (state.model, state.optimizer):
-                        if hasattr(wrapper, "_tandem_rejoin"):
-                            wrapper._tandem_rejoin()
-                state.sync(rollback)
+                    state.rejoin_wrappers()
+                state.sync(rollback, changed=before is not None)
                 if before is not None:
                     _say_resumed(state, before)
                     for callback in state._reset_callbacks:

@@ -35,6 +35,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
+from tandem.parallel.fully_shard import resize
 from tandem.parallel.zero import ZeroOptimizer
 from tandem.rendezvous import elastic_rounds
 from tandem.rendezvous.client import StoreClient
@@ -63,8 +64,9 @@ class State:
         if bad:
             raise ValueError(f"td.elastic.State: extra {bad[0]!r} starts with '_': give names "
                              "without it (those are the state's own)")
+        fsdp = isinstance(model, torch.nn.Module) and resize.over_the_world(model)
         for owner in (model, optimizer):
-            split = None if owner is None else _split_how(owner)
+            split = None if owner is None else _split_how(owner, fsdp)
             if split is not None:
                 raise ValueError(
                     f"td.elastic.State: {type(owner).__name__} is {split}: its ranks hold "
@@ -78,6 +80,7 @@ class State:
                             f"{type(model).__name__}")
         d = self.__dict__
         d["model"], d["optimizer"], d["checkpointer"] = model, optimizer, checkpointer
+        d["_fsdp"] = fsdp  # a td.fully_shard model over the world: cut again at each change
         d["_extras"] = dict(extras)
         d["_snapshot"] = None
         d["_commits"] = 0  # snapshots taken: ranks with more hold a newer state
@@ -118,20 +121,38 @@ class State:
         self._snapshot = self._take()
         self._commits += 1
 
-    def _take(self) -> dict[str, Any]:
+    def _take(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A snapshot; `model`: the model's state dict, given (a fully sharded model's
+        `state_dict()` is a collective, which only some ranks would call)."""
         snapshot: dict[str, Any] = {"extras": copy.deepcopy(self._extras)}
-        if self.model is not None:
+        if model is not None:
+            snapshot["model"] = model
+        elif self.model is not None:
             snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                  for k, v in self.model.state_dict().items()}
-        if self._sharded:  # this rank's shard: a copy, no communication
+        if isinstance(self.optimizer, ZeroOptimizer):  # this rank's shard: a copy
             snapshot["optimizer"] = zero_reshard.shard_state(self.optimizer)
+        elif self._sharded:
+            snapshot["optimizer"] = resize.optimizer_shards(self.optimizer, self.model)
         elif self.optimizer is not None:
             snapshot["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         return snapshot
 
     @property
     def _sharded(self) -> bool:
-        return isinstance(self.optimizer, ZeroOptimizer)
+        """Whether the optimizer's state is sharded over the ranks (ZeroOptimizer, or the
+        optimizer of a fully sharded model): each rank's snapshot holds its part only."""
+        return isinstance(self.optimizer, ZeroOptimizer) or (self._fsdp and
+                                                              self.optimizer is not None)
+
+    def rejoin_wrappers(self) -> None:
+        """The model and the optimizer follow the new world (`td.elastic.run`, after it joined
+        the new round): reducers over it, shards cut for its size."""
+        for wrapper in (self.model, self.optimizer):
+            if hasattr(wrapper, "_tandem_rejoin"):
+                wrapper._tandem_rejoin()
+        if self._fsdp:
+            resize.reshard_units(self.model)
 
     def restore(self, optimizer: bool = True) -> None:
         """Back to the last snapshot (nothing to do before the first). `optimizer=False`:
@@ -142,7 +163,7 @@ class State:
         if self.model is not None:
             self.model.load_state_dict(snapshot["model"])
         if self._sharded and optimizer:
-            zero_reshard.load_shards(self.optimizer, [snapshot["optimizer"]])
+            self._load_shards([snapshot["optimizer"]])
         elif self.optimizer is not None and optimizer:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         self._extras.clear()
@@ -170,11 +191,12 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     # -- what td.elastic.run calls ---------------------------------------------------------
-    def sync(self, rollback: bool = True) -> None:
+    def sync(self, rollback: bool = True, changed: bool = True) -> None:
         """Every rank onto the newest commit any of them holds, sent by the lowest rank that
         holds it; when none has committed, onto the checkpointer's newest checkpoint (or the
         state rank 0 started with). `rollback=False`: this rank's state is its last snapshot
-        already (a commit just saw the change). Collective.
+        already (a commit just saw the change); `changed=False`: the first call, in the
+        world the model was built in. Collective.
 
         Ranks that hold the same number of commits hold the same state (each commit compared
         them), so survivors of a failure, all at one commit, send nothing: each rolls back to
@@ -190,8 +212,19 @@ class State:
             return
         if newest == 0:
             self._from_checkpoint()  # every rank reads the same one (or finds none)
+            if self._fsdp and changed and self.checkpointer is None:
+                raise RuntimeError(
+                    "td.elastic: the world changed before the first State.commit(): a fully "
+                    "sharded model cannot be put together again (the ranks that left took "
+                    "their shards). Commit after each step (or every few), or give "
+                    "State(..., checkpointer=td.Checkpointer(dir, every=N))")
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
-        if self.model is not None:
+        full = None  # a fully sharded model's one-process state dict, as received
+        if self._fsdp and newest > 0:  # the one-process model every commit holds
+            full = collectives.broadcast_object(
+                self._snapshot["model"] if runtime.rank() == source else None, root=source)
+            self.model.load_state_dict(full)  # this rank's part of it
+        elif self.model is not None and not self._fsdp:
             broadcast_parameters(self.model, root=source)
         if self.optimizer is not None and not self._sharded:
             broadcast_optimizer_state(self.optimizer, root=source)
@@ -200,36 +233,48 @@ class State:
         if self._commits < newest or newest == 0:
             self._extras.clear()
             self._extras.update(extras)
-            self._snapshot = self._take()
+            self._snapshot = self._take(full)  # without gathering the model again
             self._commits = newest
 
     def _reshard(self, newest: int) -> bool:
-        """A ZeroOptimizer's shards of commit `newest`, from the ranks that hold them, cut for
-        this world; True when they cover its whole state. Else, every rank goes on from the
+        """A sharded optimizer's parts of commit `newest` (ZeroOptimizer's, or those of a fully
+        sharded model's optimizer), from the ranks that hold them, cut for this world; True
+        when they cover its whole state. Else, every rank goes on from the
         checkpointer's newest checkpoint (resharded on load) and this returns False; without
         one, an error names what was lost. Collective."""
         mine = self._snapshot["optimizer"] if self._commits == newest else None
         shards = zero_reshard.gather_shards(mine)
-        holes = zero_reshard.missing(shards, self.optimizer.numel)
+        if isinstance(self.optimizer, ZeroOptimizer):
+            holes = zero_reshard.missing([shard["range"] for shard in shards],
+                                         self.optimizer.numel)
+            lost = "ZeroOptimizer state of flat elements " + ", ".join(f"[{a}, {b})"
+                                                                         for a, b in holes)
+        else:
+            holes = resize.lost(shards, self.model)
+            lost = "optimizer state of fully_shard's " + ", ".join(holes)
         if not holes:
-            zero_reshard.load_shards(self.optimizer, shards)
+            self._load_shards(shards)
             return True
-        lost = ", ".join(f"[{a}, {b})" for a, b in holes)
         if self.checkpointer is None:
             raise RuntimeError(
-                f"td.elastic: the ZeroOptimizer state of flat elements {lost} was held only by "
+                f"td.elastic: the {lost} was held only by "
                 f"the rank(s) that left, so no rank can send it. Give the state a disk "
                 f"fallback, td.elastic.State(..., checkpointer=td.Checkpointer(dir, every=N)): "
                 f"a job with sharded state then goes on from its last checkpoint when a rank "
                 f"is lost (and grows without reading it)")
         if runtime.rank() == 0:
-            warnings.warn(f"td.elastic: the ZeroOptimizer state of flat elements {lost} left "
-                          f"with the lost rank(s): going on from the checkpointer's newest "
-                          f"checkpoint", stacklevel=3)
+            warnings.warn(f"td.elastic: the {lost} left with the lost rank(s): going on from "
+                          f"the checkpointer's newest checkpoint", stacklevel=3)
         self._from_checkpoint()
         self._snapshot = self._take()
         self._commits = newest
         return False
+
+    def _load_shards(self, shards: list) -> None:
+        if isinstance(self.optimizer, ZeroOptimizer):
+            zero_reshard.load_shards(self.optimizer, shards)
+        else:
+            resize.load_optimizer_shards(self.optimizer, self.model, shards)
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:
@@ -284,9 +329,11 @@ class State:
             self._store = None
 
 
-def _split_how(owner: Any) -> str | None:
+def _split_how(owner: Any, fsdp: bool) -> str | None:
     """How `owner` (a model or an optimizer) is split across ranks, in words; None when every
-    rank holds the whole of it (the layout protocol's `splits` registry says)."""
+    rank holds the whole of it (the layout protocol's `splits` registry says), or when the
+    state follows a change of world: ZeroOptimizer's shards, a model fully sharded over the
+    world and its optimizer (`fsdp`)."""
     if getattr(owner, "group", None) is not None:
         return f"reduced over {owner.group!r}, not the world"
     if isinstance(owner, ZeroOptimizer):
@@ -294,6 +341,8 @@ def _split_how(owner: Any) -> str | None:
     params = (owner.parameters() if hasattr(owner, "parameters")
               else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))
     kinds = {splits.kind_of(p) for p in params} - {None}
+    if fsdp and kinds <= {splits.FULLY_SHARD}:
+        return None
     return f"split ({', '.join(sorted(kinds))})" if kinds else None
 
 

@@ -4,8 +4,9 @@ A commit keeps this rank's shard only (`shard_state`: a copy, no communication).
 change of world the optimizer cuts its flat space for the new size (`_tandem_rejoin`), and
 every rank receives the shards of the newest commit from the ranks that hold them
 (`gather_shards`) and keeps its new part (`load_shards`). When no remaining rank holds some
-part of the flat space (its only holder left the job), `missing` says which: the state can then
-only come from a checkpoint on disk.
+part of the flat space (its only holder left the job), `flat_shard.missing` says which: the
+state can then only come from a checkpoint on disk. (`fully_shard/resize.py` does the same
+for a fully sharded model's optimizer.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from tandem.comm import collectives
+from tandem.parallel.flat_shard import missing
 from tandem.parallel.zero import ZeroOptimizer
 
 
@@ -33,19 +35,12 @@ def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
             "groups": groups, "param_groups": copy.deepcopy(inner["param_groups"])}
 
 
+__all__ = ["gather_shards", "load_shards", "missing", "shard_state"]
+
+
 def gather_shards(mine: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Every rank's shard of the newest commit (None from the ranks that hold none)."""
     return [shard for shard in collectives.allgather_object(mine) if shard is not None]
-
-
-def missing(shards: list[dict[str, Any]], numel: int) -> list[tuple[int, int]]:
-    """The parts [a, b) of the flat space that none of `shards` covers."""
-    holes, reached = [], 0
-    for a, b in sorted(shard["range"] for shard in shards):
-        if a > reached:
-            holes.append((reached, a))
-        reached = max(reached, b)
-    return holes + ([(reached, numel)] if reached < numel else [])
 
 
 def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:

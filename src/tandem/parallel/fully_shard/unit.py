@@ -22,8 +22,7 @@ The life of a step, per unit:
 The gathers and reduce-scatters are not checked one by one: the root's forward opens with one
 agreement, and its backward with another (sent at the output's first gradient, finished before
 the backward's first collective; see `parallel/model_check.py`), so a rank that skipped a
-backward or an optimizer step is named before its next all-gather meets another's
-reduce-scatter.
+backward or an optimizer step is named before its next all-gather meets another's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -111,10 +110,11 @@ class Unit:
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
             raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
-        # Once, before the broadcast: ranks that built different models are told so by name.
-        agreement.agree_layout(f"fully_shard of {type(module).__name__}",
-                               agreement.describe_tensors((n, p) for n, _, _, p in owned),
-                               None if replicate is not None else group)  # HSDP: the world
+        # Once, before the broadcast, other models are named (an elastic newcomer's: no one's).
+        if not runtime.joins_running_job():
+            agreement.agree_layout(f"fully_shard of {type(module).__name__}",
+                                   agreement.describe_tensors((n, p) for n, _, _, p in owned),
+                                   None if replicate is not None else group)  # HSDP: the world
         self.module = module
         self.group = group
         self.size, self.rank = group_size(group), group_rank(group)
@@ -157,7 +157,7 @@ class Unit:
         self._is_root = value
         self.check = None
         if value:
-            units = [unit_of(m) for m in self.module.modules() if unit_of(m) is not None]
+            units = [unit_of(m) for m in self.module.modules() if unit_of(m) not in (None, self)]
             units.append(self)
             lines = [f"{n} {s}" for u in units for n, s in zip(u.names, u.shapes, strict=True)]
             shards = [u.shard for u in units if u.shard is not None]
@@ -178,7 +178,7 @@ class Unit:
             with torch.no_grad():
                 flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
                 torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])
-                if self.size > 1:  # every rank starts from rank 0's values, as DDP does
+                if self.size > 1 and not runtime.joins_running_job():  # rank 0's values, as DDP
                     collectives.broadcast(flat, root=group_ranks(group)[0], inplace=True, group=group)
                 shard = flat[self.rank * self.shard_numel :][: self.shard_numel].clone()
                 del flat

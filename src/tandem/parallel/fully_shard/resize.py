@@ -1,0 +1,112 @@
+"""A fully sharded model (and its optimizer's state) cut again for a new world (td.elastic).
+
+After a change of world every unit of the model is cut for the new size (`reshard_units`):
+each shard keeps its `nn.Parameter` (the optimizer's), which gets its new size, zeros until
+`td.elastic.State` loads the committed model into it (`model.load_state_dict` takes the
+one-process state dict a commit keeps and cuts this rank's part, `state_hooks`). The
+optimizer's per-element state (Adam's moments, SGD's momentum) is sharded like the parameters:
+a commit keeps this rank's part of each unit's flat space (`optimizer_shards`, no
+communication), and after the change each rank assembles its new part from the parts the
+others held (`load_optimizer_shards`); `lost` names what no remaining rank holds.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.flat_shard import FlatShard, missing
+from tandem.parallel.fully_shard.api import units
+from tandem.parallel.fully_shard.reduction import GradientReduction
+from tandem.parallel.fully_shard.unit import unit_of
+
+
+def over_the_world(model: nn.Module) -> bool:
+    """Whether `model` is fully sharded, every unit over the whole world (what a change of
+    world can cut again; a subgroup's or a mesh's units cannot follow it)."""
+    found = [unit_of(m) for m in model.modules() if unit_of(m) is not None]
+    return bool(found) and all(u.group is None and u.replicate is None for u in found)
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Cut every unit of `model` for the world as it is now; the shards hold zeros."""
+    found = [unit_of(m) for m in model.modules() if unit_of(m) is not None]
+    for unit in found:
+        unit.size, unit.rank = group_size(None), group_rank(None)
+        unit.space = FlatShard(unit.numel, unit.size, unit.rank)
+        unit.shard_numel = unit.space.shard_numel
+        unit.reduction = GradientReduction(unit.size, None, None, unit.policy.reduce_dtype
+                                           or unit.policy.param_dtype)
+        unit._full, unit._pending, unit._in_flight = None, None, []
+        if unit.shard is not None:
+            with torch.no_grad():
+                unit.shard.data = torch.zeros(unit.shard_numel, dtype=unit.shard.dtype,
+                                              device=unit.shard.device)
+            unit.shard.grad = None
+    for unit in found:
+        if unit.is_root:
+            unit.is_root = True  # its agreement, made again for the new shards and world
+
+
+def _shards(model: nn.Module) -> dict[int, tuple[str, Any]]:
+    return {id(unit.shard): (name, unit) for name, unit in units(model)}
+
+
+def _elementwise(key: str, value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and key != "step" and value.shape == param.shape
+
+
+def optimizer_shards(optimizer: Any, model: nn.Module) -> dict[str, tuple]:
+    """This rank's optimizer state of each unit's shard: unit name -> (lo, hi, its state, the
+    per-element tensors cut to [lo, hi) of the unit's flat space)."""
+    shards, held = _shards(model), {}
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        if id(param) not in shards:
+            continue
+        name, unit = shards[id(param)]
+        lo, hi = unit.my_range()
+        held[name] = (lo, hi, {
+            k: v.detach()[: hi - lo].clone() if _elementwise(k, v, param) else copy.deepcopy(v)
+            for k, v in optimizer.state.get(param, {}).items()})
+    return held
+
+
+def lost(held: list[dict[str, tuple]], model: nn.Module) -> list[str]:
+    """The units' flat ranges that none of `held` (every rank's `optimizer_shards`) covers."""
+    said = []
+    for name, unit in units(model):
+        holes = missing([h[name][:2] for h in held if name in h], unit.numel)
+        unit_name = f"unit {name!r}" if name else "the root unit"
+        said += [f"{unit_name} elements [{a}, {b})" for a, b in holes]
+    return said
+
+
+def load_optimizer_shards(optimizer: Any, model: nn.Module, held: list[dict[str, tuple]]) -> None:
+    """This rank's new part of every unit's optimizer state, from the parts in `held`."""
+    shards = _shards(model)
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        if id(param) not in shards:
+            continue
+        name, unit = shards[id(param)]
+        pieces = [h[name] for h in held if name in h]
+        new: dict[str, Any] = {}
+        lo, hi = unit.my_range()
+        for a, b, state in pieces:
+            for k, v in state.items():
+                if not (torch.is_tensor(v) and k != "step" and v.dim() == 1
+                        and v.numel() == b - a):
+                    new.setdefault(k, copy.deepcopy(v))
+                    continue
+                mine = new.setdefault(k, torch.zeros(unit.shard_numel, dtype=v.dtype,
+                                                     device=param.device))
+                x, y = max(a, lo), min(b, hi)  # the overlap of its part and this rank's
+                if x < y:
+                    mine[x - lo: y - lo].copy_(v[x - a: y - a])
+        if new:
+            optimizer.state[param] = new
+        else:
+            optimizer.state.pop(param, None)
