@@ -178,8 +178,8 @@ def test_zero_optimizer_state_lost_without_a_checkpointer_is_named(tmp_path):
 
 def test_a_fully_sharded_model_and_its_adam_state_are_cut_again_when_the_job_grows(
         tmp_path, one_process):
-    """td.fully_shard (two units) with a plain Adam over the shards: 2 -> 3 ranks, the model
-    from the commit every rank holds, Adam's moments from the two ranks' parts; no file."""
+    """td.fully_shard (two units) with a plain Adam over the shards: 2 -> 3 ranks, the
+    parameters and Adam's moments cut again from the two ranks' parts; no file is read."""
     out, offered = tmp_path / "out.pt", tmp_path / "offered"
     discovery = tmp_path / "slots.sh"
     discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
@@ -202,7 +202,7 @@ def test_a_fully_sharded_models_optimizer_state_lost_with_a_rank(tmp_path, one_p
     done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out), "--fsdp",
                       "--die", "2:5", "--checkpoint", str(tmp_path / "ckpt"))
     assert done.returncode == 0, done.stderr
-    assert "the optimizer state of fully_shard's " in done.stderr
+    assert "the state of fully_shard's " in done.stderr
     assert "left with the lost rank(s): going on from the checkpointer's newest checkpoint" \
         in done.stderr
     result = torch.load(out)
@@ -211,7 +211,7 @@ def test_a_fully_sharded_models_optimizer_state_lost_with_a_rank(tmp_path, one_p
     done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN,
                       str(tmp_path / "none.pt"), "--fsdp", "--die", "2:5")
     assert done.returncode != 0
-    assert "td.elastic: the optimizer state of fully_shard's " in done.stderr
+    assert "td.elastic: the state of fully_shard's " in done.stderr
     assert "unit '0' elements [" in done.stderr
     assert "was held only by the rank(s) that left" in done.stderr
 

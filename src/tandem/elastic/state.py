@@ -121,18 +121,16 @@ class State:
         self._snapshot = self._take()
         self._commits += 1
 
-    def _take(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A snapshot; `model`: the model's state dict, given (a fully sharded model's
-        `state_dict()` is a collective, which only some ranks would call)."""
+    def _take(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = {"extras": copy.deepcopy(self._extras)}
-        if model is not None:
-            snapshot["model"] = model
+        if self._fsdp:  # this rank's shards: a copy, no communication
+            snapshot["model"] = resize.model_state(self.model)
         elif self.model is not None:
             snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                  for k, v in self.model.state_dict().items()}
         if isinstance(self.optimizer, ZeroOptimizer):  # this rank's shard: a copy
             snapshot["optimizer"] = zero_reshard.shard_state(self.optimizer)
-        elif self._sharded:
+        elif self._fsdp and self.optimizer is not None:
             snapshot["optimizer"] = resize.optimizer_shards(self.optimizer, self.model)
         elif self.optimizer is not None:
             snapshot["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
@@ -140,10 +138,9 @@ class State:
 
     @property
     def _sharded(self) -> bool:
-        """Whether the optimizer's state is sharded over the ranks (ZeroOptimizer, or the
-        optimizer of a fully sharded model): each rank's snapshot holds its part only."""
-        return isinstance(self.optimizer, ZeroOptimizer) or (self._fsdp and
-                                                              self.optimizer is not None)
+        """Whether some of the state is sharded over the ranks (ZeroOptimizer's, a fully
+        sharded model and its optimizer's): each rank's snapshot holds its part only."""
+        return isinstance(self.optimizer, ZeroOptimizer) or self._fsdp
 
     def rejoin_wrappers(self) -> None:
         """The model and the optimizer follow the new world (`td.elastic.run`, after it joined
@@ -154,18 +151,18 @@ class State:
         if self._fsdp:
             resize.reshard_units(self.model)
 
-    def restore(self, optimizer: bool = True) -> None:
-        """Back to the last snapshot (nothing to do before the first). `optimizer=False`:
-        the model and the extras only (a sharded optimizer after a change of world)."""
+    def restore(self, shards: bool = True) -> None:
+        """Back to the last snapshot (nothing to do before the first). `shards=False`: not the
+        sharded parts, which a change of world cut again (`sync` gathers them)."""
         snapshot = self._snapshot
         if snapshot is None:
             return
-        if self.model is not None:
+        if self.model is not None and not self._fsdp:
             self.model.load_state_dict(snapshot["model"])
-        if self._sharded and optimizer:
-            self._load_shards([snapshot["optimizer"]])
-        elif self.optimizer is not None and optimizer:
+        if self.optimizer is not None and not self._sharded:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        if self._sharded and shards:
+            self._load_parts([self._parts(snapshot)])
         self._extras.clear()
         self._extras.update(copy.deepcopy(snapshot["extras"]))
 
@@ -205,7 +202,7 @@ class State:
         counts = collectives.allgather(torch.tensor([self._commits], dtype=torch.int64))
         newest, oldest = int(counts.max()), int(counts.min())
         if rollback and self._commits in (newest, 0):  # a rank behind receives it all instead
-            self.restore(optimizer=not self._sharded)
+            self.restore(shards=False)
         if self._sharded and newest > 0 and not self._reshard(newest):
             return
         if newest == oldest > 0:
@@ -219,12 +216,7 @@ class State:
                     "their shards). Commit after each step (or every few), or give "
                     "State(..., checkpointer=td.Checkpointer(dir, every=N))")
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
-        full = None  # a fully sharded model's one-process state dict, as received
-        if self._fsdp and newest > 0:  # the one-process model every commit holds
-            full = collectives.broadcast_object(
-                self._snapshot["model"] if runtime.rank() == source else None, root=source)
-            self.model.load_state_dict(full)  # this rank's part of it
-        elif self.model is not None and not self._fsdp:
+        if self.model is not None and not self._fsdp:  # a fully sharded one: `_reshard`
             broadcast_parameters(self.model, root=source)
         if self.optimizer is not None and not self._sharded:
             broadcast_optimizer_state(self.optimizer, root=source)
@@ -233,27 +225,27 @@ class State:
         if self._commits < newest or newest == 0:
             self._extras.clear()
             self._extras.update(extras)
-            self._snapshot = self._take(full)  # without gathering the model again
+            self._snapshot = self._take()
             self._commits = newest
 
     def _reshard(self, newest: int) -> bool:
-        """A sharded optimizer's parts of commit `newest` (ZeroOptimizer's, or those of a fully
-        sharded model's optimizer), from the ranks that hold them, cut for this world; True
-        when they cover its whole state. Else, every rank goes on from the
-        checkpointer's newest checkpoint (resharded on load) and this returns False; without
-        one, an error names what was lost. Collective."""
-        mine = self._snapshot["optimizer"] if self._commits == newest else None
-        shards = zero_reshard.gather_shards(mine)
-        if isinstance(self.optimizer, ZeroOptimizer):
-            holes = zero_reshard.missing([shard["range"] for shard in shards],
+        """The sharded parts of commit `newest` (ZeroOptimizer's; a fully sharded model's and
+        its optimizer's), from the ranks that hold them, cut for this world; True when they
+        cover the whole state. Else, every rank goes on from the checkpointer's newest
+        checkpoint (resharded on load) and this returns False; without one, an error names
+        what was lost. Collective."""
+        mine = self._parts(self._snapshot) if self._commits == newest else None
+        parts = zero_reshard.gather_shards(mine)
+        if self._fsdp:
+            holes = resize.lost([part["model"] for part in parts], self.model)
+            lost = "state of fully_shard's " + ", ".join(holes)
+        else:
+            holes = zero_reshard.missing([part["optimizer"]["range"] for part in parts],
                                          self.optimizer.numel)
             lost = "ZeroOptimizer state of flat elements " + ", ".join(f"[{a}, {b})"
                                                                          for a, b in holes)
-        else:
-            holes = resize.lost(shards, self.model)
-            lost = "optimizer state of fully_shard's " + ", ".join(holes)
         if not holes:
-            self._load_shards(shards)
+            self._load_parts(parts)
             return True
         if self.checkpointer is None:
             raise RuntimeError(
@@ -270,11 +262,20 @@ class State:
         self._commits = newest
         return False
 
-    def _load_shards(self, shards: list) -> None:
+    def _parts(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """The sharded parts of a snapshot: what the other ranks need after a change."""
+        return {"model": snapshot.get("model") if self._fsdp else None,
+                "optimizer": snapshot.get("optimizer") if self._sharded else None}
+
+    def _load_parts(self, parts: list[dict[str, Any]]) -> None:
+        """This rank's part, in its current cut, of the sharded state in `parts`."""
+        optimizers = [part["optimizer"] for part in parts]
         if isinstance(self.optimizer, ZeroOptimizer):
-            zero_reshard.load_shards(self.optimizer, shards)
-        else:
-            resize.load_optimizer_shards(self.optimizer, self.model, shards)
+            zero_reshard.load_shards(self.optimizer, optimizers)
+        if self._fsdp:
+            resize.load_model_state(self.model, [part["model"] for part in parts])
+            if self.optimizer is not None:
+                resize.load_optimizer_shards(self.optimizer, self.model, optimizers)
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:

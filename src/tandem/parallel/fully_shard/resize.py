@@ -2,12 +2,13 @@
 
 After a change of world every unit of the model is cut for the new size (`reshard_units`):
 each shard keeps its `nn.Parameter` (the optimizer's), which gets its new size, zeros until
-`td.elastic.State` loads the committed model into it (`model.load_state_dict` takes the
-one-process state dict a commit keeps and cuts this rank's part, `state_hooks`). The
-optimizer's per-element state (Adam's moments, SGD's momentum) is sharded like the parameters:
-a commit keeps this rank's part of each unit's flat space (`optimizer_shards`, no
-communication), and after the change each rank assembles its new part from the parts the
-others held (`load_optimizer_shards`); `lost` names what no remaining rank holds.
+`td.elastic.State` loads the committed model into it from the
+parts the ranks held. A commit keeps this rank's part of each unit's flat space, of the
+parameters (`model_state`, with the buffers) and of the optimizer's per-element state (Adam's
+moments, SGD's momentum: `optimizer_shards`), a copy with no communication; after the change
+each rank assembles its new part from the parts the others held (`load_model_state`,
+`load_optimizer_shards`); `lost` names what no remaining rank holds (a rank that left took
+it: a checkpoint on disk is then the only source).
 """
 
 from __future__ import annotations
@@ -52,6 +53,33 @@ def reshard_units(model: nn.Module) -> None:
             unit.is_root = True  # its agreement, made again for the new shards and world
 
 
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """This rank's part of the model: each unit's shard (its real elements, [lo, hi) of the
+    unit's flat space) and the model's buffers. A copy; no communication."""
+    shards = {}
+    for name, unit in units(model):
+        lo, hi = unit.my_range()
+        shards[name] = (lo, hi, unit.shard.detach()[: hi - lo].clone())
+    return {"shards": shards,
+            "buffers": {name: b.detach().clone() for name, b in model.named_buffers()}}
+
+
+def load_model_state(model: nn.Module, held: list[dict[str, Any]]) -> None:
+    """Each unit's new shard from the parts in `held` (every rank's `model_state`)."""
+    with torch.no_grad():
+        for name, unit in units(model):
+            lo, hi = unit.my_range()
+            unit.shard.zero_()
+            for state in held:
+                a, b, values = state["shards"][name]
+                x, y = max(a, lo), min(b, hi)  # the overlap of its part and this rank's
+                if x < y:
+                    unit.shard[x - lo: y - lo].copy_(values[x - a: y - a])
+        buffers = dict(model.named_buffers())
+        for name, value in held[0]["buffers"].items():
+            buffers[name].copy_(value)
+
+
 def _shards(model: nn.Module) -> dict[int, tuple[str, Any]]:
     return {id(unit.shard): (name, unit) for name, unit in units(model)}
 
@@ -75,11 +103,11 @@ def optimizer_shards(optimizer: Any, model: nn.Module) -> dict[str, tuple]:
     return held
 
 
-def lost(held: list[dict[str, tuple]], model: nn.Module) -> list[str]:
-    """The units' flat ranges that none of `held` (every rank's `optimizer_shards`) covers."""
+def lost(held: list[dict[str, Any]], model: nn.Module) -> list[str]:
+    """The units' flat ranges that none of `held` (every rank's `model_state`) covers."""
     said = []
     for name, unit in units(model):
-        holes = missing([h[name][:2] for h in held if name in h], unit.numel)
+        holes = missing([state["shards"][name][:2] for state in held], unit.numel)
         unit_name = f"unit {name!r}" if name else "the root unit"
         said += [f"{unit_name} elements [{a}, {b})" for a, b in holes]
     return said
