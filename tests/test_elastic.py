@@ -216,6 +216,22 @@ def test_a_fully_sharded_models_optimizer_state_lost_with_a_rank(tmp_path, one_p
     assert "was held only by the rank(s) that left" in done.stderr
 
 
+@pytest.mark.parametrize("sharding", ["--zero", "--fsdp"])
+def test_with_a_peer_backup_sharded_state_lost_with_a_rank_is_restored_from_memory(
+        tmp_path, one_process, sharding):
+    """State(peer_backup=True): rank 2 also held rank 1's part of each commit, so when rank 1
+    dies at step 5 of 3 the job goes on with 2 from commit 5, no file, exactly (Adam)."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out), sharding,
+                      "--peer-backup", "--die", "1:5", "--optimizer", "adam")
+    assert done.returncode == 0, done.stderr
+    assert "world 3 -> 2 (round 1): rank 1 (worker 1) exit code 9" in done.stderr
+    assert "resumed from commit 5," in done.stderr and "checkpoint" not in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 7
+    assert_same_model(result, one_process["adam"])
+
+
 def test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size(
         tmp_path, one_process):
     """A job of 2 stops after 8 steps; a new job of 3 on the same directory holds no commit in

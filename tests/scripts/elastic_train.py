@@ -21,6 +21,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --ddp              the model wrapped in td.DistributedDataParallel, a plain torch optimizer
   --zero             td.ZeroOptimizer: the optimizer state sharded, resharded at each change
   --fsdp             td.fully_shard (two units), a plain torch optimizer over the shards
+  --peer-backup      State(peer_backup=True): each rank keeps the previous rank's part too
   --checkpoint DIR   State(checkpointer=td.Checkpointer(DIR, every=4)): the disk fallback
 """
 
@@ -49,6 +50,7 @@ parser.add_argument("--horovod", action="store_true")
 parser.add_argument("--ddp", action="store_true")
 parser.add_argument("--zero", action="store_true")
 parser.add_argument("--fsdp", action="store_true")
+parser.add_argument("--peer-backup", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 args = parser.parse_args()
 
@@ -80,7 +82,9 @@ else:
     optimizer = td.DistributedOptimizer(inner)
 net = td.DistributedDataParallel(model) if args.ddp else model
 checkpointer = td.Checkpointer(args.checkpoint, every=4) if args.checkpoint else None
-state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, step=0, sizes=[])
+backup = {"peer_backup": True} if args.peer_backup else {}
+state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, step=0, sizes=[],
+                   **backup)
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None

@@ -33,6 +33,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.elastic import backup
 from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
@@ -59,7 +60,7 @@ class State:
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, *,
-                 checkpointer: Any = None, **extras: Any) -> None:
+                 checkpointer: Any = None, peer_backup: bool = False, **extras: Any) -> None:
         bad = [name for name in extras if name.startswith("_")]
         if bad:
             raise ValueError(f"td.elastic.State: extra {bad[0]!r} starts with '_': give names "
@@ -88,6 +89,8 @@ class State:
         d["_round"] = None  # the round this process was in at its last look
         d["_store"] = None
         d["_warned_no_commit"] = False
+        # sharded state: the previous rank's part of each commit too (`elastic/backup.py`)
+        d["_peer_backup"], d["_backup"] = peer_backup, None
 
     # -- extras as attributes ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -114,6 +117,8 @@ class State:
         `checkpointer`, also its save (on disk every `checkpointer.every` commits)."""
         self.save()
         self._to_checkpoint()
+        if self._peer_backup and self._sharded and runtime.state().job.elastic is not None:
+            self._backup = (self._commits, backup.exchange(self._parts(self._snapshot)))
         self.check_host_updates()
 
     def save(self) -> None:
@@ -234,8 +239,10 @@ class State:
         cover the whole state. Else, every rank goes on from the checkpointer's newest
         checkpoint (resharded on load) and this returns False; without one, an error names
         what was lost. Collective."""
-        mine = self._parts(self._snapshot) if self._commits == newest else None
-        parts = zero_reshard.gather_shards(mine)
+        mine = [self._parts(self._snapshot)] if self._commits == newest else []
+        if self._backup is not None and self._backup[0] == newest:
+            mine.append(self._backup[1])  # the previous rank's part, which may have left
+        parts = [part for held in collectives.allgather_object(mine) for part in held]
         if self._fsdp:
             holes = resize.lost([part["model"] for part in parts], self.model)
             lost = "state of fully_shard's " + ", ".join(holes)
@@ -249,11 +256,11 @@ class State:
             return True
         if self.checkpointer is None:
             raise RuntimeError(
-                f"td.elastic: the {lost} was held only by "
-                f"the rank(s) that left, so no rank can send it. Give the state a disk "
-                f"fallback, td.elastic.State(..., checkpointer=td.Checkpointer(dir, every=N)): "
-                f"a job with sharded state then goes on from its last checkpoint when a rank "
-                f"is lost (and grows without reading it)")
+                f"td.elastic: the {lost} was held only by the rank(s) that left, so no rank "
+                f"can send it. Give td.elastic.State(..., peer_backup=True) (each rank also "
+                f"keeps the previous rank's part: one lost rank is restored from memory) or "
+                f"a disk fallback, checkpointer=td.Checkpointer(dir, every=N) (the job goes "
+                f"on from its last checkpoint)")
         if runtime.rank() == 0:
             warnings.warn(f"td.elastic: the {lost} left with the lost rank(s): going on from "
                           f"the checkpointer's newest checkpoint", stacklevel=3)

@@ -3,7 +3,7 @@
 A commit keeps this rank's shard only (`shard_state`: a copy, no communication). After a
 change of world the optimizer cuts its flat space for the new size (`_tandem_rejoin`), and
 every rank receives the shards of the newest commit from the ranks that hold them
-(`gather_shards`) and keeps its new part (`load_shards`). When no remaining rank holds some
+(`td.elastic.State` gathers them) and keeps its new part (`load_shards`). When no remaining rank holds some
 part of the flat space (its only holder left the job), `flat_shard.missing` says which: the
 state can then only come from a checkpoint on disk. (`fully_shard/resize.py` does the same
 for a fully sharded model's optimizer.)
@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from tandem.comm import collectives
 from tandem.parallel.flat_shard import missing
 from tandem.parallel.zero import ZeroOptimizer
 
@@ -35,12 +34,7 @@ def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
             "groups": groups, "param_groups": copy.deepcopy(inner["param_groups"])}
 
 
-__all__ = ["gather_shards", "load_shards", "missing", "shard_state"]
-
-
-def gather_shards(mine: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Every rank's shard of the newest commit (None from the ranks that hold none)."""
-    return [shard for shard in collectives.allgather_object(mine) if shard is not None]
+__all__ = ["load_shards", "missing", "shard_state"]
 
 
 def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
