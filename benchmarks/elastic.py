@@ -3,6 +3,7 @@
     python benchmarks/elastic.py                       # worlds of 2, 3 and 4 ranks
     python benchmarks/elastic.py --ranks 2 3 --params-mb 32
     python benchmarks/elastic.py --nodes               # across two --nnodes agents
+    python benchmarks/elastic.py --state zero          # ZeroOptimizer (or fsdp), peer backup
 
 For each N, one `tandem run -np N --min-np 1 --max-np N --host-discovery-script ...` job of
 this file's worker (a data-parallel MLP of `--params-mb` MB of fp32 parameters, SGD with
@@ -48,7 +49,8 @@ RESUMED = re.compile(r"tandem elastic: world (\d+) -> (\d+) .*resumed from commi
                      r"([\d.]+) s after the event")
 
 
-def worker(out: str, offer: str, params_mb: float, lose: str | None, steps: int = 14) -> None:
+def worker(out: str, offer: str, params_mb: float, lose: str | None, kind: str = "replicated",
+           steps: int = 14) -> None:
     import torch
 
     import tandem as td
@@ -59,9 +61,16 @@ def worker(out: str, offer: str, params_mb: float, lose: str | None, steps: int 
     width = 512
     layers = max(1, round(params_mb * 2**20 / 4 / (width * width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    optimizer = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
-                                                        momentum=0.9))
-    state = td.elastic.State(model=model, optimizer=optimizer, step=0)
+    if kind == "fsdp":
+        for layer in model:
+            td.fully_shard(layer)
+        td.fully_shard(model)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = {"zero": td.ZeroOptimizer, "fsdp": lambda o: o}.get(
+        kind, td.DistributedOptimizer)(inner)
+    # Sharded state survives a lost rank in memory only with the peer backup.
+    state = td.elastic.State(model=model, optimizer=optimizer, step=0,
+                             peer_backup=kind != "replicated")
 
     @td.elastic.run
     def train(state):
@@ -87,18 +96,28 @@ def worker(out: str, offer: str, params_mb: float, lose: str | None, steps: int 
 
     train(state)
 
-    # In memory, a survivor's path: every rank at the same commit rolls back to its own.
+    # What a commit costs (the snapshot, the peer backup, the one small agreement).
+    td.barrier()
+    start = time.perf_counter()
+    for _ in range(5):
+        state.commit()
+    commit_s = (time.perf_counter() - start) / 5
+    # In memory, a survivor's path: every rank at the same commit rolls back to its own (with
+    # sharded state: each takes its part of everyone's, as after a change of world).
     td.barrier()
     start = time.perf_counter()
     state.sync()
     survivor_s = time.perf_counter() - start
-    # In memory, a newcomer's path: rank 0 holds one more commit; every other rank takes it.
-    if td.rank() == 0:
-        state.save()
-    td.barrier()
-    start = time.perf_counter()
-    state.sync()
-    memory_s = time.perf_counter() - start
+    # In memory, a newcomer's path: rank 0 holds one more commit; every other rank takes it
+    # (replicated state only: a sharded commit held by one rank is not the whole state).
+    memory_s = float("nan")
+    if kind == "replicated":
+        if td.rank() == 0:
+            state.save()
+        td.barrier()
+        start = time.perf_counter()
+        state.sync()
+        memory_s = time.perf_counter() - start
     # From disk: the same model and optimizer, through the checkpointer.
     checkpointer = td.Checkpointer(os.path.join(os.path.dirname(out), "ckpt"), keep=1)
     checkpointer.save(0, model=model, optimizer=optimizer)
@@ -106,17 +125,18 @@ def worker(out: str, offer: str, params_mb: float, lose: str | None, steps: int 
     start = time.perf_counter()
     checkpointer.restore(model=model, optimizer=optimizer)
     disk_s = time.perf_counter() - start
-    slowest = td.allreduce(torch.tensor([survivor_s, memory_s, disk_s], dtype=torch.float64),
-                           op="max")
+    slowest = td.allreduce(torch.tensor([survivor_s, memory_s, disk_s, commit_s],
+                                        dtype=torch.float64), op="max")
     if td.rank() == 0:
         Path(out).write_text(json.dumps({"survivor_s": float(slowest[0]),
                                          "memory_s": float(slowest[1]),
                                          "disk_s": float(slowest[2]),
+                                         "commit_s": float(slowest[3]),
                                          "state_mb": 2 * layers * (width * width + width) * 4
                                          / 2**20}))
 
 
-def run_job(ranks: int, params_mb: float, folder: Path) -> dict:
+def run_job(ranks: int, params_mb: float, folder: Path, kind: str = "replicated") -> dict:
     offer, out = folder / "offer", folder / "out.json"
     discovery = folder / "slots.sh"
     discovery.write_text(f"#!/bin/sh\nif [ -e {offer} ]; then echo localhost:{ranks}; "
@@ -126,7 +146,7 @@ def run_job(ranks: int, params_mb: float, folder: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "tandem", "run", "-np", str(ranks), "--min-np", "1", "--max-np",
          str(ranks), "--host-discovery-script", str(discovery), __file__, "--worker", str(out),
-         "--offer", str(offer), "--params-mb", str(params_mb)],
+         "--offer", str(offer), "--params-mb", str(params_mb), "--state", kind],
         env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise SystemExit(f"the {ranks}-rank job failed:\n{done.stderr[-3000:]}")
@@ -162,7 +182,7 @@ def _wait_for(path: Path, agents: list[subprocess.Popen], deadline_s: float = 12
         time.sleep(0.05)
 
 
-def run_nodes_job(ranks: int, params_mb: float, folder: Path) -> dict:
+def run_nodes_job(ranks: int, params_mb: float, folder: Path, kind: str = "replicated") -> dict:
     """The same job as two `--nnodes` agents on this machine: node 0 with ranks - 1 ranks and
     node 1 with one. At step 5 node 1's machine vanishes (its agent and rank SIGKILLed); at
     step 10 a new agent for node 1 joins."""
@@ -175,7 +195,7 @@ def run_nodes_job(ranks: int, params_mb: float, folder: Path) -> dict:
             [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
              "--master", f"127.0.0.1:{port}", "--secret", "bench", "--min-np", "1", "--max-np",
              str(ranks), "-np", str(np), __file__, "--worker", str(out), "--offer", str(offer),
-             "--lose", str(lose), "--params-mb", str(params_mb)],
+             "--lose", str(lose), "--params-mb", str(params_mb), "--state", kind],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     node0, node1 = agent(0, ranks - 1), agent(1, 1)
@@ -203,6 +223,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--params-mb", type=float, default=16.0)
+    parser.add_argument("--state", choices=("replicated", "zero", "fsdp"), default="replicated",
+                        help="td.DistributedOptimizer (default), td.ZeroOptimizer, or "
+                             "td.fully_shard per layer; sharded state with peer_backup=True")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--nodes", action="store_true",
                         help="each job as two --nnodes agents: node 1 vanishes, then rejoins")
@@ -210,7 +233,7 @@ def main() -> None:
     parser.add_argument("--lose", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.offer, args.params_mb, args.lose)
+        worker(args.worker, args.offer, args.params_mb, args.lose, args.state)
         return
     from tandem.bench.results import write_json
 
@@ -218,18 +241,20 @@ def main() -> None:
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory(prefix="tandem-elastic-bench-") as folder:
             job = run_nodes_job if args.nodes else run_job
-            rows.append(job(ranks, args.params_mb, Path(folder)))
-    print(f"{'ranks':>5} {'shrink':>9} {'grow':>9} {'restore: survivor':>18} {'newcomer':>9} "
-          f"{'disk':>9} {'newcomer/disk':>14}   (Gloo, {rows[0]['state_mb']:.0f} MB of model + "
-          f"optimizer state{'; node 1 lost, then rejoined' if args.nodes else ''})")
+            rows.append(job(ranks, args.params_mb, Path(folder), args.state))
+    where = "; node 1 lost, then rejoined" if args.nodes else ""
+    print(f"{'ranks':>5} {'shrink':>9} {'grow':>9} {'commit':>9} {'restore: survivor':>18} "
+          f"{'newcomer':>9} {'disk':>9} {'newcomer/disk':>14}   (Gloo, {args.state}, "
+          f"{rows[0]['state_mb']:.0f} MB of model + optimizer state{where})")
     for row in rows:
         print(f"{row['ranks']:>5} {row.get('shrink_s', float('nan')):>7.2f} s "
-              f"{row.get('grow_s', float('nan')):>7.2f} s {row['survivor_s'] * 1e3:>15.0f} ms "
-              f"{row['memory_s'] * 1e3:>6.0f} ms {row['disk_s'] * 1e3:>6.0f} ms "
-              f"{row['memory_s'] / row['disk_s']:>14.2f}")
-    name = "results/elastic_nodes.json" if args.nodes else "results/elastic.json"
+              f"{row.get('grow_s', float('nan')):>7.2f} s {row['commit_s'] * 1e3:>6.1f} ms "
+              f"{row['survivor_s'] * 1e3:>15.0f} ms {row['memory_s'] * 1e3:>6.0f} ms "
+              f"{row['disk_s'] * 1e3:>6.0f} ms {row['memory_s'] / row['disk_s']:>14.2f}")
+    stem = "elastic_nodes" if args.nodes else "elastic"
+    suffix = "" if args.state == "replicated" else f"_{args.state}"
     out = write_json({"params_mb": args.params_mb, "nodes": 2 if args.nodes else 1,
-                      "rows": rows}, name)
+                      "state": args.state, "rows": rows}, f"results/{stem}{suffix}.json")
     print(f"JSON: {out}")
 
 

@@ -240,7 +240,7 @@ class State:
         checkpoint (resharded on load) and this returns False; without one, an error names
         what was lost. Collective."""
         mine = [self._parts(self._snapshot)] if self._commits == newest else []
-        if self._backup is not None and self._backup[0] == newest:
+        if self._backup is not None and self._backup[0] == newest and self._backup[1]:
             mine.append(self._backup[1])  # the previous rank's part, which may have left
         parts = [part for held in collectives.allgather_object(mine) for part in held]
         if self._fsdp:
