@@ -33,7 +33,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.elastic import backup
+from tandem.elastic import transfer
 from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
@@ -89,7 +89,11 @@ class State:
         d["_round"] = None  # the round this process was in at its last look
         d["_store"] = None
         d["_warned_no_commit"] = False
-        # sharded state: the previous rank's part of each commit too (`elastic/backup.py`)
+        # Sharded state exists once, split over the ranks: a rank that dies takes its part
+        # with it. With a peer backup each commit also hands this rank's part to the next
+        # rank, which keeps the previous rank's beside its own: one lost rank (or several,
+        # none next to another) is restored from memory, for one message of 1/N of the
+        # sharded state per commit and that much more memory.
         d["_peer_backup"], d["_backup"] = peer_backup, None
 
     # -- extras as attributes ------------------------------------------------------------
@@ -118,7 +122,7 @@ class State:
         self.save()
         self._to_checkpoint()
         if self._peer_backup and self._sharded and runtime.state().job.elastic is not None:
-            self._backup = (self._commits, backup.exchange(self._parts(self._snapshot)))
+            self._backup = (self._commits, transfer.to_next(self._parts(self._snapshot)))
         self.check_host_updates()
 
     def save(self) -> None:
@@ -242,7 +246,7 @@ class State:
         mine = [self._parts(self._snapshot)] if self._commits == newest else []
         if self._backup is not None and self._backup[0] == newest and self._backup[1]:
             mine.append(self._backup[1])  # the previous rank's part, which may have left
-        parts = [part for held in collectives.allgather_object(mine) for part in held]
+        parts = [part for held in transfer.allgather(mine) for part in held]
         if self._fsdp:
             holes = resize.lost([part["model"] for part in parts], self.model)
             lost = "state of fully_shard's " + ", ".join(holes)

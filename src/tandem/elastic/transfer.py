@@ -1,0 +1,90 @@
+"""Sharded state between ranks as raw bytes: the structure pickled, the tensors not.
+
+`td.elastic` moves each rank's part of sharded state (ZeroOptimizer's, fully_shard's) after a
+change of world (`allgather`) and, with a peer backup, at each commit (`to_next`). Pickling
+tensors goes through torch's serializer, a copy per tensor and most of the time on 16 MB of
+state (measured: 67-122 ms of a 90-160 ms resharding on 2 ranks); here the tensors' bytes are
+laid end to end after a small pickled header (dtypes, shapes, the structure around them), and
+one message carries all of it.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+from tandem import runtime
+from tandem.comm import collectives
+
+
+class _Slot:
+    """Where tensor `index` of the message goes in the structure."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {key: _split(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(value, tensors) for value in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {key: _join(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_join(value, tensors) for value in obj)
+    return obj
+
+
+def pack(obj: Any) -> torch.Tensor:
+    """`obj` as one uint8 tensor (on the CPU): header length, header, the tensors' bytes."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _split(obj, tensors)
+    head = pickle.dumps((skeleton, [(t.dtype, tuple(t.shape)) for t in tensors]))
+    body = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    length = torch.tensor(list(len(head).to_bytes(8, "little")), dtype=torch.uint8)
+    return torch.cat([length, torch.frombuffer(bytearray(head), dtype=torch.uint8), *body])
+
+
+def unpack(message: torch.Tensor) -> Any:
+    length = int.from_bytes(bytes(message[:8].tolist()), "little")
+    skeleton, layout = pickle.loads(message[8: 8 + length].numpy().tobytes())
+    tensors, at = [], 8 + length
+    for dtype, shape in layout:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        tensors.append(message[at: at + size].clone().view(dtype).reshape(shape))
+        at += size
+    return _join(skeleton, tensors)
+
+
+def allgather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order. Collective."""
+    message = pack(obj)
+    sizes = collectives.allgather(torch.tensor([message.numel()], dtype=torch.int64)).tolist()
+    gathered = collectives.allgather(message)
+    starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
+    return [unpack(gathered[start: start + size]) for start, size in zip(starts, sizes,
+                                                                           strict=True)]
+
+
+def to_next(obj: Any) -> Any:
+    """Send `obj` to the next rank (mod the world size); return the previous rank's (None in a
+    world of one). Collective."""
+    size, rank = runtime.size(), runtime.rank()
+    if size == 1:
+        return None
+    message = pack(obj)
+    splits = [0] * size
+    splits[(rank + 1) % size] = message.numel()
+    return unpack(collectives.alltoall(message, splits))
