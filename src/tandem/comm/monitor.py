@@ -190,6 +190,8 @@ class Watchdog(Ledger):
             if all(board.get(f"ans/{generation}/{r}") is not None
                    or board.get(f"died/{r}") is not None for r in others):
                 break
+            if self.world_over is not None and self.world_over():
+                break  # an elastic job's next round: the others left, or will not answer
             self._serve()  # peers may be asking us at the same moment: answer while we wait
             self._pause.wait(QUERY_POLL_S)
         for rank in others:
@@ -222,20 +224,24 @@ class Watchdog(Ledger):
         text = str(error).lower()
         # In an elastic job whose launcher already formed the next round, a failed wait needs no
         # inquiry: the peers are dead or gone to that round (asking would wait for them).
-        if self._abandoned or (self.world_over is not None and self.world_over()):
-            raise PeerUnreachableError(
-                f"rank {self.rank}: {waitgraph.describe_op(op_dict(wait[WAIT_OP], self.size))} "
-                f"was abandoned: the elastic job's launcher formed its next round (a peer died, "
-                f"or every other rank left this world) while this rank waited") from error
+        self._raise_if_abandoned(wait, error)
         if isinstance(error, TimeoutError) or "timed out" in text:
             raise self._timeout_error(wait, error, self.query()) from None  # text in message
         if any(marker in text for marker in _LOST_PEER):
             answers = self.query()
+            self._raise_if_abandoned(wait, error)  # the launcher moved on while we asked
             mine = self._mine(answers, wait)
             if any(waitgraph.unreachable_peers(mine["op"], self.rank, answers)):
                 raise self._unreachable_error(mine, answers, error) from error
             # Every peer still answers: one of them gave up (its own timeout) and hung up.
             raise self._timeout_error(wait, error, answers) from None
+
+    def _raise_if_abandoned(self, wait: tuple, error: BaseException) -> None:
+        if self._abandoned or (self.world_over is not None and self.world_over()):
+            raise PeerUnreachableError(
+                f"rank {self.rank}: {waitgraph.describe_op(op_dict(wait[WAIT_OP], self.size))} "
+                f"was abandoned: the elastic job's launcher formed its next round (a peer died, "
+                f"or every other rank left this world) while this rank waited") from error
 
     def _mine(self, answers, wait: tuple) -> dict:
         mine = answers[self.rank]
