@@ -33,7 +33,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
-from tandem.elastic import transfer
+from tandem.elastic import sharded, transfer
 from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
@@ -122,7 +122,7 @@ class State:
         self.save()
         self._to_checkpoint()
         if self._peer_backup and self._sharded and runtime.state().job.elastic is not None:
-            self._backup = (self._commits, transfer.to_next(self._parts(self._snapshot)))
+            self._backup = (self._commits, transfer.to_next(sharded.parts(self, self._snapshot)))
         self.check_host_updates()
 
     def save(self) -> None:
@@ -171,7 +171,7 @@ class State:
         if self.optimizer is not None and not self._sharded:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         if self._sharded and shards:
-            self._load_parts([self._parts(snapshot)])
+            sharded.load(self, [sharded.parts(self, snapshot)])
         self._extras.clear()
         self._extras.update(copy.deepcopy(snapshot["extras"]))
 
@@ -212,7 +212,7 @@ class State:
         newest, oldest = int(counts.max()), int(counts.min())
         if rollback and self._commits in (newest, 0):  # a rank behind receives it all instead
             self.restore(shards=False)
-        if self._sharded and newest > 0 and not self._reshard(newest):
+        if self._sharded and newest > 0 and not sharded.reshard(self, newest):
             return
         if newest == oldest > 0:
             return
@@ -225,7 +225,7 @@ class State:
                     "their shards). Commit after each step (or every few), or give "
                     "State(..., checkpointer=td.Checkpointer(dir, every=N))")
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
-        if self.model is not None and not self._fsdp:  # a fully sharded one: `_reshard`
+        if self.model is not None and not self._fsdp:  # a fully sharded one: `sharded.reshard`
             broadcast_parameters(self.model, root=source)
         if self.optimizer is not None and not self._sharded:
             broadcast_optimizer_state(self.optimizer, root=source)
@@ -236,57 +236,6 @@ class State:
             self._extras.update(extras)
             self._snapshot = self._take()
             self._commits = newest
-
-    def _reshard(self, newest: int) -> bool:
-        """The sharded parts of commit `newest` (ZeroOptimizer's; a fully sharded model's and
-        its optimizer's), from the ranks that hold them, cut for this world; True when they
-        cover the whole state. Else, every rank goes on from the checkpointer's newest
-        checkpoint (resharded on load) and this returns False; without one, an error names
-        what was lost. Collective."""
-        mine = [self._parts(self._snapshot)] if self._commits == newest else []
-        if self._backup is not None and self._backup[0] == newest and self._backup[1]:
-            mine.append(self._backup[1])  # the previous rank's part, which may have left
-        parts = [part for held in transfer.allgather(mine) for part in held]
-        if self._fsdp:
-            holes = resize.lost([part["model"] for part in parts], self.model)
-            lost = "state of fully_shard's " + ", ".join(holes)
-        else:
-            holes = zero_reshard.missing([part["optimizer"]["range"] for part in parts],
-                                         self.optimizer.numel)
-            lost = "ZeroOptimizer state of flat elements " + ", ".join(f"[{a}, {b})"
-                                                                         for a, b in holes)
-        if not holes:
-            self._load_parts(parts)
-            return True
-        if self.checkpointer is None:
-            raise RuntimeError(
-                f"td.elastic: the {lost} was held only by the rank(s) that left, so no rank "
-                f"can send it. Give td.elastic.State(..., peer_backup=True) (each rank also "
-                f"keeps the previous rank's part: one lost rank is restored from memory) or "
-                f"a disk fallback, checkpointer=td.Checkpointer(dir, every=N) (the job goes "
-                f"on from its last checkpoint)")
-        if runtime.rank() == 0:
-            warnings.warn(f"td.elastic: the {lost} left with the lost rank(s): going on from "
-                          f"the checkpointer's newest checkpoint", stacklevel=3)
-        self._from_checkpoint()
-        self._snapshot = self._take()
-        self._commits = newest
-        return False
-
-    def _parts(self, snapshot: dict[str, Any]) -> dict[str, Any]:
-        """The sharded parts of a snapshot: what the other ranks need after a change."""
-        return {"model": snapshot.get("model") if self._fsdp else None,
-                "optimizer": snapshot.get("optimizer") if self._sharded else None}
-
-    def _load_parts(self, parts: list[dict[str, Any]]) -> None:
-        """This rank's part, in its current cut, of the sharded state in `parts`."""
-        optimizers = [part["optimizer"] for part in parts]
-        if isinstance(self.optimizer, ZeroOptimizer):
-            zero_reshard.load_shards(self.optimizer, optimizers)
-        if self._fsdp:
-            resize.load_model_state(self.model, [part["model"] for part in parts])
-            if self.optimizer is not None:
-                resize.load_optimizer_shards(self.optimizer, self.model, optimizers)
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:
@@ -349,7 +298,7 @@ def _split_how(owner: Any, fsdp: bool) -> str | None:
     if getattr(owner, "group", None) is not None:
         return f"reduced over {owner.group!r}, not the world"
     if isinstance(owner, ZeroOptimizer):
-        return None  # sharded over the world: resharded by `State.sync` (`zero_reshard`)
+        return None  # sharded over the world: resharded by `State.sync` (`sharded`)
     params = (owner.parameters() if hasattr(owner, "parameters")
               else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))
     kinds = {splits.kind_of(p) for p in params} - {None}

@@ -3,7 +3,8 @@
 A commit keeps this rank's shard only (`shard_state`: a copy, no communication). After a
 change of world the optimizer cuts its flat space for the new size (`_tandem_rejoin`), and
 every rank receives the shards of the newest commit from the ranks that hold them
-(`td.elastic.State` gathers them) and keeps its new part (`load_shards`). When no remaining rank holds some
+(`td.elastic.State` sends each rank the `cut` of every part that it `wanted`) and keeps its
+new part (`load_shards`). When no remaining rank holds some
 part of the flat space (its only holder left the job), `flat_shard.missing` says which: the
 state can then only come from a checkpoint on disk. (`fully_shard/resize.py` does the same
 for a fully sharded model's optimizer.)
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tandem.parallel.flat_shard import missing
+from tandem.parallel.flat_shard import FlatShard, missing
 from tandem.parallel.zero import ZeroOptimizer
 
 
@@ -34,7 +35,29 @@ def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
             "groups": groups, "param_groups": copy.deepcopy(inner["param_groups"])}
 
 
-__all__ = ["load_shards", "missing", "shard_state"]
+__all__ = ["cut", "load_shards", "missing", "shard_state", "wanted"]
+
+
+def _per_element(key: str, value: Any, n: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == n and key != "step"
+
+
+def wanted(optimizer: ZeroOptimizer, rank: int) -> tuple[int, int]:
+    """The flat elements [lo, hi) that `rank` holds in the optimizer's current cut."""
+    space = FlatShard(optimizer.numel, optimizer._size, rank)
+    return min(space.start, optimizer.numel), min(space.start + space.shard_numel,
+                                                   optimizer.numel)
+
+
+def cut(state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """`state` (a `shard_state`) cut to the flat elements [lo, hi): what one rank needs of it."""
+    groups = []
+    for start, n, held in state["groups"]:
+        x, y = max(start, lo), min(start + n, hi)
+        x, y = (x, y) if x < y else (start, start)
+        groups.append((x, y - x, {k: v[x - start: y - start] if _per_element(k, v, n) else v
+                                  for k, v in held.items()}))
+    return {**state, "groups": groups}
 
 
 def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
@@ -50,7 +73,7 @@ def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
         for shard in shards:
             at, n, held = shard["groups"][g]
             for k, v in held.items():
-                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n and k != "step":
+                if _per_element(k, v, n):
                     flat = flats.setdefault(k, torch.zeros(end - start, dtype=v.dtype,
                                                            device=optimizer._device))
                     flat[at - start: at - start + n].copy_(v)

@@ -80,6 +80,31 @@ def load_model_state(model: nn.Module, held: list[dict[str, Any]]) -> None:
             buffers[name].copy_(value)
 
 
+def _overlap(a: int, b: int, lo: int, hi: int) -> tuple[int, int]:
+    x, y = max(a, lo), min(b, hi)
+    return (x, y) if x < y else (a, a)
+
+
+def cut(part: dict[str, Any], model: nn.Module, rank: int) -> dict[str, Any]:
+    """`part` ({"model": a `model_state`, "optimizer": `optimizer_shards` or None}) cut to what
+    `rank` holds of each unit in the current world: what that rank needs of it."""
+    size = group_size(None)
+    shards, optimizer = {}, {}
+    for name, unit in units(model):
+        lo, hi = FlatShard(unit.numel, size, rank).my_range()
+        a, b, values = part["model"]["shards"][name]
+        x, y = _overlap(a, b, lo, hi)
+        shards[name] = (x, y, values[x - a: y - a])
+        if part["optimizer"] is not None and name in part["optimizer"]:
+            a, b, state = part["optimizer"][name]
+            x, y = _overlap(a, b, lo, hi)
+            optimizer[name] = (x, y, {
+                k: v[x - a: y - a] if torch.is_tensor(v) and k != "step" and v.dim() == 1
+                and v.numel() == b - a else v for k, v in state.items()})
+    return {"model": {"shards": shards, "buffers": part["model"]["buffers"]},
+            "optimizer": optimizer if part["optimizer"] is not None else None}
+
+
 def _shards(model: nn.Module) -> dict[int, tuple[str, Any]]:
     return {id(unit.shard): (name, unit) for name, unit in units(model)}
 
@@ -103,11 +128,16 @@ def optimizer_shards(optimizer: Any, model: nn.Module) -> dict[str, tuple]:
     return held
 
 
-def lost(held: list[dict[str, Any]], model: nn.Module) -> list[str]:
-    """The units' flat ranges that none of `held` (every rank's `model_state`) covers."""
+def ranges(state: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The flat range of each unit that a `model_state` holds."""
+    return {name: (lo, hi) for name, (lo, hi, _) in state["shards"].items()}
+
+
+def lost(held: list[dict[str, tuple[int, int]]], model: nn.Module) -> list[str]:
+    """The units' flat ranges that none of `held` (the `ranges` of every rank's part) covers."""
     said = []
     for name, unit in units(model):
-        holes = missing([state["shards"][name][:2] for state in held], unit.numel)
+        holes = missing([where[name] for where in held], unit.numel)
         unit_name = f"unit {name!r}" if name else "the root unit"
         said += [f"{unit_name} elements [{a}, {b})" for a, b in holes]
     return said
