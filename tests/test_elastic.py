@@ -273,7 +273,8 @@ def test_a_rank_that_skips_a_commit_is_named_not_averaged(tmp_path):
     (("-np", "2", "--min-np", "0"), "--min-np 0: give 1 or more"),
     (("-np", "2:3", "--backend", "mpi"), "an elastic job cannot run on MPI"),
     (("-np", "2:3", "--max-restarts", "1"), "replaces --max-restarts"),
-    (("-np", "2:3", "-H", "localhost:3"), "starts one agent per machine with --nnodes N"),
+    (("-np", "2:3", "-H", "nosuchhost.invalid:1,localhost:2"),
+     "an elastic -H job runs node 0 here: list this machine first"),
     (("--nnodes", "2", "--master", "127.0.0.1:1", "-np", "1:3"),
      "an elastic job across nodes: give each node's ranks with -np N"),
     (("--nnodes", "2", "--master", "127.0.0.1:1", "-np", "4", "--max-np", "3"),
@@ -430,3 +431,40 @@ def test_an_agent_of_a_fixed_job_is_refused_by_an_elastic_node_0(tmp_path):
     assert code1 == 2, err1
     assert "node 0 runs an elastic job (--min-np/--max-np)" in err1
     assert code == 0, err  # it went on with its own 2 ranks
+
+
+def test_an_h_job_loses_a_host_and_grows_back_when_discovery_lists_it_again(tmp_path, one_process):
+    """-H localhost:2,127.0.0.1:1: node 0 starts the second host's agent itself (no ssh for a
+    local name). At step 5 that host vanishes (its agent and rank killed): 3 -> 2. The
+    discovery script still lists it, so node 0 starts an agent there again: 2 -> 3 by step 8.
+    The parameters are the one process's."""
+    import time
+
+    from helpers import kill_tree
+
+    out, marker = tmp_path / "out.pt", tmp_path / "at-step-5"
+    discovery = tmp_path / "hosts.sh"
+    discovery.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "run", "-H", "localhost:2,127.0.0.1:1", "-np", "3",
+         "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discovery), TRAIN,
+         str(out), "--wait-size", "2:5,3:8", "--offer", str(marker)],
+        cwd=ROOT, env={**_env(), "TANDEM_TIMEOUT": "10"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    _appears(marker, [job])
+    deadline = time.monotonic() + SCENARIO_S
+    agent = None
+    while agent is None:
+        found = subprocess.run(["pgrep", "-P", str(job.pid), "-f", "--", "--node-rank 1 "],
+                               capture_output=True, text=True).stdout.split()
+        agent = int(found[0]) if found else None
+        assert agent is not None or time.monotonic() < deadline, "no agent for node 1"
+    kill_tree(agent)
+    code, err = _outcome(job)
+    assert code == 0, err
+    assert "world 3 -> 2 (round 1): node 1 (" in err and "is unreachable" in err
+    assert "world 2 -> 3 (round 2): 1 worker(s) joined" in err
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 3 + [3] * 4
+    assert_same_model(result, one_process["sgd"])

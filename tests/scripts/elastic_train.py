@@ -10,8 +10,9 @@ Rank 0 writes the final parameters (and the world size of each step) to OUT.
 Faults and events, by worker id (a worker keeps its id whatever its rank):
   --die W:S          worker W exits with code 9 in the middle of step S (after its forward)
   --die-in-resize W  worker W exits with code 9 in its first reset callback (during a resize)
-  --wait-size N:S    at step S, commit until the world has N ranks (a worker is joining)
-  --offer FILE       with --wait-size: rank 0 creates FILE at step S first (the discovery
+  --wait-size N:S    at step S, commit until the world has N ranks (a worker is joining);
+                     several, comma-separated (2:5,3:8)
+  --offer FILE       with --wait-size: rank 0 creates FILE at each such S first (the discovery
                      script offers more slots once it exists)
   --optimizer adam   Adam instead of SGD with momentum
   --no-commit        never commit (the warning, and the start state as the fallback)
@@ -89,7 +90,8 @@ state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, st
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
 skip = tuple(map(int, args.skip_commit.split(":"))) if args.skip_commit else None
-wait = tuple(map(int, args.wait_size.split(":"))) if args.wait_size else None
+waits = dict(tuple(map(int, w.split(":")))[::-1] for w in args.wait_size.split(",")) \
+    if args.wait_size else {}  # step -> the world size to wait for there
 
 
 def die_in_resize():
@@ -110,7 +112,8 @@ def batch(step):
 @elastic.run
 def train(state):
     while state.step < args.steps:
-        if wait is not None and state.step == wait[1]:
+        if state.step in waits:
+            wait = (waits[state.step], state.step)
             if args.offer and td.rank() == 0:
                 open(args.offer, "w").close()
             deadline = time.monotonic() + 60

@@ -118,8 +118,8 @@ OPTIONS: tuple[Option, ...] = (
            "an elastic job: it grows up to B ranks when --host-discovery-script offers slots "
            "or another node's agent joins (with --nnodes, -np N is each node's slots)"),
     Option("discovery", ("--host-discovery-script",), str, "SCRIPT",
-           "an elastic job on one machine: a program printing `host:slots` lines, run every "
-           "second; more slots than ranks make the job grow"),
+           "an elastic job: a program printing `host:slots` lines, run every second; more "
+           "slots than ranks make the job grow (with -H, a listed host gets an agent)"),
     Option("backend", ("--backend",), _backend, "NAME",
            f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs; else mpi "
            "when mpi4py and mpiexec are installed and the job is local without restarts (no "

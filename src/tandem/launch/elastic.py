@@ -52,10 +52,14 @@ class ElasticJob(Agent):
     """Node 0 of an elastic job (the only node, on one machine); `run()` returns its exit code."""
 
     def __init__(self, config: LaunchConfig, secret: str | None = None,
-                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+                 stdout: TextIO | None = None, stderr: TextIO | None = None,
+                 expected_nodes: int | None = None) -> None:
         super().__init__(config, ranks=ElasticRanks, stdout=stdout, stderr=stderr)
         self.low, self.high = config.min_np or 1, config.max_np or config.np
-        self.nodes = Nodes(config, self.events, self.output, secret)
+        self.nodes = Nodes(config, self.events, self.output, secret, expected_nodes)
+        self.agents = None  # -H: the agents this machine starts (`elastic_hosts.HostAgents`)
+        self.discovery = config.discovery  # (-H: given here, the agents' configs have none)
+        self.on_listening = None  # -H: starts them, given the store's port
         self.store: rendezvous.StoreServer | None = None
         self.store_address: tuple[str, int] = (MASTER_ADDR, 0)  # what the workers are told
         self.gloo_interface: str | None = None
@@ -86,6 +90,8 @@ class ElasticJob(Agent):
         self.store_address = (host, self.store.port)
         self.gloo_interface = gloo_interface(host)
         self.nodes.open(self.store, listen)
+        if self.on_listening is not None:
+            self.on_listening(self.store.port)
 
     def _run(self) -> int:
         self._open()
@@ -93,7 +99,7 @@ class ElasticJob(Agent):
             failure = self.nodes.gather(self.config.timeout or DEFAULT_TIMEOUT_S)
             if failure is None:
                 self.start()
-                if self.config.discovery is not None:
+                if self.discovery is not None:
                     with signals_blocked():
                         threading.Thread(target=self._discover, name="tandem-discovery",
                                          daemon=True).start()
@@ -195,7 +201,7 @@ class ElasticJob(Agent):
     def _discover(self) -> None:
         said = None
         while not self._stop_discovery.wait(DISCOVERY_S):
-            slots, problem = discover(self.config.discovery)
+            slots, problem = discover(self.discovery)
             if problem is not None and problem != said:
                 self.output.message(f"tandem run: --host-discovery-script: {problem}")
             said = problem
@@ -203,8 +209,8 @@ class ElasticJob(Agent):
                 self.events.put(("slots", slots))
 
 
-def discover(script: str) -> tuple[int | None, str | None]:
-    """The slots the discovery script offers on this machine: (slots, None), or (None, why)."""
+def discover(script: str) -> tuple[dict[str, int] | None, str | None]:
+    """The slots the discovery script offers, by host: ({host: slots}, None), or (None, why)."""
     try:
         done = subprocess.run([script], capture_output=True, text=True,
                               timeout=DISCOVERY_TIMEOUT_S, check=False)
@@ -212,11 +218,11 @@ def discover(script: str) -> tuple[int | None, str | None]:
         return None, f"could not run it: {error}"
     if done.returncode != 0:
         return None, f"it exited {done.returncode}: {done.stderr.strip()[-200:]}"
-    slots = 0
+    slots: dict[str, int] = {}
     for line in done.stdout.split():
         host, _, count = line.partition(":")
         try:
-            slots += int(count) if count else 1
+            slots[host] = slots.get(host, 0) + (int(count) if count else 1)
         except ValueError:
             return None, f"{line!r} is not `host:slots`"
     return slots, None
@@ -296,9 +302,21 @@ class _ElasticWatch(Supervisor):
         elif kind == "ready":
             self.job.admit(event[1], f"{len(event[1])} worker(s) joined")
         elif kind == "slots" and not self.job.pending:
-            self.job.nodes.nodes[0].slots = event[1]
-            self._grow(self.job.nodes.nodes[0],
-                       f"the discovery script offers {event[1]} slot(s)")
+            self._discovered(event[1])
+
+    def _discovered(self, offered: dict[str, int]) -> None:
+        """The discovery script's hosts: on one machine, all its slots are this machine's;
+        with -H, a host that runs no agent gets one (`elastic_hosts`)."""
+        here = self.job.nodes.nodes[0]
+        agents = self.job.agents
+        if agents is None:
+            here.slots = sum(offered.values())
+            self._grow(here, f"the discovery script offers {here.slots} slot(s)")
+            return
+        if agents.hosts[0] in offered:
+            here.slots = offered[agents.hosts[0]]
+            self._grow(here, f"the discovery script offers {here.slots} slot(s) here")
+        agents.discovered({name: min(slots, self.job.high) for name, slots in offered.items()})
 
     def _grow(self, node: Node, why: str) -> None:
         count = min(self.job.high - len(self.job.nodes.live()), node.capacity())
@@ -322,6 +340,8 @@ class _ElasticWatch(Supervisor):
     def _lost(self, number: int, reason: str) -> None:
         """Node `number`'s agent went away or silent: its workers are lost with it."""
         node, workers = self.job.nodes.lost(number)
+        if self.job.agents is not None:
+            self.job.agents.forget(number)
         if node is None or self.stopping or self.finishing():
             return
         self.job.pending.difference_update(workers)
@@ -339,7 +359,12 @@ class _ElasticWatch(Supervisor):
 
 
 def launch(config: LaunchConfig) -> int:
-    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`)."""
+    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`); with -H, node 0
+    and the agents it starts (`elastic_hosts`)."""
+    if config.hosts:
+        from tandem.launch.elastic_hosts import launch_hosts  # it imports this module
+
+        return launch_hosts(config)
     if config.nnodes == 1:
         return ElasticJob(config).run()
     try:

@@ -105,9 +105,10 @@ class Nodes:
     """Node 0's machines: its own (node 0) and the agents that joined over the control plane."""
 
     def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
-                 secret: str | None) -> None:
+                 secret: str | None, expected: int | None = None) -> None:
         self.config, self.events, self.output = config, events, output
         self.secret = secret
+        self.expected = expected or config.nnodes  # how many nodes round 0 waits for
         self.nodes = {0: Node(0, socket.gethostname(), config.np)}
         self.server: ControlServer | None = None
 
@@ -183,7 +184,7 @@ class Nodes:
         start = time.monotonic()
         enough_since = None
         low = self.config.min_np or 1
-        while len(self.nodes) < self.config.nnodes:
+        while len(self.nodes) < self.expected:
             now = time.monotonic()
             if self.slots() >= low:
                 enough_since = enough_since or now
@@ -212,6 +213,10 @@ class Nodes:
             elif event[0] == "lost":
                 self.lost(event[1])
                 self.output.message(f"tandem run: node {event[1]} left before the job started")
+            elif event[0] == "agent-exited" and event[1] not in self.nodes:  # -H: ssh failed?
+                self.expected -= 1
+                self.output.message(f"tandem run: the agent for {event[2]} exited (code "
+                                    f"{event[3]}) before joining; the job starts without it")
         return None
 
     # -- talking to them ---------------------------------------------------------------------

@@ -38,11 +38,7 @@ def elastic_problem(config) -> str | None:
     if config.max_restarts:
         return ("an elastic job (--min-np/--max-np) replaces --max-restarts: it goes on without "
                 "a failed rank instead of restarting them all; drop one of them")
-    if config.hosts:
-        return ("an elastic job across machines starts one agent per machine with --nnodes N "
-                "--node-rank R --master ADDR:PORT (-H/--hostfile are for fixed jobs, for now); "
-                "or drop --min-np/--max-np")
     if config.nnodes > 1 and config.discovery is not None:
-        return ("--host-discovery-script grows a one-machine job; across nodes the job grows "
-                "when another node's agent joins: drop it")
+        return ("--host-discovery-script grows a one-machine job or a -H job; with --nnodes "
+                "agents, the job grows when another node's agent joins: drop it")
     return None

@@ -134,6 +134,8 @@ def agent_arguments(config: LaunchConfig, *, node_rank: int, nnodes: int,
         args += ["--threads-per-rank", str(config.threads_per_rank)]
     if config.timeout is not None:
         args += ["--timeout", f"{config.timeout:g}"]
+    if config.elastic:  # an elastic job's agent (`elastic_hosts`)
+        args += ["--min-np", str(config.min_np or 1), "--max-np", str(config.max_np or nproc)]
     if config.module:
         args.append("-m")
     return [*args, config.program, *config.args]
