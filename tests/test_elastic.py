@@ -226,7 +226,7 @@ def test_with_a_peer_backup_sharded_state_lost_with_a_rank_is_restored_from_memo
                       "--peer-backup", "--die", "1:5", "--optimizer", "adam")
     assert done.returncode == 0, done.stderr
     assert "world 3 -> 2 (round 1): rank 1 (worker 1) exit code 9" in done.stderr
-    assert "resumed from commit 5," in done.stderr and "checkpoint" not in done.stderr
+    assert "resumed from commit 5 (step 5)," in done.stderr and "checkpoint" not in done.stderr
     result = torch.load(out)
     assert result["sizes"] == [3] * 5 + [2] * 7
     assert_same_model(result, one_process["adam"])

@@ -121,6 +121,8 @@ def _say_resumed(state: State, before: tuple[int, int]) -> None:
     joined = elastic_rounds.read(state._store, state._round)
     lost = time.time() - joined.since
     redone = f", {commits - state.commits} commit(s) redone" if commits > state.commits else ""
+    step = state._extras.get("step")  # the training's own count, when the state keeps one
+    at = f" (step {step})" if isinstance(step, int) else ""
     print(f"tandem elastic: world {size} -> {runtime.size()} (round {joined.number}: "
-          f"{joined.why}); resumed from commit {state.commits}{redone}, {lost:.2f} s after the "
-          f"event", file=sys.stderr, flush=True)
+          f"{joined.why}); resumed from commit {state.commits}{at}{redone}, {lost:.2f} s after "
+          f"the event", file=sys.stderr, flush=True)
