@@ -35,6 +35,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.elastic import sharded, transfer
 from tandem.parallel import splits, zero_reshard
+from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
 from tandem.parallel.zero import ZeroOptimizer
 from tandem.rendezvous import elastic_rounds
@@ -224,20 +225,15 @@ class State:
                     "their shards). Commit after each step (or every few), or give "
                     "State(..., checkpointer=td.Checkpointer(dir, every=N))")
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
-        sent = None  # its commit (or, before any, its state), less what `sharded` moved
-        if runtime.rank() == source:
-            held = self._snapshot if newest > 0 else self._take()
-            sent = {"extras": held["extras"],
-                    "model": None if self._fsdp else held.get("model"),
-                    "optimizer": None if self._sharded else held.get("optimizer")}
-        sent = transfer.broadcast(sent, source)  # one message of raw bytes
+        if self.model is not None and not self._fsdp:  # a fully sharded one: `sharded.reshard`
+            broadcast_parameters(self.model, root=source)
+        if self.optimizer is not None and not self._sharded:
+            broadcast_optimizer_state(self.optimizer, root=source)
+        extras = collectives.broadcast_object(self._extras if runtime.rank() == source else None,
+                                              root=source)
         if self._commits < newest or newest == 0:
-            if sent["model"] is not None:
-                self.model.load_state_dict(sent["model"])
-            if sent["optimizer"] is not None:
-                self.optimizer.load_state_dict(sent["optimizer"])
             self._extras.clear()
-            self._extras.update(sent["extras"])
+            self._extras.update(extras)
             self._snapshot = self._take()
             self._commits = newest
 
