@@ -359,12 +359,8 @@ class _ElasticWatch(Supervisor):
 
 
 def launch(config: LaunchConfig) -> int:
-    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`); with -H, node 0
-    and the agents it starts (`elastic_hosts`)."""
-    if config.hosts:
-        from tandem.launch.elastic_hosts import launch_hosts  # it imports this module
-
-        return launch_hosts(config)
+    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`). (With -H:
+    `elastic_hosts.launch_hosts`.)"""
     if config.nnodes == 1:
         return ElasticJob(config).run()
     try:

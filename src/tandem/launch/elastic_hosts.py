@@ -20,6 +20,7 @@ import threading
 
 from tandem.launch import control, ssh
 from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.elastic import ElasticJob
 from tandem.launch.hosts import Host
 from tandem.launch.output import block_agent_signals
 from tandem.launch.processes import KILL_WAIT_S, signal_group
@@ -83,8 +84,6 @@ class HostAgents:
 
 def launch_hosts(config: LaunchConfig) -> int:
     """An elastic -H/--hostfile job: this machine is node 0 and starts the others' agents."""
-    from tandem.launch.elastic import ElasticJob  # it imports this module
-
     placed = ssh.place(config.np, config.hosts)
     first = config.hosts[0]
     if not first.is_local:

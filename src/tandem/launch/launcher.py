@@ -89,9 +89,9 @@ def launch(config: LaunchConfig) -> int:
     if removed:
         print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
     if config.elastic:
-        from tandem.launch import elastic  # a world that shrinks and grows
+        from tandem.launch import elastic, elastic_hosts  # a world that shrinks and grows
 
-        return elastic.launch(config)
+        return elastic_hosts.launch_hosts(config) if config.hosts else elastic.launch(config)
     if config.backend == "mpi":
         return mpiexec.launch(config)
     if config.max_restarts or config.nnodes > 1 or config.remote_hosts:
