@@ -269,7 +269,9 @@ def _tandem_run(script, *flags, terminal, gate=None):
     `gate`: a FIFO that rank 0 reads to its end after its bar's first draw; we hold its only
     writing end and close it (which lets rank 0 go on) once the terminal has shown that draw.
     Without it a loaded machine can deliver the whole bar in one read, and the agent rightly
-    prints just the last state.
+    prints just the last state. The first draw the terminal shows may itself be two states
+    that arrived together (0/4 and 1/4, printed as the last one, not in place); every later
+    one comes after the gate, so it is drawn in place.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     if gate is not None:
@@ -295,7 +297,7 @@ def _tandem_run(script, *flags, terminal, gate=None):
                 if not chunk:
                     break
                 output += chunk
-                if gate is not None and DRAWN_IN_PLACE in output:
+                if gate is not None and b"[0] bar:" in output:
                     os.close(gate)
                     gate = None
         else:
