@@ -38,6 +38,15 @@ def tandem_run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=SCENARIO_S)
 
 
+def _slots_script(tmp_path: Path, offered: Path) -> Path:
+    """A discovery script that offers 2 slots here, 3 once `offered` exists."""
+    discovery = tmp_path / "slots.sh"
+    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
+                         f"else echo localhost:2; fi\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    return discovery
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The one-process result of the same script, for each optimizer."""
@@ -74,10 +83,7 @@ def test_a_rank_killed_at_step_5_of_3_the_job_goes_on_with_2_and_equals_one_proc
 def test_3_to_2_to_3_a_worker_joins_when_discovery_offers_a_slot_adam_equals_one_process(
         tmp_path, one_process):
     offered = tmp_path / "offered"
-    discovery = tmp_path / "slots.sh"
-    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
-                         f"else echo localhost:2; fi\n")
-    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    discovery = _slots_script(tmp_path, offered)
     out = tmp_path / "out.pt"
     done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
                       str(discovery), TRAIN, str(out), "--die", "2:5", "--wait-size", "3:8",
@@ -135,10 +141,7 @@ def test_zero_optimizer_state_is_resharded_in_memory_when_the_job_grows_2_to_3(
     """td.ZeroOptimizer's shards (Adam's moments, 1/N per rank) are cut again for 3 ranks from
     the 2 that hold them: no file is read, and the result is the one process's."""
     out, offered = tmp_path / "out.pt", tmp_path / "offered"
-    discovery = tmp_path / "slots.sh"
-    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
-                         f"else echo localhost:2; fi\n")
-    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    discovery = _slots_script(tmp_path, offered)
     done = tandem_run("-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
                       str(discovery), TRAIN, str(out), "--zero", "--optimizer", "adam",
                       "--wait-size", "3:8", "--offer", str(offered))
@@ -181,10 +184,7 @@ def test_a_fully_sharded_model_and_its_adam_state_are_cut_again_when_the_job_gro
     """td.fully_shard (two units) with a plain Adam over the shards: 2 -> 3 ranks, the
     parameters and Adam's moments cut again from the two ranks' parts; no file is read."""
     out, offered = tmp_path / "out.pt", tmp_path / "offered"
-    discovery = tmp_path / "slots.sh"
-    discovery.write_text(f"#!/bin/sh\nif [ -e {offered} ]; then echo localhost:3; "
-                         f"else echo localhost:2; fi\n")
-    discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
+    discovery = _slots_script(tmp_path, offered)
     done = tandem_run("-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
                       str(discovery), TRAIN, str(out), "--fsdp", "--optimizer", "adam",
                       "--wait-size", "3:8", "--offer", str(offered))

@@ -53,6 +53,20 @@ def lost_after(config: LaunchConfig) -> float:
     return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
 
 
+def await_hang_ups(events: queue.SimpleQueue, waiting: set[int]) -> None:
+    """After the finish message: let the agents `waiting` read it and hang up first (closing a
+    socket with unread input resets the connection, which could lose the message), for at most
+    `FINISH_S`."""
+    deadline = time.monotonic() + FINISH_S
+    while waiting:
+        try:
+            event = events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return
+        if event[0] == "lost":
+            waiting.discard(event[1])
+
+
 def unwrap_hello(hello) -> dict:
     """An agent's first message, ("hello", {...}) or the dict itself; {} when it is neither."""
     if isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello":
@@ -217,16 +231,7 @@ class Coordinator(Agent):
                                             "summary": text if self.echo_to_peers else None}))}
         if text:
             self.output.message(text)
-        # Let the agents read it and hang up first: closing a socket with unread input resets
-        # the connection, which could lose the message on the way.
-        deadline = time.monotonic() + FINISH_S
-        while waiting:
-            try:
-                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if event[0] == "lost":
-                waiting.discard(event[1])
+        await_hang_ups(self.events, waiting)
         return code
 
     # -- joining ---------------------------------------------------------------------------

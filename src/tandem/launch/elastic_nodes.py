@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from tandem import rendezvous
 from tandem.launch.config import LaunchConfig, StartError
 from tandem.launch.control import ControlServer, Peer
-from tandem.launch.coordinator import FINISH_S, lost_after, refusal, refuse, unwrap_hello
+from tandem.launch.coordinator import await_hang_ups, lost_after, refusal, refuse, unwrap_hello
 from tandem.launch.multinode import Member
 from tandem.launch.output import RankOutput, signals_blocked
 from tandem.launch.processes import start_failure_code, start_ranks
@@ -232,14 +232,7 @@ class Nodes:
         """Every agent exits with the job's code; let them read it and hang up first."""
         waiting = {node.number for node in self.nodes.values() if node.peer is not None
                    and node.peer.send(("finish", {"code": code, "summary": summary}))}
-        deadline = time.monotonic() + FINISH_S
-        while waiting:
-            try:
-                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
-            if event[0] == "lost":
-                waiting.discard(event[1])
+        await_hang_ups(self.events, waiting)
 
 
 class ElasticMember(Member):
