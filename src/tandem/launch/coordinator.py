@@ -35,6 +35,7 @@ import time
 from typing import TextIO
 
 from tandem import rendezvous
+from tandem.launch.agents import await_hang_ups, refusal, refuse, unwrap_hello
 from tandem.launch.config import LaunchConfig
 from tandem.launch.control import ControlServer, Peer, interface_of, reached_at
 from tandem.launch.joined import JoinWatch
@@ -45,60 +46,11 @@ from tandem.launch.supervisor import DRAIN_S, Agent, Failure, Supervisor, summar
 from tandem.settings import DEFAULT_TIMEOUT_S
 
 REMOTE_STOP_S = STOP_GRACE_S + KILL_WAIT_S + 5.0  # how long other nodes may take to stop
-FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
 MAX_LOST_AFTER_S = 30.0  # an agent silent this long (or the timeout, if shorter) is lost
 
 
 def lost_after(config: LaunchConfig) -> float:
     return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
-
-
-def await_hang_ups(events: queue.SimpleQueue, waiting: set[int]) -> None:
-    """After the finish message: let the agents `waiting` read it and hang up first (closing a
-    socket with unread input resets the connection, which could lose the message), for at most
-    `FINISH_S`."""
-    deadline = time.monotonic() + FINISH_S
-    while waiting:
-        try:
-            event = events.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return
-        if event[0] == "lost":
-            waiting.discard(event[1])
-
-
-def unwrap_hello(hello) -> dict:
-    """An agent's first message, ("hello", {...}) or the dict itself; {} when it is neither."""
-    if isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello":
-        hello = hello[1]
-    return hello if isinstance(hello, dict) else {}
-
-
-def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool) -> str | None:
-    """Why node 0 turns an authenticated agent away, or None to let it in."""
-    node = hello.get("node_rank")
-    if not isinstance(node, int) or not 0 <= node < nnodes:
-        return f"node rank {node!r} is out of range: this job has nodes 0..{nnodes - 1}"
-    if hello.get("nnodes") != nnodes:
-        return (f"it says the job has {hello.get('nnodes')} nodes, node 0 says {nnodes}: give "
-                "every node the same --nnodes")
-    if bool(hello.get("elastic", False)) != elastic:
-        return ("node 0 runs an elastic job (--min-np/--max-np): give every node the same "
-                "--min-np/--max-np" if elastic else "node 0 runs a job of a fixed size: drop "
-                "--min-np/--max-np here, or give them to node 0 too")
-    if node in joined:
-        return f"node {node} has joined already (two agents with the same --node-rank?)"
-    return None
-
-
-def refuse(conn, reason: str, where: str, output) -> None:
-    """Tell an agent why it is turned away (it prints that and exits 2), then hang up."""
-    try:
-        conn.send(("refused", {"reason": reason}))
-    except OSError:
-        pass
-    conn.close()
-    output.message(f"tandem run: refused the agent from {where}: {reason}")
 
 
 class Coordinator(Agent):

@@ -35,9 +35,10 @@ import time
 from dataclasses import dataclass, field
 
 from tandem import rendezvous
+from tandem.launch.agents import await_hang_ups, refusal, refuse, unwrap_hello
 from tandem.launch.config import LaunchConfig, StartError
 from tandem.launch.control import ControlServer, Peer
-from tandem.launch.coordinator import await_hang_ups, lost_after, refusal, refuse, unwrap_hello
+from tandem.launch.coordinator import lost_after
 from tandem.launch.multinode import Member
 from tandem.launch.output import RankOutput, signals_blocked
 from tandem.launch.processes import start_failure_code, start_ranks
