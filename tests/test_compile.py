@@ -4,12 +4,12 @@ One world per engine (Gloo, MPI) runs every wrapper twice, eagerly and under
 `torch.compile` (default mode: dynamo + inductor), on the same data from the same start; the
 parameters after 4 Adam steps must agree to 1e-5. The compiled runs also count dynamo's graph
 breaks and graphs: DistributedOptimizer, DistributedDataParallel and Pipeline stages compile
-to one graph with no break and no recompilation. Under the DDP wrapper the graph is cut at
-the gradient buckets, so a bucket is reduced while the backward of the layers before it still
-runs: checked by structure (the compiled backward is one autograd node per bucket, where
-DistributedOptimizer's is one node), never by timing. fully_shard and parallelize train
-correctly compiled, with the graph breaks their collectives cause (docs/compile.md says
-which); no wrapper recompiles after its second step (tandem state that changes per step must
+to one graph with no break and no recompilation. Under both data-parallel wrappers the graph
+is cut at the gradient buckets, so a bucket is reduced while the backward of the layers before
+it still runs: checked by structure (the compiled backward is one autograd node per bucket),
+never by timing. fully_shard and parallelize train correctly compiled over the whole model
+(tests/test_compile_fully_shard.py and tests/test_compile_tensor_parallel.py count their
+graphs and breaks); no wrapper recompiles after its second step (tandem state that changes per step must
 never become a dynamo guard).
 
 Activation checkpointing (`td.checkpoint_wrapper`) is checked against one process: each rank
@@ -17,6 +17,7 @@ also trains a plain copy on the global batch.
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -210,9 +211,10 @@ def _compiled_backward_nodes(loss: torch.Tensor) -> int:
 
 
 def check_pieces_under_compile():
-    """The compiled backward's nodes: one per bucket under the DDP wrapper (each piece's
-    gradients are handed to the reducer before the next piece's backward runs), one in all
-    under DistributedOptimizer. Three Linear(512, 512): a 1 MiB bucket each (bucket_mb=1)."""
+    """The compiled backward's nodes: one per bucket under the DDP wrapper and under
+    DistributedOptimizer (each piece's gradients are handed to the reducer before the next
+    piece's backward runs); one in all once the optimizer is gone (its cut stands only while
+    it lives). Three Linear(512, 512): a 1 MiB bucket each (bucket_mb=1)."""
     x = torch.randn(4, 512)
     pieces = {}
     _fresh()
@@ -234,7 +236,14 @@ def check_pieces_under_compile():
         pieces["DistributedOptimizer"] = (_compiled_backward_nodes(loss), len(opt._reducer.buckets))
         loss.backward()
         opt.step()
-    return {"pieces": pieces, **_graphs()}
+    graphs = _graphs()
+    del opt, run, loss
+    gc.collect()  # (the gradient hooks on the parameters hold the optimizer in a cycle)
+    _fresh()
+    model = _wide()
+    loss = torch.compile(model)(x).square().mean()
+    pieces["no optimizer"] = (_compiled_backward_nodes(loss), 0)
+    return {"pieces": pieces, **graphs}
 
 
 def check_compiled_twice():
@@ -268,14 +277,14 @@ def test_compiled_wrappers_match_eager(backend):
     _assert_compiled(run_distributed(check_compiled, world_size=2, backend=backend, timeout=300))
 
 
-def test_compiled_ddp_backward_is_one_node_per_bucket():
+def test_compiled_backward_is_one_node_per_bucket():
     for rank, result in enumerate(run_distributed(check_pieces_under_compile, world_size=2,
                                                   timeout=300)):
         assert result["breaks"] == 0, (rank, result)
-        nodes, buckets = result["pieces"]["DistributedDataParallel"]
-        assert buckets == 3 and nodes == 3, (rank, result)
-        # Without the wrapper's cut, one node: every gradient is ready at the end of backward.
-        assert result["pieces"]["DistributedOptimizer"] == (1, 3), (rank, result)
+        for wrapper in ("DistributedDataParallel", "DistributedOptimizer"):
+            assert result["pieces"][wrapper] == (3, 3), (rank, wrapper, result)
+        # Without a cut, one node: every gradient is ready at the end of backward.
+        assert result["pieces"]["no optimizer"] == (1, 0), (rank, result)
 
 
 def test_compiling_twice_is_one_graph():

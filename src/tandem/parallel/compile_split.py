@@ -28,14 +28,19 @@ frames of `torch.nn` (an `nn.Sequential`'s forward would otherwise run uncompile
 published object is a small record with the one attribute dynamo reads (`bucket_bytes_cap`),
 never a torch DDP. Eager runs pay one attribute store and restore per forward.
 
-`td.DistributedOptimizer` never sees the model's forward (it only holds the parameters), so a
-`torch.compile(model)` under it is one graph: correct, but its reductions all start at the end
-of backward. Wrap the model in `td.DistributedDataParallel` to keep the overlap when compiling.
+`td.DistributedOptimizer` never sees the model's forward (it only holds the parameters), so it
+cannot publish its cut around one. Its cut *stands* instead (`stand_for`): from its
+construction until it is garbage-collected, every frame dynamo compiles outside a DDP wrapper's
+forward is split at its buckets. A graph without its parameters (another model, an evaluation
+step) is split too, harmlessly: the splitter counts parameters, so a graph with few makes one
+or a few pieces, and each piece is still compiled by the backend asked for. The latest live
+optimizer's cut stands; a DDP wrapper's forward publishes its own and restores the standing one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +70,12 @@ class BucketCaps:
         full = bucket_bytes[1:-1] if len(bucket_bytes) > 2 else bucket_bytes[1:]
         return BucketCaps(max(min(full, default=_FIRST_PIECE_BYTES), _FIRST_PIECE_BYTES))
 
+    @staticmethod
+    def of_reducer(reducer: Any) -> BucketCaps:
+        """`of` the reducer's buckets, in parameter bytes as the splitter counts them (no
+        padding, no flags)."""
+        return BucketCaps.of([sum(v.nbytes for v in b.views) for b in reducer.buckets])
+
 
 _FIRST_PIECE_BYTES = 1 << 20  # torch's splitter's first piece (torch.distributed's default)
 
@@ -85,6 +96,30 @@ def bucket_boundaries(caps: BucketCaps | None) -> Iterator[None]:
         yield
     finally:
         _TorchDDP._active_ddp_module = previous
+
+
+# owner (a DistributedOptimizer) -> its cut, oldest first; an owner leaves when collected.
+_standing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stand_for(owner: object, caps: BucketCaps | None) -> None:
+    """While `owner` lives (or until it stands again), split every frame dynamo compiles at
+    `caps` (None: withdraw `owner`'s cut)."""
+    if not _SUPPORTED:
+        return
+    _standing.pop(owner, None)
+    if caps is not None:
+        _standing[owner] = caps
+        weakref.finalize(owner, _publish_standing)
+    _publish_standing()
+
+
+def _publish_standing() -> None:
+    current = _TorchDDP._active_ddp_module
+    if current is not None and not isinstance(current, BucketCaps):
+        return  # a torch DDP forward is running: it restores what it found
+    live = list(_standing.values())
+    _TorchDDP._active_ddp_module = live[-1] if live else None
 
 
 def call_module(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:

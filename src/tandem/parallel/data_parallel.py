@@ -36,41 +36,18 @@ from tandem.diagnostics import steps, timeline
 from tandem.parallel import splits
 from tandem.parallel.buckets import DEFAULT_FIRST_CAP_BYTES
 from tandem.parallel.comm_hooks import CommHook, describe
-from tandem.parallel.compile_split import BucketCaps, bucket_boundaries, call_module
+from tandem.parallel.compile_split import BucketCaps, bucket_boundaries, call_module, stand_for
 from tandem.parallel.compression import make_comm_hook
 from tandem.parallel.reducer import Reducer
 from tandem.parallel.reducer_front import MB as _MB
-from tandem.parallel.reducer_front import check_common, leave, rejoin, unsynced
+from tandem.parallel.reducer_front import (
+    check_common,
+    leave,
+    ordered_named_params,
+    rejoin,
+    unsynced,
+)
 from tandem.parallel.step_clock import StepClock, StepStats
-
-
-def _ordered_named_params(
-    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
-) -> list[tuple[str, torch.Tensor]]:
-    """The optimizer's trainable parameters in registration order, with names."""
-    params: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    if named_parameters is None:
-        return [(f"param{i}", p) for i, p in enumerate(params)]
-    named = list(named_parameters)
-    if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
-        raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
-    names = {id(p): n for n, p in named}
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
-    if missing:
-        raise ValueError(
-            f"named_parameters does not name {len(missing)} of the optimizer's parameters "
-            f"(positions {missing[:5]}); pass the named_parameters() of the model whose "
-            f"parameters the optimizer holds, or omit it"
-        )
-    order = {id(p): k for k, (_, p) in enumerate(named)}
-    return sorted(((names[id(p)], p) for p in params), key=lambda item: order[id(item[1])])
-
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -129,18 +106,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         self._wait_s = 0.0  # communication waited for since the last step
         self._warned_short = False
-        named = _ordered_named_params(optimizer, named_parameters)
+        named = ordered_named_params(optimizer, named_parameters)
 
         def reducer() -> Reducer | None:
             if group_size(group) == 1:
+                stand_for(self, None)  # (an elastic world of one) nothing to overlap
                 return None
             hook = make_comm_hook(compression)
-            return Reducer(
+            built = Reducer(
                 named, op=op, comm_hook=hook, cap_bytes=int(bucket_mb * _MB),
                 first_cap_bytes=int(first_bucket_mb * _MB), accumulate=accumulate, group=group,
                 on_round_end=self._round_done, owner="DistributedOptimizer",
                 options=f"op={op} accumulate={accumulate} compression={describe(hook)}",
             )
+            # A compiled model is cut at the buckets, to overlap still (compile_split.py).
+            stand_for(self, BucketCaps.of_reducer(built))
+            return built
 
         self._make_reducer = reducer
         self._reducer: Reducer | None = reducer()
@@ -321,8 +302,7 @@ class DistributedDataParallel(nn.Module):
                 first_cap_bytes=int(first_bucket_mb * _MB), group=group, on_round_end=self._round_done,
                 owner="DistributedDataParallel", options=f"op={op} compression={describe(hook)}",
             )
-            # Parameter bytes, as the splitter counts them (no padding, no flags).
-            self._split = BucketCaps.of([sum(v.nbytes for v in b.views) for b in built.buckets])
+            self._split = BucketCaps.of_reducer(built)
             return built
 
         if group_size(group) > 1:

@@ -1,11 +1,14 @@
 """What `DistributedOptimizer` and `DistributedDataParallel` share around their `Reducer`:
-argument checks, `no_sync()`, and following an elastic job's change of world."""
+argument checks, the named parameters in order, `no_sync()`, and following an elastic job's
+change of world."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+import torch
 
 from tandem import runtime
 from tandem.comm.groups import Group
@@ -52,3 +55,31 @@ def unsynced(reducer) -> Iterator[None]:
         yield
     finally:
         reducer.set_sync(True)
+
+
+def ordered_named_params(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's trainable parameters in registration order, with names."""
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if named_parameters is None:
+        return [(f"param{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    if named and not (isinstance(named[0], tuple) and len(named[0]) == 2):
+        raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+    names = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise ValueError(
+            f"named_parameters does not name {len(missing)} of the optimizer's parameters "
+            f"(positions {missing[:5]}); pass the named_parameters() of the model whose "
+            f"parameters the optimizer holds, or omit it"
+        )
+    order = {id(p): k for k, (_, p) in enumerate(named)}
+    return sorted(((names[id(p)], p) for p in params), key=lambda item: order[id(item[1])])
