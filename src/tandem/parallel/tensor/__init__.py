@@ -2,6 +2,7 @@
 run on different ranks at the same time.
 
 - `regions`: the conjugate communication pairs (copy_to / reduce_from, gather_from / scatter_to)
+- `region_ops`: the same pairs as torch custom operators, for graphs that `torch.compile` traces
 - `layers`: column- and row-parallel `Linear`, vocabulary-parallel embedding and cross-entropy
 - `attention`: self-attention with its heads split
 - `plan`: `parallelize(model, plan, group)` converts an existing model's layers by name;

@@ -14,6 +14,8 @@ inputs' shapes must match, as for `parallelize`), and its backward with another.
 rest of that first forward, and its backward) each collective is checked alone, as a
 user-facing collective is. With checks off, on a group of one rank or on NCCL (where the
 agreement would be a host synchronisation), nothing is agreed and every call is direct.
+Compiled, the regions ask `ensure` when the graph runs (`region_ops.tp_checked`), and the
+covering module is never the `torch.compile` wrapper but the module it calls.
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ class _Cover:
         self.group, self.key, self.check, self.explain = group, key, check, explain
         self.open: list[direct.Frame] = []  # the forwards of the module running now
 
-    @torch.compiler.disable  # eager under torch.compile, as the regions' collectives are
+    # Never traced: the agreement communicates, and its per-forward counters would become
+    # dynamo guards. On the compiled model itself, torch.compile runs these hooks outside the
+    # graph (no break; the regions inside are operators of the graph, `region_ops`); on a
+    # module called inside a compiled one, they are one graph break at its entry.
+    @torch.compiler.disable
     def before(self, module: nn.Module, args, kwargs) -> None:
         if _watched.get(module, {}).get(self.key) is not self:
             return
@@ -100,13 +106,16 @@ class _Cover:
 
 
 def _outermost_module() -> nn.Module | None:
-    """The outermost module whose forward is running in this thread (its `__call__`'s frame)."""
+    """The outermost module whose forward is running in this thread (its `__call__`'s frame).
+    Not a `torch.compile` wrapper: it calls its module, which is found inside it (and named
+    in errors as the user wrote it), and whose hooks run outside the compiled graph too."""
     found = None
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _CALL:
             module = frame.f_locals.get("self")
-            if isinstance(module, nn.Module):
+            if isinstance(module, nn.Module) and not isinstance(getattr(module, "_orig_mod", None),
+                                                                nn.Module):
                 found = module
         frame = frame.f_back
     return found

@@ -26,7 +26,7 @@ from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel import split_grads, splits, state_hooks
 from tandem.parallel.pieces import Held, sliced, whole
-from tandem.parallel.tensor import guard
+from tandem.parallel.tensor import guard, region_ops
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
 
@@ -45,7 +45,9 @@ def shard_range(size: int, group: Group | None, what: str) -> tuple[int, int]:
 
 
 def mark_sliced(group: Group | None, *params: torch.Tensor | None) -> None:
-    """Register the tensors as tensor-parallel slices over `group` (see `parallel/splits.py`)."""
+    """Register the tensors as tensor-parallel slices over `group` (see `parallel/splits.py`),
+    and the group for the regions' compiled operators (`region_ops.remember`)."""
+    region_ops.remember(group)
     for param in params:
         if param is not None:
             splits.mark(param, splits.TENSOR_PARALLEL, group)

@@ -19,36 +19,23 @@ size is exchanged. A tensor that enters the split region several times in one fo
 input of separate q, k and v projections) enters once: its gradient is summed locally and
 all-reduced once, as a fused projection's would be.
 
-Under torch.compile each region runs eagerly between two graphs (a graph break each,
-`torch.compiler.disable`): dynamo never traces into the engine or the agreement.
+Under torch.compile the regions are torch custom operators (`region_ops`): a compiled graph
+holds them, with no graph break, and they run the same engine calls when the graph runs.
+Eagerly they are the autograd functions below, as before (nothing else is asked per call
+than whether dynamo is tracing).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.comm import collectives, direct
+from tandem.comm import direct
 from tandem.comm.backend import Group
-from tandem.comm.groups import group_rank, group_size
-from tandem.parallel.tensor import guard
-
-
-def _split(tensor: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
-    size = tensor.shape[dim] // group_size(group)
-    return tensor.narrow(dim, group_rank(group) * size, size).contiguous()
-
-
-def _gather(tensor: torch.Tensor, dim: int, group: Group | None, checked: bool) -> torch.Tensor:
-    moved = tensor.movedim(dim, 0).contiguous()
-    if checked:  # no agreement covers it yet (see `guard`): checked alone
-        return collectives.allgather(moved, group=group).movedim(0, dim)
-    return direct.allgather(moved, group).movedim(0, dim)
-
-
-def _sum(tensor: torch.Tensor, group: Group | None, checked: bool) -> torch.Tensor:
-    if checked:
-        return collectives.allreduce(tensor.contiguous(), "sum", group=group)
-    return direct.allreduce(tensor, "sum", group)
+from tandem.comm.groups import group_size
+from tandem.parallel.tensor import guard, region_ops
+from tandem.parallel.tensor.region_ops import gather_over as _gather
+from tandem.parallel.tensor.region_ops import split_of as _split
+from tandem.parallel.tensor.region_ops import sum_over as _sum
 
 
 class _CopyTo(torch.autograd.Function):
@@ -94,9 +81,41 @@ class _ScatterTo(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group, ctx.checked), None, None, None
 
 
-@torch.compiler.disable
 def copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Enter a split region: identity forward, gradients summed over the group backward."""
+    if torch.compiler.is_compiling():
+        return region_ops.copy_to(tensor, group)
+    return _copy_to(tensor, group)
+
+
+def reduce_from(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Leave a split region by summing the partial results: all-reduce forward, identity back."""
+    if torch.compiler.is_compiling():
+        return region_ops.reduce_from(tensor, group)
+    if group_size(group) == 1:
+        return tensor
+    return _ReduceFrom.apply(tensor, group, guard.ensure(group))
+
+
+def gather_from(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
+    """Leave a split region by concatenating the shards along `dim`."""
+    if torch.compiler.is_compiling():
+        return region_ops.gather_from(tensor, group, dim % tensor.dim())
+    if group_size(group) == 1:
+        return tensor
+    return _GatherFrom.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))
+
+
+def scatter_to(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
+    """Enter a split region by keeping this rank's equal slice along `dim`."""
+    if torch.compiler.is_compiling():
+        return region_ops.scatter_to(tensor, group, dim % tensor.dim())
+    if group_size(group) == 1:
+        return tensor
+    return _ScatterTo.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))
+
+
+def _copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     if group_size(group) == 1:
         return tensor
     checked = guard.ensure(group)
@@ -111,27 +130,3 @@ def copy_to(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     entered = _CopyTo.apply(tensor, group, checked)
     frame.entered[id(tensor)] = (tensor, tensor._version, entered)
     return entered
-
-
-@torch.compiler.disable
-def reduce_from(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
-    """Leave a split region by summing the partial results: all-reduce forward, identity back."""
-    if group_size(group) == 1:
-        return tensor
-    return _ReduceFrom.apply(tensor, group, guard.ensure(group))
-
-
-@torch.compiler.disable
-def gather_from(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
-    """Leave a split region by concatenating the shards along `dim`."""
-    if group_size(group) == 1:
-        return tensor
-    return _GatherFrom.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))
-
-
-@torch.compiler.disable
-def scatter_to(tensor: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
-    """Enter a split region by keeping this rank's equal slice along `dim`."""
-    if group_size(group) == 1:
-        return tensor
-    return _ScatterTo.apply(tensor, dim % tensor.dim(), group, guard.ensure(group))
