@@ -210,15 +210,15 @@ def _compiled_backward_nodes(loss: torch.Tensor) -> int:
     return count
 
 
-def check_pieces_under_compile():
+def check_pieces_under_compile(device: str = "cpu"):
     """The compiled backward's nodes: one per bucket under the DDP wrapper and under
     DistributedOptimizer (each piece's gradients are handed to the reducer before the next
     piece's backward runs); one in all once the optimizer is gone (its cut stands only while
     it lives). Three Linear(512, 512): a 1 MiB bucket each (bucket_mb=1)."""
-    x = torch.randn(4, 512)
+    x = torch.randn(4, 512, device=device)
     pieces = {}
     _fresh()
-    model = _wide()
+    model = _wide().to(device)
     wrapped = td.DistributedDataParallel(model, bucket_mb=1)
     run = torch.compile(wrapped)
     for _ in range(2):  # the second forward runs the compiled code, the first compiles it
@@ -227,7 +227,7 @@ def check_pieces_under_compile():
                                              len(wrapped._reducer.buckets))
         loss.backward()
     _fresh()
-    model = _wide()
+    model = _wide().to(device)
     opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   named_parameters=model.named_parameters(), bucket_mb=1)
     run = torch.compile(model)
@@ -240,7 +240,7 @@ def check_pieces_under_compile():
     del opt, run, loss
     gc.collect()  # (the gradient hooks on the parameters hold the optimizer in a cycle)
     _fresh()
-    model = _wide()
+    model = _wide().to(device)
     loss = torch.compile(model)(x).square().mean()
     pieces["no optimizer"] = (_compiled_backward_nodes(loss), 0)
     return {"pieces": pieces, **graphs}

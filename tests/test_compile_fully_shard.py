@@ -62,10 +62,10 @@ def _shard(model: Net, compile_blocks: str | None) -> None:
     td.fully_shard(model)
 
 
-def _train(recipe: str) -> tuple[dict, dict]:
+def _train(recipe: str, device: str = "cpu") -> tuple[dict, dict]:
     torch._dynamo.reset()
     counters.clear()
-    model = Net()
+    model = Net().to(device)
     _shard(model, {"per block, forward": "forward", "per block, torchtitan": "before"}.get(recipe))
     run = torch.compile(model) if recipe == "whole model" else model
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -73,6 +73,7 @@ def _train(recipe: str) -> tuple[dict, dict]:
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(100 + step)
         x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 2, generator=generator)
+        x, y = x.to(device), y.to(device)
         mine = slice(4 * td.rank(), 4 * td.rank() + 4)
         opt.zero_grad()
         nn.functional.mse_loss(run(x[mine]), y[mine]).backward()
@@ -85,30 +86,33 @@ def _train(recipe: str) -> tuple[dict, dict]:
                    "recompiled": graphs_after[-1] - graphs_after[1]}
 
 
-def check_recipes():
-    eager, _ = _train("eager")
+def check_recipes(device: str = "cpu"):
+    eager, _ = _train("eager", device)
     results = {}
     for recipe in ("per block, forward", "per block, torchtitan", "whole model"):
-        state, graphs = _train(recipe)
+        state, graphs = _train(recipe, device)
         assert state.keys() == eager.keys(), sorted(set(state) ^ set(eager))
         results[recipe] = {"difference": max((state[k] - eager[k]).abs().max().item() for k in eager),
                            **graphs}
     return results
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_compiled_fully_shard_matches_eager(backend):
-    if backend == "mpi":
-        pytest.importorskip("mpi4py")
-    for rank, results in enumerate(run_distributed(check_recipes, world_size=2, backend=backend,
-                                                   timeout=300)):
+def assert_recipes(results_per_rank, tolerance: float = TOLERANCE) -> None:
+    for rank, results in enumerate(results_per_rank):
         for recipe, result in results.items():
-            assert result["difference"] <= TOLERANCE, (rank, recipe, result)
+            assert result["difference"] <= tolerance, (rank, recipe, result)
             assert result["graphs"] >= 1 and result["recompiled"] == 0, (rank, recipe, result)
         for recipe in ("per block, forward", "per block, torchtitan"):
             # One graph (the blocks share their code), nothing broken.
             assert results[recipe]["breaks"] == 0, (rank, recipe, results[recipe])
             assert results[recipe]["graphs"] == 1, (rank, recipe, results[recipe])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_compiled_fully_shard_matches_eager(backend):
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    assert_recipes(run_distributed(check_recipes, world_size=2, backend=backend, timeout=300))
 
 
 def _mlp() -> nn.Sequential:

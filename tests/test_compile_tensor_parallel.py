@@ -105,28 +105,28 @@ def _batch(step: int):
     return torch.randn(4, SEQ, EMBED, generator=generator)
 
 
-def _train(build, compiled: bool) -> tuple[dict, list[int]]:
+def _train(build, compiled: bool, device: str = "cpu") -> tuple[dict, list[int]]:
     """Parameters after STEPS Adam steps, and the graphs compiled so far after each step."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = build()
+    model = build().to(device)
     run = torch.compile(model) if compiled else model
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     graphs = []
     for step in range(STEPS):
         opt.zero_grad()
-        run(_batch(step)).square().mean().backward()
+        run(_batch(step).to(device)).square().mean().backward()
         opt.step()
         graphs.append(counters["stats"]["unique_graphs"])
     return td.full_state_dict(model), graphs
 
 
-def check_compiled_matches_eager() -> dict:
+def check_compiled_matches_eager(device: str = "cpu") -> dict:
     results = {}
     for name, build in MODELS.items():
-        eager, _ = _train(build, compiled=False)
-        compiled, graphs = _train(build, compiled=True)
+        eager, _ = _train(build, compiled=False, device=device)
+        compiled, graphs = _train(build, compiled=True, device=device)
         assert eager.keys() == compiled.keys(), sorted(set(eager) ^ set(compiled))
         results[name] = {
             "difference": max((eager[k] - compiled[k]).abs().max().item() for k in eager),
@@ -139,10 +139,14 @@ def check_compiled_matches_eager() -> dict:
 def test_compiled_tensor_parallel_is_one_graph_and_matches_eager(backend):
     if backend == "mpi":
         pytest.importorskip("mpi4py")
-    for rank, results in enumerate(run_distributed(check_compiled_matches_eager, world_size=2,
-                                                   backend=backend, timeout=300)):
+    assert_compiled(run_distributed(check_compiled_matches_eager, world_size=2, backend=backend,
+                                    timeout=300))
+
+
+def assert_compiled(results_per_rank, tolerance: float = TOLERANCE) -> None:
+    for rank, results in enumerate(results_per_rank):
         for name, result in results.items():
-            assert result["difference"] <= TOLERANCE, (rank, name, result)
+            assert result["difference"] <= tolerance, (rank, name, result)
             breaks, graphs = NOT_ONE_GRAPH.get(name, (0, 1))
             assert result["breaks"] == breaks, (rank, name, result)
             assert result["graphs"] == graphs, (rank, name, result)

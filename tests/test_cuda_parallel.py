@@ -8,6 +8,10 @@ GPU; `scripts/gpu-check.sh` runs them on a GPU machine.
 
 import pytest
 import torch
+from test_compile import check_pieces_under_compile
+from test_compile_fully_shard import assert_recipes
+from test_compile_fully_shard import check_recipes as check_compiled_fully_shard
+from test_compile_tensor_parallel import assert_compiled, check_compiled_matches_eager
 from test_cuda import requires_cuda
 from test_fully_shard import CASES, _assert_equivalent
 from test_fully_shard import check_equivalence as check_fully_shard
@@ -61,3 +65,33 @@ def test_pipeline_stages_on_the_gpu():
         assert devices == {"cuda:0"}, (rank, devices)  # both ranks share the one GPU
         assert not problems, "\n".join(problems)
     assert results[0][2] == results[1][2]
+
+
+# -- torch.compile (inductor's GPU kernels) ---------------------------------------------------
+# Compiled against eager on the GPU: inductor's fused kernels add in another order than
+# eager's, and Adam turns a tiny gradient's difference into up to a step, so 1e-4, not 1e-5.
+GPU_COMPILE_TOLERANCE = 1e-4
+
+
+@requires_cuda
+@pytest.mark.timeout(400)
+def test_compiled_tensor_parallel_on_the_gpu():
+    """The custom operators of the regions in inductor's GPU graph: one graph, eager's result."""
+    assert_compiled(run_distributed(check_compiled_matches_eager, world_size=2, args=("cuda",),
+                                    timeout=360), GPU_COMPILE_TOLERANCE)
+
+
+@requires_cuda
+@pytest.mark.timeout(400)
+def test_compiled_fully_shard_on_the_gpu():
+    assert_recipes(run_distributed(check_compiled_fully_shard, world_size=2, args=("cuda",),
+                                   timeout=360), GPU_COMPILE_TOLERANCE)
+
+
+@requires_cuda
+@pytest.mark.timeout(300)
+def test_compiled_backward_is_cut_at_the_buckets_on_the_gpu():
+    for rank, result in enumerate(run_distributed(check_pieces_under_compile, world_size=2,
+                                                  args=("cuda",), timeout=240)):
+        for wrapper in ("DistributedDataParallel", "DistributedOptimizer"):
+            assert result["pieces"][wrapper] == (3, 3), (rank, wrapper, result)
