@@ -79,6 +79,7 @@ class LocalWorld:
         self._connections: dict[int, Connection] = {}
         self._pids: dict[int, int] = {}
         self._store = None
+        self._told_to_stop = False
         self.broken = False
         self._start()
 
@@ -171,13 +172,19 @@ class LocalWorld:
             self._connections[rank] = connection
             self._pids[rank] = payload
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force) and forget them."""
+    def ask_to_stop(self) -> None:
+        """Tell the workers to end (they shut their engine down); `close` waits for them."""
         for connection in self._connections.values():
             try:
                 connection.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
+        self._told_to_stop = True
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and forget them."""
+        if not self._told_to_stop:
+            self.ask_to_stop()
         stop_processes(wait_all(self._processes, 10.0), signal.SIGKILL, grace=0)
         for pid in self._pids.values():
             try:
@@ -315,9 +322,13 @@ def run_distributed(
 
 
 def close_worlds() -> None:
-    """Stop every shared world (the suite's session fixture calls it; so does atexit)."""
-    while _worlds:
-        _, world = _worlds.popitem()
+    """Stop every shared world (the suite's session fixture calls it; so does atexit). All are
+    told first, so that their engines shut down side by side, not one world after another."""
+    worlds = list(_worlds.values())
+    _worlds.clear()
+    for world in worlds:
+        world.ask_to_stop()
+    for world in worlds:
         world.close()
 
 
