@@ -9,7 +9,12 @@ alternating step by step after warm-up (which includes compiling):
 - `ddp eager` / `ddp compiled`: `td.DistributedDataParallel(model)`, and `torch.compile` of it
   (the graph cut at the gradient buckets, `parallel/compile_split.py`);
 - `opt eager` / `opt compiled`: `td.DistributedOptimizer` over the plain model, and
-  `torch.compile(model)` under it (one graph: every gradient is ready at the end of backward).
+  `torch.compile(model)` under it (cut at the optimizer's buckets: its cut stands while it
+  lives);
+- MLP only, `tp eager` / `tp compiled`: the MLP split by `td.parallelize` (first layer
+  column-parallel, second row-parallel) over both ranks, which then compute the same batch;
+  compiled, the regions' collectives are custom operators inside the one graph. Its
+  communication is part of the forward and backward, not hidden behind them: step time only.
 Exposed communication is tandem's own compute/communication split: the time the step waited
 for gradient reductions that backward did not hide (`last_step_stats.comm_wait_s`, what
 `tandem scale` reports). The exposed share is that wait over the step's wall time (summed over
@@ -79,7 +84,35 @@ def variants(name: str) -> dict:
             F.cross_entropy(run(x), y).backward()
             opt.step()
         out[f"opt {'compiled' if compiled else 'eager'}"] = (opt_step, opt)
+        if name == "mlp":
+            out[f"tp {'compiled' if compiled else 'eager'}"] = (_tensor_parallel_step(compiled), None)
     return out
+
+
+class _Split(nn.Module):
+    """The MLP under a module of its own: torch.compile runs the parallelized model's hooks
+    (its agreement) outside the graph, which it does not for an `nn.Sequential` itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = build("mlp")
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def _tensor_parallel_step(compiled: bool):
+    model = td.parallelize(_Split(), {"mlp.0": "colwise", "mlp.2": "rowwise"})
+    run = torch.compile(model) if compiled else model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)  # the same batch on every rank of the split
+    x, y = torch.randn(BATCH["mlp"], 784, generator=g), torch.randint(0, 10, (BATCH["mlp"],), generator=g)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(run(x), y).backward()
+        opt.step()
+    return step
 
 
 def overlap_worker(config: dict) -> list[dict]:
@@ -103,7 +136,7 @@ def overlap_worker(config: dict) -> list[dict]:
                 start = time.perf_counter()
                 step()
                 wall[variant].append(time.perf_counter() - start)
-                wait[variant].append(owner.last_step_stats.comm_wait_s)
+                wait[variant].append(owner.last_step_stats.comm_wait_s if owner else 0.0)
         results[name] = {v: {"step_s": statistics.median(wall[v]),
                              "exposed_share": sum(wait[v]) / sum(wall[v]),
                              "exposed_s": statistics.median(wait[v]),
