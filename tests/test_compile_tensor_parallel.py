@@ -92,8 +92,15 @@ class Outer(nn.Module):
         return torch.relu(self.inner(x))
 
 
+def _sequential():
+    """torch's own container: dynamo would inline its call, hooks included
+    (`compile_split.hooks_outside_graph`)."""
+    return td.parallelize(nn.Sequential(nn.Linear(EMBED, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, EMBED)),
+                          {"0": "colwise", "2": "rowwise"})
+
+
 MODELS = {"colwise + rowwise": _mlp, "attention block": _block, "hand-built": HandBuilt,
-          "inside a compiled model": Outer}
+          "nn.Sequential": _sequential, "inside a compiled model": Outer}
 #: Breaks and graphs where they are not 0 and 1: a parallelized model called inside the
 #: compiled one opens its forward with its agreement (a hook run eagerly: one break at its
 #: entry, never one per collective); its forward is one graph, the caller's rest another.

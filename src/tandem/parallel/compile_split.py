@@ -40,6 +40,7 @@ optimizer's cut stands; a DDP wrapper's forward publishes its own and restores t
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,3 +126,24 @@ def _publish_standing() -> None:
 def call_module(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     """`module(*args, **kwargs)` in a frame dynamo compiles (it skips `torch.nn`'s own frames)."""
     return module(*args, **kwargs)
+
+
+def hooks_outside_graph(module: nn.Module) -> None:
+    """Make `torch.compile(module)` run `module`'s hooks outside its graph, also when its
+    class is one of torch's own (`nn.Sequential`).
+
+    torch.compile runs a module's hooks before dynamo picks up its forward's frame, except
+    when that forward is torch.nn's code: dynamo starts no frame there, so it inlines the
+    whole call, hooks included, and a hook that must stay eager (an agreement that
+    communicates) breaks the graph at its entry. Such a module gets its class's forward as
+    a method of its own, from this file (an instance attribute: the class, the state dict,
+    copies and pickles are unchanged), which gives dynamo a frame to start at.
+    """
+    forward = type(module).forward
+    if "forward" not in vars(module) and getattr(forward, "__module__", "").startswith("torch.nn"):
+        module.forward = types.MethodType(_class_forward, module)
+
+
+def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(module).forward(module, *args, **kwargs)
+

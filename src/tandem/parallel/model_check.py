@@ -25,6 +25,7 @@ from tandem import runtime
 from tandem.comm import agreement
 from tandem.comm.agreement import DivergedError
 from tandem.comm.groups import Group, group_ranks, group_size
+from tandem.parallel import compile_split
 from tandem.parallel.step_check import user_site
 
 _MODEL_KIND = agreement.checksum("split model operation")
@@ -228,6 +229,7 @@ def watch(module: torch.nn.Module, wrapper: str, lines: Sequence[str], group: Gr
     hooks = _Hooks(explain_inputs)
     module.register_forward_pre_hook(hooks.before, with_kwargs=True)
     module.register_forward_hook(hooks.after)
+    compile_split.hooks_outside_graph(module)
 
 
 class _Hooks:

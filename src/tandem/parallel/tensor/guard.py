@@ -31,7 +31,7 @@ from tandem import runtime
 from tandem.comm import direct
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_ranks, group_size
-from tandem.parallel import model_check
+from tandem.parallel import compile_split, model_check
 
 _CALL = nn.Module._call_impl.__code__
 # module -> {its group's ranks: the hooks that cover it}; modules kept weakly
@@ -69,6 +69,7 @@ def cover(module: nn.Module, group: Group | None, check: model_check.ModelCheck 
     hooks = known[key] = _Cover(group, key, check, explain or explain_inputs)
     module.register_forward_pre_hook(hooks.before, with_kwargs=True)
     module.register_forward_hook(hooks.after, always_call=True)
+    compile_split.hooks_outside_graph(module)
 
 
 class _Cover:
