@@ -270,7 +270,8 @@ STEPS = (
     Step("doctor", "tandem doctor", _doctor_commands, 20, 20, read=_read_doctor),
     Step("cuda-tests", "tests/test_cuda.py and tests/test_cuda_parallel.py (DP on one shared GPU over "
          "Gloo and MPI, a world of one on NCCL, recipes, fully_shard, tensor parallel, pipeline, a "
-         "side stream, no host sync)", _pytest_commands, 230, 60, needs=("pytest",), read=_read_pytest),
+         "side stream, no host sync, torch.compile)", _pytest_commands, 230, 60, needs=("pytest",),
+         read=_read_pytest),
     Step("dp-overhead", "tandem's DP step vs plain PyTorch at world size 1: ResNet-9 and a GPT-style "
          "decoder, bf16", _dp_commands, 70, 30, needs_cuda=True, read=_read_dp),
     Step("collectives", "all-reduce of CUDA tensors, 4 KB-256 MB: Gloo, MPI and NCCL, raw vs tandem",
