@@ -33,7 +33,7 @@ def _model():
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def _run(path: str, wrapper: str):
+def _run(path: str, wrapper: str, compiled: bool = False):
     """Train 5 steps; rank 1 takes `path` at step 2. Returns (step, error) or (None, weights)."""
     rank = td.rank()
     model = _model()
@@ -43,11 +43,12 @@ def _run(path: str, wrapper: str):
     else:
         td.broadcast_parameters(model)
         opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    forward = torch.compile(model) if compiled else model
     step = -1
     try:
         for step in range(5):
             x = torch.full((3, 4), float(rank + step + 1))
-            loss = model(x).pow(2).mean()
+            loss = forward(x).pow(2).mean()
             if path == "nan" and rank == 1 and step == 2:
                 loss = loss * float("nan")
             if path == "nan":
@@ -140,6 +141,23 @@ def test_diverged_ranks_are_named_and_skipping_together_works(backend):
         (s0, _, w0), (s1, _, w1) = ranks[0]["nan"], ranks[1]["nan"]
         assert s0 is None and s1 is None
         assert w0 == w1 and torch.isfinite(torch.tensor(w0)).all()
+
+
+def check_compiled_skips(wrapper):
+    return {path: _run(path, wrapper, compiled=True) for path in ("skip", "skip_step")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_skips_a_compiled_step_is_named(backend):
+    """Compiled, the backward is cut at the buckets under both wrappers (docs/compile.md): a
+    rank that skips a step, or only its optimizer step, is still named, never waited for."""
+    for wrapper in ("ddp", "optimizer"):
+        ranks = run_distributed(check_compiled_skips, 2, backend, args=(wrapper,), timeout=180)
+        # A plain torch optimizer's steps (under the DDP wrapper) are not tandem's to count.
+        for path in ("skip",) if wrapper == "ddp" else ("skip", "skip_step"):
+            for step, kind, message in (ranks[0][path], ranks[1][path]):
+                assert kind == "DivergedError", (wrapper, path, step, message)
+                assert "rank 0:" in message and "rank 1:" in message, message
 
 
 def test_a_rank_inside_a_tandem_call_is_not_reported_as_computing():
