@@ -83,3 +83,18 @@ def kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def assert_compiled_like_eager(results_per_rank, tolerance: float,
+                               exact: dict[str, tuple[int, int]]) -> None:
+    """Each rank's {name: {"difference", "breaks", "graphs", "recompiled"}} of a compiled run
+    against the eager one: within `tolerance`, something compiled, nothing recompiled after
+    the second step, and the names in `exact` with exactly their (breaks, graphs)."""
+    for rank, results in enumerate(results_per_rank):
+        for name, result in results.items():
+            assert result["difference"] <= tolerance, (rank, name, result)
+            assert result["graphs"] >= 1, (rank, name, "nothing was compiled", result)
+            assert result["recompiled"] == 0, (rank, name, result)
+        for name, (breaks, graphs) in exact.items():
+            assert (results[name]["breaks"], results[name]["graphs"]) == (breaks, graphs), (
+                rank, name, results[name])

@@ -21,6 +21,7 @@ import gc
 
 import pytest
 import torch
+from helpers import assert_compiled_like_eager
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -258,16 +259,10 @@ def check_compiled_twice():
 
 
 def _assert_compiled(results_per_rank):
-    for rank, results in enumerate(results_per_rank):
-        for name, result in results.items():
-            assert result["difference"] <= TOLERANCE, (rank, name, result)
-            assert result["graphs"] >= 1, (rank, name, "nothing was compiled", result)
-            assert result["recompiled"] == 0, (rank, name, result)
-        for name in ("DistributedOptimizer", "DistributedDataParallel", "Pipeline"):
-            # One graph for the model (a stage), no break and no recompilation (a counter that
-            # changes every step would recompile every step, then fall back to eager).
-            assert results[name]["breaks"] == 0, (rank, name, results[name])
-            assert results[name]["graphs"] == 1, (rank, name, results[name])
+    # One graph for the model (a stage), no break and no recompilation (a counter that changes
+    # every step would recompile every step, then fall back to eager).
+    assert_compiled_like_eager(results_per_rank, TOLERANCE, dict.fromkeys(
+        ("DistributedOptimizer", "DistributedDataParallel", "Pipeline"), (0, 1)))
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])

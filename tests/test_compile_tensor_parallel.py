@@ -19,6 +19,7 @@ hooks run outside the graph): a rank that skips a forward, or a backward, is nam
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_compiled_like_eager
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -151,13 +152,8 @@ def test_compiled_tensor_parallel_is_one_graph_and_matches_eager(backend):
 
 
 def assert_compiled(results_per_rank, tolerance: float = TOLERANCE) -> None:
-    for rank, results in enumerate(results_per_rank):
-        for name, result in results.items():
-            assert result["difference"] <= tolerance, (rank, name, result)
-            breaks, graphs = NOT_ONE_GRAPH.get(name, (0, 1))
-            assert result["breaks"] == breaks, (rank, name, result)
-            assert result["graphs"] == graphs, (rank, name, result)
-            assert result["recompiled"] == 0, (rank, name, result)
+    assert_compiled_like_eager(results_per_rank, tolerance,
+                               {name: NOT_ONE_GRAPH.get(name, (0, 1)) for name in MODELS})
 
 
 def _skip_one(what: str) -> tuple[int | None, str | None, str | None]:

@@ -108,10 +108,12 @@ def stand_for(owner: object, caps: BucketCaps | None) -> None:
     `caps` (None: withdraw `owner`'s cut)."""
     if not _SUPPORTED:
         return
+    first = owner not in _standing
     _standing.pop(owner, None)
     if caps is not None:
         _standing[owner] = caps
-        weakref.finalize(owner, _publish_standing)
+        if first:  # (an elastic job's new world stands again: one finalizer is enough)
+            weakref.finalize(owner, _publish_standing)
     _publish_standing()
 
 
