@@ -156,6 +156,42 @@ def assert_compiled(results_per_rank, tolerance: float = TOLERANCE) -> None:
                                {name: NOT_ONE_GRAPH.get(name, (0, 1)) for name in MODELS})
 
 
+def _train_on_a_mesh(compiled: bool) -> tuple[dict, dict]:
+    """dp=2 x tp=2: the MLP split over this rank's tp group, its gradients averaged over the dp
+    group by a DistributedOptimizer (whose bucket cut then splits the compiled graph too)."""
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = td.mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    model = td.parallelize(Mlp(), {"up": "colwise", "down": "rowwise"}, group=mesh.tp_group)
+    run = torch.compile(model) if compiled else model
+    opt = td.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), group=mesh.dp_group)
+    for step in range(STEPS):
+        opt.zero_grad()
+        run(_batch(10 * step + mesh.dp_rank)).square().mean().backward()  # a batch per replica
+        opt.step()
+    return td.full_state_dict(model), {"breaks": sum(counters["graph_break"].values()),
+                                       "graphs": counters["stats"]["unique_graphs"]}
+
+
+def check_mesh() -> dict:
+    eager, _ = _train_on_a_mesh(compiled=False)
+    compiled, graphs = _train_on_a_mesh(compiled=True)
+    return {"difference": max((eager[k] - compiled[k]).abs().max().item() for k in eager), **graphs}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_compiled_tensor_parallel_on_a_dp_x_tp_mesh(backend):
+    """The operators find their group by its ranks (a tp group of two, in a world of four)."""
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    for rank, result in enumerate(run_distributed(check_mesh, world_size=4, backend=backend,
+                                                  timeout=300)):
+        assert result["difference"] <= TOLERANCE, (rank, result)
+        assert (result["breaks"], result["graphs"]) == (0, 1), (rank, result)
+
+
 def _skip_one(what: str) -> tuple[int | None, str | None, str | None]:
     """Train a compiled model; rank 1 alone skips the forward (or only the backward) of step 2."""
     torch._dynamo.reset()
