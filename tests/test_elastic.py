@@ -51,11 +51,11 @@ def _slots_script(tmp_path: Path, offered: Path) -> Path:
 def one_process(tmp_path_factory):
     """The one-process result of the same script, for each optimizer."""
     results = {}
-    for optimizer in ("sgd", "adam"):
+    for optimizer, *more in (("sgd",), ("adam",), ("adam", "--scheduler")):
         out = tmp_path_factory.mktemp("reference") / f"{optimizer}.pt"
-        subprocess.run([sys.executable, TRAIN, str(out), "--optimizer", optimizer], cwd=ROOT,
-                       env=_env(), check=True, timeout=SCENARIO_S)
-        results[optimizer] = torch.load(out)
+        subprocess.run([sys.executable, TRAIN, str(out), "--optimizer", optimizer, *more],
+                       cwd=ROOT, env=_env(), check=True, timeout=SCENARIO_S)
+        results[" ".join([optimizer, *more])] = torch.load(out)
     return results
 
 
@@ -82,18 +82,21 @@ def test_a_rank_killed_at_step_5_of_3_the_job_goes_on_with_2_and_equals_one_proc
 
 def test_3_to_2_to_3_a_worker_joins_when_discovery_offers_a_slot_adam_equals_one_process(
         tmp_path, one_process):
+    """With a StepLR kept in the State: it steps the real optimizer, is compared by value at
+    each commit (three ranks, three scheduler objects) and is sent to the newcomer."""
     offered = tmp_path / "offered"
     discovery = _slots_script(tmp_path, offered)
     out = tmp_path / "out.pt"
     done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
                       str(discovery), TRAIN, str(out), "--die", "2:5", "--wait-size", "3:8",
-                      "--offer", str(offered), "--optimizer", "adam")
+                      "--offer", str(offered), "--optimizer", "adam", "--scheduler")
     assert done.returncode == 0, done.stderr
     assert "world 3 -> 2 (round 1)" in done.stderr
     assert "tandem run: elastic: world 2 -> 3 (round 2): 1 worker(s) joined" in done.stderr
     result = torch.load(out)
     assert result["sizes"] == [3] * 5 + [2] * 3 + [3] * 4
-    assert_same_model(result, one_process["adam"])
+    assert result["lr"] == pytest.approx(0.01 * 0.5 ** 2)  # StepLR(5, 0.5) after 12 steps
+    assert_same_model(result, one_process["adam --scheduler"])
 
 
 def test_a_rank_that_dies_during_the_resize_shrinks_the_job_again_horovod_api(

@@ -24,6 +24,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --fsdp             td.fully_shard (two units), a plain torch optimizer over the shards
   --peer-backup      State(peer_backup=True): each rank keeps the previous rank's part too
   --checkpoint DIR   State(checkpointer=td.Checkpointer(DIR, every=4)): the disk fallback
+  --scheduler        a StepLR kept in the State as an extra (restored in place, by value)
 """
 
 import argparse
@@ -53,6 +54,7 @@ parser.add_argument("--zero", action="store_true")
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--peer-backup", action="store_true")
 parser.add_argument("--checkpoint", default=None)
+parser.add_argument("--scheduler", action="store_true")
 args = parser.parse_args()
 
 if args.horovod:
@@ -83,9 +85,11 @@ else:
     optimizer = td.DistributedOptimizer(inner)
 net = td.DistributedDataParallel(model) if args.ddp else model
 checkpointer = td.Checkpointer(args.checkpoint, every=4) if args.checkpoint else None
-backup = {"peer_backup": True} if args.peer_backup else {}
+extras = {"peer_backup": True} if args.peer_backup else {}
+if args.scheduler:  # steps the inner optimizer: its learning rate is what the wrapper uses
+    extras["scheduler"] = torch.optim.lr_scheduler.StepLR(inner, step_size=5, gamma=0.5)
 state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, step=0, sizes=[],
-                   **backup)
+                   **extras)
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
@@ -128,6 +132,8 @@ def train(state):
             os._exit(9)
         loss.backward()
         optimizer.step()
+        if args.scheduler:
+            state.scheduler.step()
         state.sizes = state.sizes + [td.size()]
         state.step += 1
         if diverge is not None and (worker, state.step) == diverge:
@@ -139,6 +145,6 @@ def train(state):
 train(state)
 params = {k: v.clone() for k, v in model.state_dict().items()}  # collective when sharded
 if td.rank() == 0:
-    torch.save({"params": params,
+    torch.save({"params": params, "lr": inner.param_groups[0]["lr"],
                 "sizes": state.sizes, "step": state.step}, args.out)
 td.shutdown()

@@ -5,8 +5,10 @@
     state.step += 1
     state.commit()          # a snapshot in memory; then: did the world change?
 
-`commit()` copies the model's and the optimizer's state dicts and the extras (any picklable
-attribute given as a keyword: `state.step`, `state.epoch`) into this process's memory: a
+`commit()` copies the model's and the optimizer's state dicts and the extras (attributes
+given as keywords: plain values such as `state.step`, `state.epoch`, copied; objects with
+`state_dict()`/`load_state_dict()` such as a scheduler, kept by their state dict and restored
+in place, see `extras`) into this process's memory: a
 `clone()` of each tensor, no disk, no communication beyond one small message. That message
 (`_agree`) does two things for every rank at once: it says whether the launcher formed a new
 round (ranks joined: `WorldChanged` is raised after the snapshot, so nothing is lost), and it
@@ -33,6 +35,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm import collectives
+from tandem.elastic import extras as kept
 from tandem.elastic import sharded, transfer
 from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -76,6 +79,8 @@ class State:
                     f"(td.DistributedOptimizer, td.DistributedDataParallel, or td.ZeroOptimizer's "
                     f"shards over the world, resharded at each change) in an elastic job, or a "
                     f"fixed -np with --max-restarts and td.Checkpointer, which reshards on load")
+        for name, value in extras.items():
+            kept.check(name, value)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"td.elastic.State(model=...) takes an nn.Module, got "
                             f"{type(model).__name__}")
@@ -108,6 +113,7 @@ class State:
         if name in _OWN or name.startswith("_"):
             self.__dict__[name] = value
         else:
+            kept.check(name, value)
             self._extras[name] = value
 
     @property
@@ -131,7 +137,7 @@ class State:
         self._commits += 1
 
     def _take(self) -> dict[str, Any]:
-        snapshot: dict[str, Any] = {"extras": copy.deepcopy(self._extras)}
+        snapshot: dict[str, Any] = {"extras": kept.values(self._extras)}
         if self._fsdp:  # this rank's shards: a copy, no communication
             snapshot["model"] = resize.model_state(self.model)
         elif self.model is not None:
@@ -172,8 +178,7 @@ class State:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         if self._sharded and shards:
             sharded.load(self, [sharded.parts(self, snapshot)])
-        self._extras.clear()
-        self._extras.update(copy.deepcopy(snapshot["extras"]))
+        kept.load(self._extras, snapshot["extras"])
 
     def check_host_updates(self) -> None:
         """Raise `WorldChanged` on every rank when the launcher formed a new round; name the
@@ -185,7 +190,7 @@ class State:
         everyone = collectives.allgather(mine).view(-1, 4)
         rounds, agreed = everyone[:, 0], everyone[:, 1:]
         if bool((agreed != agreed[0]).any()):
-            extras = collectives.allgather_object(self._extras)  # the failure path only
+            extras = collectives.allgather_object(kept.values(self._extras))  # failure path
             raise StateMismatchError(_mismatch(agreed.tolist(), extras))
         if int(rounds.max()) != self._round:
             raise WorldChanged(f"round {int(rounds.max())} began (this world is round "
@@ -229,11 +234,10 @@ class State:
             broadcast_parameters(self.model, root=source)
         if self.optimizer is not None and not self._sharded:
             broadcast_optimizer_state(self.optimizer, root=source)
-        extras = collectives.broadcast_object(self._extras if runtime.rank() == source else None,
-                                              root=source)
+        extras = collectives.broadcast_object(
+            kept.values(self._extras) if runtime.rank() == source else None, root=source)
         if self._commits < newest or newest == 0:
-            self._extras.clear()
-            self._extras.update(extras)
+            kept.load(self._extras, extras)
             self._snapshot = self._take()
             self._commits = newest
 
@@ -273,8 +277,7 @@ class State:
     def _digests(self) -> tuple[int, int]:
         """What every replica must have alike, as two 62-bit digests: the extras, and the
         snapshot's model (replicas are bitwise equal, so the sums of their tensors are too)."""
-        extras = hashlib.blake2b(pickle.dumps(sorted(self._extras.items(), key=str)),
-                                 digest_size=8)
+        extras = hashlib.blake2b(kept.digest_bytes(self._extras), digest_size=8)
         model = (self._snapshot or {}).get("model", {})
         sums = [t.double().sum() for t in model.values()
                 if torch.is_tensor(t) and t.is_floating_point()]
@@ -308,16 +311,17 @@ def _split_how(owner: Any, fsdp: bool) -> str | None:
 
 
 class _Extras:
-    """The extras as a checkpointable object (a state dict of plain values)."""
+    """The extras as a checkpointable object: plain values, and each stateful object's state
+    dict (loaded back into the same object)."""
 
     def __init__(self, extras: dict[str, Any]) -> None:
         self.extras = extras
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.extras)
+        return kept.values(self.extras)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.extras.update(state)
+        kept.load(self.extras, state)
 
 
 def _mismatch(agreed: list[list[int]], extras: list[dict[str, Any]]) -> str:
@@ -327,8 +331,8 @@ def _mismatch(agreed: list[list[int]], extras: list[dict[str, Any]]) -> str:
         what = []
         if commits != agreed[0][0]:
             what.append(f"{commits} commit(s), rank 0 {agreed[0][0]}")
-        differing = sorted(k for k in set(extras[rank]) | set(extras[0])
-                           if extras[rank].get(k) != extras[0].get(k))
+        differing = sorted(k for k in set(extras[rank]) | set(extras[0])  # by value: bytes
+                           if pickle.dumps(extras[rank].get(k)) != pickle.dumps(extras[0].get(k)))
         what += [f"{k}={extras[rank].get(k)!r}, rank 0 {k}={extras[0].get(k)!r}"
                  for k in differing]
         if weights != agreed[0][2]:
