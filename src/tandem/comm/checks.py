@@ -8,16 +8,30 @@ disagree. Only then (the slow path) do the ranks exchange readable descriptions,
 error shows what each rank passed. The check is the same collective on every rank whatever the
 arguments, so it cannot itself deadlock on a mismatch.
 
-In debug mode two more fields carry the collective's fingerprint (`comm.fingerprints`):
-its sequence number on the group and a hash of the user's call site, so a rank that skipped a
-collective is caught by the same single all-reduce. The same collective reached from different
-lines is only a warning (once per pair of lines): code that branches on the rank does that on
-purpose (`if rank == 0: ...; td.barrier() else: td.barrier()`). `barrier`
+Two more fields say which call this is. The user's call site (a code of `file:line`, the first
+frame outside tandem and torch: `comm.fingerprints`) is in every mode, so a rank that skipped
+one of two same-shaped collectives in a row is found at the first call the ranks pair wrongly,
+before anything is sent (rank 0 at `a = td.allreduce(x)`, rank 1 already at
+`b = td.allreduce(y)`): without it both would sum x with y. It rides in the message that the
+check sends anyway, and costs a walk of a few frames per call. When the call sites alone
+differ, the ranks exchange them (the slow path, once per pair of lines and group) and judge
+the two lines from the file's syntax tree (`comm.call_sites`):
+
+* a skip (the later line follows the earlier one in the same block, made by every rank that
+  gets there): a `DivergedError` on every rank, in every mode, naming each rank's call and line;
+* branches of one if/else (`if rank == 0: td.broadcast(x) else: td.broadcast(y)`): correct
+  code, accepted in every mode (debug mode says so once per pair of lines);
+* anything else: accepted by default, because a correct program may look like it (a branch
+  through two `if`s, two functions or an early return), and refused in debug mode
+  (`td.init(debug=True)` / `TANDEM_DEBUG=1`), which compares call sites strictly.
+
+Debug mode also carries the collective's sequence number on its group (`comm.fingerprints`),
+so a rank that skipped a collective earlier is caught even when the lines agree. `barrier`
 and `allgather_object`, which have no arguments to check, go through `agree_on_call()`: they
 are checked too, because MPI matches collectives by their order alone, so a rank that skipped
 an all-reduce and entered a barrier would otherwise complete its barrier against the other
-ranks' next message and fail later on garbage. The two fingerprint fields are always present
-(-1 when debug is off), so the vector has the same size on every rank.
+ranks' next message and fail later on garbage. The sequence field is always present (-1 when
+debug is off), so the vector has the same size on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ import sys
 
 import torch
 
-from tandem.comm import agreement, context, fingerprints
+from tandem.comm import agreement, call_sites, context, fingerprints
 from tandem.comm.members import group_ranks, group_size
 
 _SHAPE_SLOTS = 12
@@ -61,7 +75,7 @@ def describe(
     return f"{collective}({', '.join(parts)})"
 
 
-def _encode(collective, tensor, op, root, ignore_dim0, fingerprint=None) -> list[int]:
+def _encode(collective, tensor, op, root, ignore_dim0, site: int, seq: int = _IGNORED) -> list[int]:
     shape = list(tensor.shape)
     if ignore_dim0 and shape:
         shape[0] = _IGNORED
@@ -69,9 +83,7 @@ def _encode(collective, tensor, op, root, ignore_dim0, fingerprint=None) -> list
     extra = _code(",".join(map(str, shape[_SHAPE_SLOTS:]))) if len(shape) > _SHAPE_SLOTS else 0
     values = [
         _code(collective), _code(op), _code(str(tensor.dtype)), tensor.dim(),
-        _IGNORED if root is None else root, _code(tensor.device.type),
-        _IGNORED if fingerprint is None else fingerprint.seq,
-        _IGNORED if fingerprint is None else fingerprint.site_code, *slots, extra,
+        _IGNORED if root is None else root, _code(tensor.device.type), seq, site, *slots, extra,
     ]
     return values
 
@@ -86,48 +98,60 @@ def agree(
     ignore_dim0: bool = False,
     engine: context.Context | None = None,
 ) -> None:
-    """Raise `CollectiveMismatchError` on every rank unless all ranks pass the same arguments.
+    """Raise `CollectiveMismatchError` on every rank unless all ranks pass the same arguments,
+    or `DivergedError` when a rank skipped a collective (the module docstring says when).
 
     `engine`: the engine to check over, when not td.init's (a torch.distributed group's)."""
     engine = engine or context.current()
     if not (engine.checks or engine.debug) or group_size(group, engine) == 1:
         return
-    if not engine.debug:  # the same codes whenever this collective meets this shape again
-        prepared = _prepared(collective, tensor, op, root, ignore_dim0)
+    site = fingerprints.site_key()  # the user's line: the caller's caller, outward
+    if not engine.debug:  # the same codes whenever this line makes this call again
+        prepared = _prepared(collective, tensor, op, root, ignore_dim0, site)
         differ = agreement.differing(prepared.codes, group, engine, prepared=prepared)
-        if differ:  # the slow path: every rank saw the same difference, and names every call
-            agreement.agree(lambda: describe(collective, tensor, op, root, ignore_dim0), group,
-                            codes=prepared.codes, engine=engine, explain=_explain, differ=differ)
+        if not differ:
+            return
+
+        def call() -> str:
+            return describe(collective, tensor, op, root, ignore_dim0)
+        if set(differ) == {_SITE}:  # the same call from other lines: a skip or a branch?
+            _judge_sites(call, site, group, engine, differ[_SITE], strict=False)
+            return
+        # the slow path: every rank saw the same difference, and names every call
+        agreement.agree(call, group, codes=prepared.codes, engine=engine, explain=_explain,
+                        differ=differ)
         return
     stream = "world" if group is None else tuple(group.ranks)
-    fingerprint = fingerprints.next_fingerprint(collective, stream)
+    fingerprint = fingerprints.next_fingerprint(collective, stream, site)
 
-    def mine() -> str:  # the readable call, only made on a mismatch
-        text = describe(collective, tensor, op, root, ignore_dim0)
-        return f"#{fingerprint.seq} {text} at {fingerprint.site}"
-    # The same collective from different lines is legitimate when the code branches on the
-    # rank (`if rank == 0: barrier() else: barrier()`): a warning, not an error.
-    differ = agreement.agree(
-        mine, group, codes=_encode(collective, tensor, op, root, ignore_dim0, fingerprint),
-        tolerated=(_SITE,), engine=engine, explain=_explain_debug)
+    def numbered() -> str:  # the readable call, only made on a mismatch
+        return f"#{fingerprint.seq} {describe(collective, tensor, op, root, ignore_dim0)}"
+
+    def mine() -> str:
+        return f"{numbered()} at {fingerprint.site}"
+    codes = _encode(collective, tensor, op, root, ignore_dim0, fingerprint.site_code,
+                    fingerprint.seq)
+    differ = agreement.agree(mine, group, codes=codes, tolerated=(_SITE,), engine=engine,
+                             explain=_explain_debug)
     if differ:
-        _warn_sites(mine(), group, engine, differ[_SITE])
+        _judge_sites(numbered, site, group, engine, differ[_SITE], strict=True)
 
 
 _PREPARED: dict[tuple, agreement.Prepared] = {}
 _MOST_PREPARED = 4096  # kinds of call kept (a job makes a few dozen); past it, start again
 
 
-def _prepared(collective, tensor, op, root, ignore_dim0) -> agreement.Prepared:
-    """The message of this call, made once per collective, shape, dtype, op and root: a small
-    message takes MPI a few microseconds, so encoding it again each time would cost more."""
-    key = (collective, tensor.shape, tensor.dtype, op, root, ignore_dim0, tensor.device.type)
+def _prepared(collective, tensor, op, root, ignore_dim0, site) -> agreement.Prepared:
+    """The message of this call, made once per collective, shape, dtype, op, root and line: a
+    small message takes MPI a few microseconds, so encoding it again each time would cost more."""
+    key = (collective, tensor.shape, tensor.dtype, op, root, ignore_dim0, tensor.device.type,
+           site)
     found = _PREPARED.get(key)
     if found is None:
         if len(_PREPARED) >= _MOST_PREPARED:
             _PREPARED.clear()
         found = _PREPARED[key] = agreement.prepare(
-            _encode(collective, tensor, op, root, ignore_dim0))
+            _encode(collective, tensor, op, root, ignore_dim0, fingerprints.site_code(site)))
     return found
 
 
@@ -146,21 +170,67 @@ def _explain_debug(ranks, calls) -> str:
                     "compares the sequence numbers #n and the call sites too).")
 
 
-_warned_sites: set[tuple[int, int]] = set()
+_warned_sites: set[tuple] = set()  # pairs of lines debug mode said were branches
 
 
-def _warn_sites(mine: str, group, engine: context.Context, sites: tuple[int, int]) -> None:
-    """Once per pair of lines (every rank sees the same pair, so all decide alike)."""
-    if sites in _warned_sites:
+def _judge_sites(call, site: tuple[str, int], group, engine: context.Context,
+                 pair: tuple[int, int], strict: bool) -> None:
+    """The ranks agree on every argument but their lines: raise on every rank if the lines are
+    a skip (or, `strict`, unless they are branches of one if/else); else remember the pair, so
+    that the next calls from these lines cost nothing more.
+
+    Every rank of the group is here with the same `pair` (the highest and lowest line code),
+    so every rank takes part in the same exchange and, reading the same file, decides alike.
+    """
+    key = (None if group is None else tuple(group.ranks), pair)
+    if key in fingerprints.judged:
         return
-    _warned_sites.add(sites)
-    calls = agreement.everyone(mine, group, engine)
+    said = agreement.everyone((call(), fingerprints.Site.of(site)), group, engine)
     ranks = group_ranks(group, engine)
-    if engine.world.rank == ranks[0]:
-        print(f"tandem debug: ranks reached one collective from different lines:\n"
-              f"{_lines(ranks, calls)}\nFine if the code branches on the rank; otherwise a rank "
-              "skipped a collective (this is said once per pair of lines).",
-              file=sys.stderr, flush=True)
+    where = [s for _, s in said]
+    verdict, lines = _verdict(where, site[0])
+    if verdict == call_sites.SKIP or (strict and verdict != call_sites.BRANCHES):
+        calls = [f"{text} at {s.text}" for text, s in said]
+        raise agreement.DivergedError(
+            _explain_skip(ranks, calls, where, lines) if verdict == call_sites.SKIP
+            else _explain_strict(ranks, calls))
+    fingerprints.judged.add(key)
+    if strict and pair not in _warned_sites:
+        _warned_sites.add(pair)
+        if engine.world.rank == ranks[0]:
+            print("tandem debug: ranks reached one collective from the branches of one if/else:\n"
+                  f"{_lines(ranks, [f'{t} at {s.text}' for t, s in said])}\n(said once per "
+                  "pair of lines)", file=sys.stderr, flush=True)
+
+
+def _verdict(where: list[fingerprints.Site], path: str) -> tuple[str, tuple[int, int] | None]:
+    """What the ranks' lines are to each other, when they all read one file; else UNKNOWN."""
+    if len({(s.name, s.source) for s in where}) != 1 or where[0].source is None:
+        return call_sites.UNKNOWN, None
+    source = fingerprints.source_of(where[0], path)
+    if source is None:
+        return call_sites.UNKNOWN, None
+    return call_sites.verdict(source, [s.line for s in where])
+
+
+def _explain_skip(ranks, calls, where: list[fingerprints.Site], lines: tuple[int, int]) -> str:
+    earlier, later = (f"{where[0].name}:{line}" for line in lines)
+    past = ", ".join(str(r) for r, s in zip(ranks, where, strict=True) if s.line == lines[1])
+    return (f"ranks reached one collective from different lines, and {later} comes after "
+            f"{earlier} in the same block: rank(s) {past}, at {later}, went past the "
+            f"collective at {earlier} without calling it (a skipped collective; nothing was "
+            f"sent, which would have combined two different tensors):\n{_lines(ranks, calls)}\n"
+            f"Make every rank call the collective at {earlier}, or none: a condition on the "
+            "rank around a collective (`if rank == 0:`) skips it on the others. To decide "
+            "together, reduce the condition first (e.g. `td.all_finite`).")
+
+
+def _explain_strict(ranks, calls) -> str:
+    return ("ranks reached one collective from different lines that are not the branches of "
+            "one if/else, so debug mode cannot tell a deliberate branch from a skipped "
+            f"collective (nothing was sent):\n{_lines(ranks, calls)}\nCall it from one line on "
+            "every rank (choose the tensor first: `t = x if rank == 0 else y`), or from the "
+            "branches of one if/else. Without debug mode, only a proven skip is refused.")
 
 
 _NOTHING = torch.empty(0, dtype=torch.uint8)
