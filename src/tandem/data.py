@@ -18,6 +18,14 @@ Remainders (N samples, k ranks, global batch B):
   `k - N % k` samples of the epoch's order are read twice (once more than the rest) and every
   rank has ceil(N / k) samples. The last step may hold fewer than B samples; it holds the same
   number on every rank, so a mean over ranks is still the mean over the batch.
+* `drop_last=False, pad=False`: every sample is read exactly once, so shards differ by at most
+  one sample (100 on 3 ranks: 34/33/33) and the epoch is the one-process epoch, batch for
+  batch. A step whose global batch does not split evenly (the last) holds different numbers
+  of samples on the ranks; the loader tells the data-parallel reducer each batch's size, and
+  that step's gradients are averaged over samples, not ranks (m_k / n, `parallel/samples.py`),
+  which gives one process's result. When the last global batch has fewer samples than there
+  are ranks (N % B < k), some ranks have one batch less: run the loop inside `td.join(...)`.
+  Batches read under `torch.no_grad()` (evaluation) are not reported.
 * `drop_last=True`: only the first `N - N % B` samples of each epoch's order are read, so
   every step is a full global batch on every rank (as `DataLoader(drop_last=True)` would do
   in one process). Different samples are dropped each epoch when shuffling.
@@ -25,16 +33,19 @@ Remainders (N samples, k ranks, global batch B):
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps, timeline
+from tandem.diagnostics.batches import record as record_batch
 
 # Keyword arguments `partition_dataset` sets itself; passing them through would contradict it.
 _RESERVED = ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last")
@@ -55,7 +66,8 @@ class ShardSampler(Sampler[int]):
     be tested (or used) without any processes. Each call to `iter()` uses the current epoch
     and then advances it by one; `set_epoch(e)` chooses the epoch of the next pass. Every rank
     must therefore start the same number of passes (or call `set_epoch` with the same value).
-    `batch_size` (the global batch) only matters with `drop_last=True`.
+    `batch_size` (the global batch) matters with `drop_last=True`, and for `step_samples`.
+    `pad=False` reads no sample twice: the ranks' shards then differ by up to one sample.
     """
 
     def __init__(
@@ -68,6 +80,7 @@ class ShardSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         batch_size: int | None = None,
+        pad: bool = True,
     ) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
@@ -92,11 +105,14 @@ class ShardSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.batch_size = batch_size
+        self.pad = pad
         self._next_epoch = 0
         if drop_last:
             self._used = length - length % batch_size
-        else:
+        elif pad:
             self._used = -(-length // size) * size  # rounded up to a multiple of size
+        else:
+            self._used = length
 
     @property
     def epoch(self) -> int:
@@ -124,7 +140,18 @@ class ShardSampler(Sampler[int]):
         return iter(self.indices(epoch))
 
     def __len__(self) -> int:
-        return self._used // self.size
+        return len(range(self.rank, self._used, self.size))
+
+    def step_samples(self, step: int) -> tuple[int, bool]:
+        """(this rank's samples at `step` of a pass, whether the ranks' counts differ there).
+
+        The same for every epoch. The counts differ only where the step's global batch
+        (positions [step * B, (step + 1) * B) of the order) is not a multiple of `size`.
+        """
+        per_rank = self.batch_size // self.size
+        mine = max(0, min(per_rank, len(self) - step * per_rank))
+        globally = max(0, min(self.batch_size, self._used - step * self.batch_size))
+        return mine, globally % self.size != 0
 
 
 class ShardedLoader(DataLoader):
@@ -143,13 +170,16 @@ class ShardedLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         # The base iterator is made now (not at the first batch): iter() starts the epoch.
-        return _timed(super().__iter__(), self.batch_size)
+        return _timed(super().__iter__(), self.batch_size, self.sampler)
 
 
-def _timed(batches: Iterator[Any], per_rank: int) -> Iterator[Any]:
+def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iterator[Any]:
     """Each batch, with the time the script waited for it reported to `tandem scale`
-    (`diagnostics.steps`) and the timeline: two clock reads per batch."""
-    while True:
+    (`diagnostics.steps`) and the timeline: two clock reads per batch. A batch read for
+    training (grad mode) is also recorded for the gradient reducer (`parallel/samples.py`): its
+    share m_k / B of the step, and whether the ranks' shares differ (with pad=False only)."""
+    global_batch = sampler.batch_size
+    for step in itertools.count():
         start = time.perf_counter_ns()
         try:
             batch = next(batches)
@@ -159,6 +189,9 @@ def _timed(batches: Iterator[Any], per_rank: int) -> Iterator[Any]:
         steps.add_batch((end - start) * 1e-9, per_rank)
         if timeline.ENABLED:
             timeline.batch_fetched(start, end)
+        if torch.is_grad_enabled():
+            mine, uneven = sampler.step_samples(step)
+            record_batch(mine / global_batch, uneven, global_batch)
         yield batch
 
 
@@ -191,6 +224,7 @@ def partition_dataset(
     seed: int = 0,
     drop_last: bool = False,
     *,
+    pad: bool = True,
     group: Group | None = None,
     **loader_kwargs: Any,
 ) -> tuple[ShardedLoader, int]:
@@ -200,6 +234,13 @@ def partition_dataset(
     (of `group`, the world by default) reads `batch_size // size` samples per step. See the
     module docstring for how shards are cut and how `drop_last` treats the remainder. Extra
     keyword arguments (`num_workers`, `collate_fn`, `pin_memory`, ...) go to `DataLoader`.
+
+    `pad=False` (with `drop_last=False`) reads every sample exactly once: the shards may differ
+    by one sample, and the step whose global batch does not split evenly is averaged over
+    samples (each rank's gradient weighted by its batch size), so training equals one process
+    with batch `batch_size` on the same samples in the same order. `pad=True` (the default)
+    pads the shards to equal length by reading a few samples twice (torch's
+    `DistributedSampler(drop_last=False)`). With `drop_last=True`, `pad` changes nothing.
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError(
@@ -220,10 +261,10 @@ def partition_dataset(
     per_rank = check_batch_size(batch_size, size)
     sampler = ShardSampler(
         len(dataset), rank, size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-        batch_size=batch_size,
+        batch_size=batch_size, pad=pad,
     )
-    # drop_last is settled by the sampler (whole global batches, or equal shards); the loader
-    # keeps a final partial batch, which then has the same size on every rank.
+    # drop_last is settled by the sampler (whole global batches, or equal or unpadded shards);
+    # the loader keeps a final partial batch (the same size on every rank unless pad=False).
     loader = ShardedLoader(
         dataset, batch_size=per_rank, sampler=sampler, drop_last=False, **loader_kwargs
     )

@@ -29,7 +29,8 @@ Every bucket buffer ends with one "used" flag per parameter (1 when this rank pr
 gradient for it). A parameter whose gradient was None on every rank stays None, as it would in
 one process, so optimizers skip it; the flags cost a few bytes per bucket and are only read
 when this rank itself lacked a gradient in that bucket. Bucket 0 also carries a "contributed"
-flag, which lets ranks that ran out of data answer the others (`td.join`, see join.py).
+flag, which lets ranks that ran out of data answer the others (`td.join`, see join.py), or
+the rank's weight when batches differ in size (samples.py): the sum is divided by its sum.
 
 Timeline (`TANDEM_TIMELINE`): each bucket's reduction is a span on its `bucket <i>` row, from
 launch until the reducer saw it complete, and each wait a span on the compute row. When the
@@ -38,7 +39,6 @@ timeline is off the reducer tests one module-level boolean per bucket.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 import weakref
@@ -48,20 +48,15 @@ import torch
 
 from tandem import runtime
 from tandem.comm import agreement
-from tandem.comm.agreement import CollectiveMismatchError
 from tandem.comm.backend import Work
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
-from tandem.parallel import splits
-from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
+from tandem.parallel import samples, splits
+from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout
 from tandem.parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
 from tandem.parallel.join_rounds import JoinRounds
+from tandem.parallel.reducer_front import GradientLayoutError, agree_layout  # noqa: F401
 from tandem.parallel.step_check import StepCheck
-
-
-class GradientLayoutError(CollectiveMismatchError):
-    """Ranks built different models (or reducer options), so gradients cannot be averaged."""
-
 
 _live: weakref.WeakSet[Reducer] = weakref.WeakSet()  # for td.join() without arguments
 
@@ -69,7 +64,6 @@ _live: weakref.WeakSet[Reducer] = weakref.WeakSet()  # for td.join() without arg
 def live_reducers() -> list[Reducer]:
     """The reducers of this process that still have their hooks, oldest first."""
     return sorted((r for r in _live if not r._closed), key=lambda r: r._serial)
-
 
 
 class Reducer(JoinRounds):
@@ -111,6 +105,7 @@ class Reducer(JoinRounds):
         self._on_round_end = on_round_end
         self._mean_scale = 1.0 / self._size if op == "mean" else 1.0
         self._scale = self._mean_scale
+        self._samples = samples.RoundSamples(enabled=op == "mean")  # weights of uneven batches
 
         # Expected gradient-ready order: reverse registration order.
         ordered = list(reversed(named_params))
@@ -121,7 +116,7 @@ class Reducer(JoinRounds):
         # once backward ends (see buckets.py).
         layout = assign_buckets(infos, cap_bytes, first_cap_bytes, last_cap_bytes=first_cap_bytes)
         lines = describe_layout(infos, layout) + [f"options {options}"]
-        self._agree(lines)
+        agree_layout(owner, lines, group, self._timeout)  # once: nothing is checked per step
         # Every round opens with one agreement that all ranks are in it (see step_check.py).
         self.step_check = StepCheck.make(owner, lines, group, self._params)
 
@@ -172,18 +167,6 @@ class Reducer(JoinRounds):
         self._serial = Reducer._serials
         _live.add(self)
 
-    # -- agreement, once --------------------------------------------------------------------
-    def _agree(self, lines: list[str]) -> None:
-        try:
-            agreement.agree(lines, self._group, error=GradientLayoutError,
-                            explain=functools.partial(explain_layout, self._owner))
-        except TimeoutError as error:
-            raise TimeoutError(
-                f"{self._owner}: rank {runtime.rank()} waited {self._timeout:.0f} s for the ranks "
-                f"{list(group_ranks(self._group))} to build it; one of them did not (it failed "
-                f"earlier, or builds it at a different point of the script)"
-            ) from error
-
     # -- per-step state ----------------------------------------------------------------------
     def _reset_round(self) -> None:
         if not hasattr(self, "_counts"):
@@ -205,6 +188,7 @@ class Reducer(JoinRounds):
         self.max_passes = 0
         self._local_passes = False
         self._callback_queued = False  # also after a backward that raised before its end
+        self._samples.reset()
 
     def has_pending(self) -> bool:
         """Whether reductions were launched and not yet waited for."""
@@ -238,6 +222,7 @@ class Reducer(JoinRounds):
 
     # -- backward ----------------------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
+        self._samples.update()  # a batch handed out since the last gradient: its samples count
         if not self._sync_enabled:
             if self._next > 0:  # autograd just accumulated into a buffer being reduced
                 raise RuntimeError(
@@ -268,7 +253,8 @@ class Reducer(JoinRounds):
         if count < self._accumulate:
             return
         if self._agreement is None and self.step_check is not None and not self._join_mode:
-            self._agreement = self.step_check.post(self.rounds)  # travels while backward runs
+            # Travels while backward runs; ranks must also weight this round alike.
+            self._agreement = self.step_check.post(self.rounds, self._samples.code)
         self._move_in(i)
         left = self._pending[b] - 1
         self._pending[b] = left
@@ -279,7 +265,7 @@ class Reducer(JoinRounds):
 
     def _move_in(self, i: int) -> None:
         """Make param i's gradient (times the scale) live in its bucket slot."""
-        param, view, scale = self._params[i], self._views[i], self._scale
+        param, view, scale = self._params[i], self._views[i], self._samples.scale(self._scale)
         grad = param.grad
         if grad is view:
             if scale != 1.0:
@@ -309,6 +295,8 @@ class Reducer(JoinRounds):
         bucket.tail.fill_(1.0)
         for position in self._unused[b]:
             bucket.tail[position] = 0.0
+        if b == 0 and self._samples.weighted:
+            self._contributors.fill_(self._samples.weight)  # summed: the divisor of the mean
         if timeline.ENABLED:
             self._launched_ns[b] = timeline.now()
         self._works[b] = self._hook(bucket)
@@ -328,12 +316,14 @@ class Reducer(JoinRounds):
                 self._fill_missing(b)
             self._launch(b)
         waited = 0.0
+        # The mean over the ranks that contributed (td.join), or over their samples (samples.py).
+        divide = (self._join_mode and self._op == "mean") or self._samples.weighted
         for b, bucket in enumerate(self.buckets):
             waited += self._wait(self._works[b], b)
             if self._unused[b]:
                 self._restore_unused(b)
-            if self._join_mode and self._op == "mean":
-                bucket.grads.div_(self._contributors)  # mean over the ranks that contributed
+            if divide:
+                bucket.grads.div_(self._contributors)  # a tensor: no host read
         self.rounds += 1
         self._reset_round()
         if self._on_round_end is not None:
@@ -378,8 +368,7 @@ class Reducer(JoinRounds):
 
     def close(self) -> None:
         """Remove the hooks; the parameters are plain again."""
-        for handle in self._handles:
-            handle.remove()
+        _remove_hooks(self._handles)
         self._handles.clear()
         self._closed = True
 

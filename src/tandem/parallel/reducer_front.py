@@ -1,17 +1,21 @@
 """What `DistributedOptimizer` and `DistributedDataParallel` share around their `Reducer`:
-argument checks, the named parameters in order, `no_sync()`, and following an elastic job's
-change of world."""
+argument checks (on this rank, and the ranks' agreement on the bucket layout, once), the named
+parameters in order, `no_sync()`, and following an elastic job's change of world."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from tandem import runtime
-from tandem.comm.groups import Group
+from tandem.comm import agreement
+from tandem.comm.agreement import CollectiveMismatchError
+from tandem.comm.groups import Group, group_ranks
+from tandem.parallel.buckets import explain_layout
 
 MB = 1 << 20
 
@@ -25,6 +29,23 @@ def check_common(op: str, bucket_mb: float, first_bucket_mb: float, group: Group
     if group is not None and group.rank < 0:
         raise ValueError(
             f"{who}: rank {runtime.rank()} is not a member of {group!r}; build it on members only")
+
+
+class GradientLayoutError(CollectiveMismatchError):
+    """Ranks built different models (or reducer options), so gradients cannot be averaged."""
+
+
+def agree_layout(owner: str, lines: list[str], group: Group | None, timeout: float) -> None:
+    """The ranks check once, when the reducer is built, that their bucket layouts agree."""
+    try:
+        agreement.agree(lines, group, error=GradientLayoutError,
+                        explain=functools.partial(explain_layout, owner))
+    except TimeoutError as error:
+        raise TimeoutError(
+            f"{owner}: rank {runtime.rank()} waited {timeout:.0f} s for the ranks "
+            f"{list(group_ranks(group))} to build it; one of them did not (it failed "
+            f"earlier, or builds it at a different point of the script)"
+        ) from error
 
 
 def leave(wrapper: Any) -> None:

@@ -7,7 +7,8 @@ it: wrong numbers first, a crash or the timeout later. So, when argument checks 
 default), the reducer opens every round with the same fixed-size agreement message that every
 checked collective sends (`tandem.comm.agreement`), carrying what the round is:
 
-    (gradient reduction, the reducer's layout, rounds, training forwards, optimizer steps)
+    (gradient reduction, the reducer's layout, rounds, training forwards, optimizer steps,
+     what the round's gradients are weighted by: 0 (1/size) or a sample count's unit, samples.py)
 
 Ranks in the same round agree and the buckets follow. A rank elsewhere (another collective,
 another reducer, another step) disagrees, and every rank raises one `DivergedError` naming
@@ -53,6 +54,7 @@ class StepCheck:
         self.forwards = 0  # training forwards seen by DistributedDataParallel
         self.steps = 0  # optimizer steps taken by DistributedOptimizer
         self._base = (0, 0, 0)  # counts when the ranks last agreed to differ (td.join's end)
+        self._weighting = 0  # this round's (see samples.py)
 
     def rebase(self, rounds: int) -> None:
         """After `td.join()`: ranks with uneven data ran different numbers of steps, on purpose."""
@@ -74,11 +76,12 @@ class StepCheck:
     def _codes(self, rounds: int) -> list[int]:
         rounds, forwards, steps = self._counts(rounds)
         weights = self._weights() if self._params else 0
-        return [_KIND, self._layout, rounds, forwards, steps, weights]
+        return [_KIND, self._layout, rounds, forwards, steps, weights, self._weighting]
 
-    def post(self, rounds: int) -> agreement.Posted:
+    def post(self, rounds: int, weighting: int = 0) -> agreement.Posted:
         """At the round's first gradient: send the agreement, to be finished by `agree`."""
         engine = runtime.state()
+        self._weighting = weighting
         return agreement.post(self._codes(rounds), self._group, engine)
 
     def agree(self, rounds: int, posted: agreement.Posted | None = None) -> None:
@@ -99,6 +102,7 @@ class StepCheck:
                 counts.append(f"after {forwards} training forwards")
             text = f"gradient reduction #{number + 1} of {self._owner}"
             text += f" ({', '.join(counts)})" if counts else ""
+            text += ", weighted by its samples (uneven batches)" if self._weighting else ""
             return text + (f" at {site}" if site else "")
 
         differ = agreement.agree(mine, self._group, error=DivergedError, explain=_explain,
