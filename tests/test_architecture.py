@@ -1,4 +1,5 @@
-"""The layers of DESIGN §10 stay layers: no import circle between files or folders of tandem.
+"""The layers of DESIGN §10 stay layers: the contracts of pyproject.toml hold (import-linter),
+no module reads another module's private names, no import circle between files or folders.
 
 Read statically with `ast` (nothing is imported), counting every `import`, function-level and
 `TYPE_CHECKING` ones included: a circle hidden inside a function is still a circle for a
@@ -8,15 +9,22 @@ reader. `tandem.X.Y` belongs to the folder `tandem.X`; a top-level module is its
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
 
 # Known circles that another branch of the restructuring (issue 12) removes; each entry is the
 # exact set of modules (or folders) of one circle. Delete an entry when its branch lands, and
 # the guard covers that part too.
 KNOWN_FILE_CIRCLES: set[frozenset[str]] = set()
 KNOWN_FOLDER_CIRCLES: set[frozenset[str]] = set()
+# Modules that still read another module's private names (issue 39 removes them).
+KNOWN_PRIVATE_READERS: set[str] = set()
 
 
 def modules() -> dict[str, Path]:
@@ -207,8 +215,59 @@ def test_a_gradient_bucket_crosses_six_files_to_the_wire():
                      "parallel/reducer.py"], names
 
 
-def test_no_module_over_400_lines():
-    """Small modules with one job each (STYLE.md): a file past 400 lines holds two ideas."""
-    long = {name: n for name, path in modules().items()
-            if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"split these modules (lines): {long}"
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's contracts of pyproject.toml (DESIGN §10) over the package under `root`."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    return subprocess.run([str(lint), "--no-cache", str(ROOT / "pyproject.toml")], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_layers_contract_holds():
+    """Each layer imports only from the layers below it; the launcher starts without torch."""
+    done = _lint_imports(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_layers_contract_fails_on_a_planted_upward_import(tmp_path):
+    shutil.copytree(SRC / "tandem", tmp_path / "src" / "tandem",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "src" / "tandem" / "comm" / "planted.py").write_text("import tandem.checkpoint\n")
+    done = _lint_imports(tmp_path)
+    assert done.returncode != 0
+    assert "tandem.comm is not allowed to import tandem.checkpoint" in done.stdout, done.stdout
+
+
+def private_reach_ins() -> list[str]:
+    """`from tandem.x import _name` and `module._name` for a tandem module: another module's
+    private names, read from outside it."""
+    found = []
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        imported: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and ((node.module or "").startswith("tandem")
+                                                     or node.level):
+                for alias in node.names:
+                    if _private(alias.name):
+                        found.append(f"{module}:{node.lineno} imports {alias.name}")
+                    imported.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                imported |= {(a.asname or a.name).split(".")[0] for a in node.names
+                             if a.name.startswith("tandem")}
+        found += [f"{module}:{node.lineno} reads {node.value.id}.{node.attr}"
+                  for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and _private(node.attr)
+                  and isinstance(node.value, ast.Name) and node.value.id in imported]
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_reads_another_modules_private_names():
+    reach_ins = [r for r in private_reach_ins() if r.split(" ", 1)[0].rsplit(":", 1)[0]
+                 not in KNOWN_PRIVATE_READERS]
+    assert not reach_ins, "make these names public, or move the code to their module:\n" + \
+        "\n".join(reach_ins)

@@ -31,8 +31,8 @@ EXPECTED = {
         r"^\[0\] rank 0: replicas equal after DDP on tandem: True$",
     ],
     "From raw torch.distributed": [
-        r"^\[0\] rank 0: td\.allreduce\(t\) = \[1\.5, 1\.5, 1\.5\], t = \[1\.0, 1\.0, 1\.0\]$",
-        r"^\[1\] rank 1: after td\.allreduce\(t, op='sum', inplace=True\): t = \[3\.0, 3\.0, 3\.0\]$",
+        r"^\[0\] rank 0: td\.allreduce\(t, inplace=False\) = \[1\.5, 1\.5, 1\.5\], t = \[1\.0, 1\.0, 1\.0\]$",
+        r"^\[1\] rank 1: after td\.allreduce\(t, op='sum'\): t = \[3\.0, 3\.0, 3\.0\]$",
         r"^\[1\] rank 1: broadcast from rank 0: \[3\.0, 3\.0, 3\.0\]$",
         r"^\[1\] rank 1: gradients equal on all ranks: True$",
     ],

@@ -2,7 +2,16 @@
 
 Every function here takes a torch tensor (CPU or CUDA) or a NumPy array (returned as NumPy),
 checks that all ranks agree on the arguments (see `checks`), and runs on whatever backend
-`td.init` chose. Roots, sources and destinations are global ranks.
+`td.init` chose. Roots, sources and destinations are global ranks; torch's keyword names
+(`src=`, `dst=`, `op=dist.ReduceOp.SUM`) are accepted beside tandem's (`root=`, `op="sum"`).
+
+**In place and returned.** `allreduce`, `broadcast` and `reduce` write the result into the
+tensor given *and* return it, so both idioms users bring give the right answer:
+`td.allreduce(p.grad)` (torch.distributed's, where the call's effect is on the tensor) and
+`t = td.allreduce(t)` (Horovod's, where the result is returned). A copy-returning default
+made the first idiom a silent no-op: the replicas of a port of `dist.all_reduce(p.grad)` drift
+apart while every line runs. `inplace=False` leaves the tensor alone and returns a new one
+(what `tandem.horovod` passes: Horovod's `allreduce` never writes its input).
 """
 
 from __future__ import annotations
@@ -42,32 +51,52 @@ class Handle:
         return self._result
 
 
-def _complete(work: Work, finish: Callable[[], Any], async_op: bool):
+def complete(work: Work, finish: Callable[[], Any], async_op: bool):
     if async_op:
         return Handle(work, finish)
     work.wait(context.current().timeout)
     return finish()
 
 
-def _check_op(op: str) -> str:
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)}")
-    return op
+_TORCH_OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "product"}
 
 
-def _check_member(group: Group | None) -> None:
+def _check_op(op: Any) -> str:
+    """`op` as tandem's name: one of OPS, or torch.distributed's `ReduceOp` for it."""
+    if isinstance(op, str):
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)}")
+        return op
+    for torch_name, name in _TORCH_OPS.items():
+        if op == getattr(torch.distributed.ReduceOp, torch_name, None):
+            return name
+    raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)} (or torch.distributed's "
+                     f"ReduceOp.{', ReduceOp.'.join(_TORCH_OPS)})")
+
+
+def one_rank(name: str, value: int, torch_name: str, torch_value: int | None) -> int:
+    """`root=` or torch's spelling (`src=`, `dst=`), not two different ranks."""
+    if torch_value is None:
+        return value
+    if value not in (0, torch_value):
+        raise ValueError(f"{name}={value} and {torch_name}={torch_value} name different ranks: "
+                         f"give one of them")
+    return torch_value
+
+
+def check_member(group: Group | None) -> None:
     if group is not None and group.rank < 0:
         raise ValueError(
             f"rank {context.current().world.rank} is not a member of {group!r}; only members may call it"
         )
 
 
-def _check_rank(name: str, value: int, group: Group | None) -> None:
+def check_rank(name: str, value: int, group: Group | None) -> None:
     if value not in group_ranks(group):
         raise ValueError(f"{name}={value} is not a rank of the group {list(group_ranks(group))}")
 
 
-def _to_torch(data: Array, name: str = "tensor") -> tuple[torch.Tensor, bool]:
+def to_torch(data: Array, name: str = "tensor") -> tuple[torch.Tensor, bool]:
     if isinstance(data, torch.Tensor):
         return data, False
     if isinstance(data, np.ndarray):
@@ -75,14 +104,14 @@ def _to_torch(data: Array, name: str = "tensor") -> tuple[torch.Tensor, bool]:
     raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, not {type(data).__name__}")
 
 
-def _output(tensor: torch.Tensor, as_numpy: bool) -> Array:
+def returned(tensor: torch.Tensor, as_numpy: bool) -> Array:
     return tensor.numpy() if as_numpy else tensor
 
 
 _GLOO_WIDER = {torch.int16: torch.int32}
 
 
-class _Staging:
+class Staging:
     """A contiguous buffer on a device the backend accepts, copied back when done."""
 
     __slots__ = ("original", "buffer")
@@ -102,7 +131,7 @@ class _Staging:
         return self.original
 
 
-def _divide(tensor: torch.Tensor, n: int) -> torch.Tensor:
+def divide(tensor: torch.Tensor, n: int) -> torch.Tensor:
     if tensor.is_floating_point() or tensor.is_complex():
         return tensor.div_(n)
     # Integer mean rounds down, as NumPy's `sum // n` does.
@@ -113,18 +142,37 @@ def allreduce(
     tensor: Array,
     op: str = "mean",
     *,
-    inplace: bool = False,
+    inplace: bool = True,
     async_op: bool = False,
     group: Group | None = None,
 ):
-    """Reduce across ranks; every rank gets the result."""
-    _check_op(op)
-    _check_member(group)
-    data, as_numpy = _to_torch(tensor)
+    """Reduce `tensor` across the ranks of `group`; every rank gets the result.
+
+    Args:
+        tensor: a torch tensor (CPU or CUDA) or a NumPy array, of one shape and dtype on
+            every rank.
+        op: "mean" (the default), "sum", "min", "max" or "product", or torch.distributed's
+            `ReduceOp`. An integer mean rounds down.
+        inplace: write the result into `tensor` (the default) as well as return it; False
+            leaves `tensor` alone and returns a new tensor.
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        The reduced tensor (`tensor` itself unless inplace=False), NumPy for NumPy input, or a
+        `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or ops (each rank's named).
+        ValueError: an unknown op, or a rank outside `group`.
+    """
+    op = _check_op(op)
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
     checks.agree("allreduce", data, group, op=op)
     state = context.current()
     backend = state.backend
-    staging = _Staging(data if inplace else data.clone(), state)
+    staging = Staging(data if inplace else data.clone(), state)
     native = "sum" if op == "mean" else op
     if async_op:
         work = backend.allreduce(staging.buffer, native, group)
@@ -136,29 +184,45 @@ def allreduce(
     return _reduced(staging, op, group, as_numpy)
 
 
-def _reduced(staging: _Staging, op: str, group: Group | None, as_numpy: bool) -> Array:
+def _reduced(staging: Staging, op: str, group: Group | None, as_numpy: bool) -> Array:
     result = staging.copy_back()
     if op == "mean":
-        _divide(result, group_size(group))
-    return _output(result, as_numpy)
+        divide(result, group_size(group))
+    return returned(result, as_numpy)
 
 
 def broadcast(
     tensor: Array,
     root: int = 0,
     *,
-    inplace: bool = False,
+    src: int | None = None,
+    inplace: bool = True,
     async_op: bool = False,
     group: Group | None = None,
 ):
-    """Every rank gets `root`'s tensor."""
-    _check_member(group)
-    _check_rank("root", root, group)
-    data, as_numpy = _to_torch(tensor)
+    """Every rank gets `root`'s tensor: written into `tensor` (unless inplace=False) and
+    returned.
+
+    Args:
+        tensor: the data on `root`; a tensor of the same shape and dtype elsewhere.
+        root: the global rank whose tensor is sent (torch's name `src=` is accepted).
+        inplace, async_op, group: as for `allreduce`.
+
+    Returns:
+        `root`'s tensor (`tensor` itself unless inplace=False), or a `Handle` with async_op.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or roots.
+        ValueError: `root` is not a rank of `group`.
+    """
+    root = one_rank("root", root, "src", src)
+    check_member(group)
+    check_rank("root", root, group)
+    data, as_numpy = to_torch(tensor)
     checks.agree("broadcast", data, group, root=root)
-    staging = _Staging(data if inplace else data.clone())
+    staging = Staging(data if inplace else data.clone())
     work = context.current().backend.broadcast(staging.buffer, root, group)
-    return _complete(work, lambda: _output(staging.copy_back(), as_numpy), async_op)
+    return complete(work, lambda: returned(staging.copy_back(), as_numpy), async_op)
 
 
 def reduce(
@@ -166,38 +230,55 @@ def reduce(
     root: int = 0,
     op: str = "sum",
     *,
-    inplace: bool = False,
+    dst: int | None = None,
+    inplace: bool = True,
     async_op: bool = False,
     group: Group | None = None,
 ):
-    """Reduce onto `root`. Only the root's result is defined; other ranks get their input."""
-    _check_op(op)
-    _check_member(group)
-    _check_rank("root", root, group)
-    data, as_numpy = _to_torch(tensor)
+    """Reduce onto `root`: the root's `tensor` holds the result (unless inplace=False) and it
+    is returned there; the other ranks get their input back, unchanged.
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        root: the global rank that receives the result (torch's name `dst=` is accepted).
+        op: as for `allreduce`; the default is "sum", as torch's `dist.reduce`.
+        inplace, async_op, group: as for `allreduce`.
+
+    Returns:
+        On `root` the reduced tensor, elsewhere the input; or a `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes, ops or roots.
+        ValueError: an unknown op, or `root` outside `group`.
+    """
+    root = one_rank("root", root, "dst", dst)
+    op = _check_op(op)
+    check_member(group)
+    check_rank("root", root, group)
+    data, as_numpy = to_torch(tensor)
     checks.agree("reduce", data, group, op=op, root=root)
-    staging = _Staging(data.clone())
+    staging = Staging(data.clone())
     work = context.current().backend.reduce(staging.buffer, root, "sum" if op == "mean" else op, group)
     is_root = context.current().world.rank == root
 
     def finish():
         if not is_root:
-            return _output(data if inplace else data.clone(), as_numpy)
+            return returned(data if inplace else data.clone(), as_numpy)  # untouched
         result = staging.copy_back()
         if op == "mean":
-            _divide(result, group_size(group))
+            divide(result, group_size(group))
         if inplace:
             data.copy_(result)
             result = data
-        return _output(result, as_numpy)
+        return returned(result, as_numpy)
 
-    return _complete(work, finish, async_op)
+    return complete(work, finish, async_op)
 
 
 def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = None):
     """Concatenate every rank's tensor along dim 0; first dims may differ across ranks."""
-    _check_member(group)
-    data, as_numpy = _to_torch(tensor)
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
     if data.dim() == 0:
         data = data.reshape(1)
     checks.agree("allgather", data, group, ignore_dim0=True)
@@ -209,27 +290,27 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
     if data.shape[0] < longest:
         padded = torch.zeros((longest, *rest), dtype=data.dtype, device=data.device)
         padded[: data.shape[0]] = data
-    source = _Staging(padded.contiguous())
-    output = _Staging(torch.empty((n * longest, *rest), dtype=data.dtype, device=data.device))
+    source = Staging(padded.contiguous())
+    output = Staging(torch.empty((n * longest, *rest), dtype=data.dtype, device=data.device))
     work = context.current().backend.allgather_into(output.buffer, source.buffer, group)
 
     def finish():
         gathered = output.copy_back()
         if all(length == longest for length in lengths):
-            return _output(gathered, as_numpy)
+            return returned(gathered, as_numpy)
         pieces = [gathered[i * longest : i * longest + lengths[i]] for i in range(n)]
-        return _output(torch.cat(pieces), as_numpy)
+        return returned(torch.cat(pieces), as_numpy)
 
-    return _complete(work, finish, async_op)
+    return complete(work, finish, async_op)
 
 
 def reducescatter(
     tensor: Array, op: str = "sum", *, async_op: bool = False, group: Group | None = None
 ):
     """Reduce, then give rank i the i-th of `size` equal chunks along dim 0."""
-    _check_op(op)
-    _check_member(group)
-    data, as_numpy = _to_torch(tensor)
+    op = _check_op(op)
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
     n = group_size(group)
     if data.dim() == 0 or data.shape[0] % n:
         raise ValueError(
@@ -237,8 +318,8 @@ def reducescatter(
             f"{tuple(data.shape)}. Pad the tensor or use allreduce."
         )
     checks.agree("reducescatter", data, group, op=op)
-    source = _Staging(data)
-    output = _Staging(
+    source = Staging(data)
+    output = Staging(
         torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
     )
     native = "sum" if op == "mean" else op
@@ -247,10 +328,10 @@ def reducescatter(
     def finish():
         result = output.copy_back()
         if op == "mean":
-            _divide(result, n)
-        return _output(result, as_numpy)
+            divide(result, n)
+        return returned(result, as_numpy)
 
-    return _complete(work, finish, async_op)
+    return complete(work, finish, async_op)
 
 
 def alltoall(
@@ -261,8 +342,8 @@ def alltoall(
     group: Group | None = None,
 ):
     """Send `splits[j]` rows to rank j (equal parts when None); returns what arrived, in order."""
-    _check_member(group)
-    data, as_numpy = _to_torch(tensor)
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
     n = group_size(group)
     rows = data.shape[0] if data.dim() else 0
     if splits is None:
@@ -279,61 +360,61 @@ def alltoall(
         )
     checks.agree("alltoall", data, group, ignore_dim0=True)
     # Tell every rank how many rows to expect from each peer: one small all-to-all.
-    incoming = _Staging(torch.empty(n, dtype=torch.int64))
-    outgoing = _Staging(torch.tensor(splits, dtype=torch.int64))
+    incoming = Staging(torch.empty(n, dtype=torch.int64))
+    outgoing = Staging(torch.tensor(splits, dtype=torch.int64))
     backend = context.current().backend
     backend.alltoall_into(incoming.buffer, outgoing.buffer, [1] * n, [1] * n, group).wait(
         context.current().timeout
     )
     received = incoming.copy_back().tolist()
-    source = _Staging(data)
-    output = _Staging(
+    source = Staging(data)
+    output = Staging(
         torch.empty((sum(received), *data.shape[1:]), dtype=data.dtype, device=data.device)
     )
     work = backend.alltoall_into(output.buffer, source.buffer, received, splits, group)
-    return _complete(work, lambda: _output(output.copy_back(), as_numpy), async_op)
+    return complete(work, lambda: returned(output.copy_back(), as_numpy), async_op)
 
 
 def send(tensor: Array, dst: int, tag: int = 0, *, async_op: bool = False,
          group: Group | None = None):
     """Send to global rank `dst`; the matching `recv` must pass a tensor of the same shape."""
-    _check_rank("dst", dst, None)
+    check_rank("dst", dst, None)
     if dst == context.current().world.rank:
         raise ValueError(f"rank {dst} cannot send to itself")
-    data, _ = _to_torch(tensor)
-    staging = _Staging(data)
+    data, _ = to_torch(tensor)
+    staging = Staging(data)
     work = context.current().backend.send(staging.buffer, dst, tag, group)
-    return _complete(work, lambda: None, async_op)
+    return complete(work, lambda: None, async_op)
 
 
 def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
          group: Group | None = None):
     """Receive from global rank `src` into `tensor` (in place) and return it."""
-    _check_rank("src", src, None)
+    check_rank("src", src, None)
     if src == context.current().world.rank:
         raise ValueError(f"rank {src} cannot receive from itself")
-    data, as_numpy = _to_torch(tensor)
-    staging = _Staging(data)
+    data, as_numpy = to_torch(tensor)
+    staging = Staging(data)
     work = context.current().backend.recv(staging.buffer, src, tag, group)
 
     def finish():
         staging.copy_back()
         return tensor if as_numpy else data
 
-    return _complete(work, finish, async_op)
+    return complete(work, finish, async_op)
 
 
 def barrier(group: Group | None = None) -> None:
     """Return once every rank of the group has called it."""
-    _check_member(group)
+    check_member(group)
     checks.agree_on_call("barrier", group)  # is every rank in this barrier?
     context.current().backend.barrier(group).wait(context.current().timeout)
 
 
 def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None) -> Any:
     """`root`'s picklable object, on every rank."""
-    _check_member(group)
-    _check_rank("root", root, group)
+    check_member(group)
+    check_rank("root", root, group)
     if context.current().world.rank == root:
         payload = exchange.pickled(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -348,7 +429,7 @@ def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None)
 
 def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
     """Every rank's picklable object, as a list in rank order."""
-    _check_member(group)
+    check_member(group)
     payload = exchange.pickled(obj)
     checks.agree_on_call("allgather_object", group, payload)
     return exchange.objects(payload, group, context.current())

@@ -30,7 +30,7 @@ import torch
 
 from tandem.comm import collectives, context
 from tandem.comm.backend import Group
-from tandem.comm.collectives import _divide, _Staging
+from tandem.comm.collectives import Staging, divide
 from tandem.comm.members import group_size
 
 
@@ -92,16 +92,16 @@ def covering(group: Group | None) -> Iterator[Frame]:
 
 
 # -- the engine calls --------------------------------------------------------------------------
-# Each stages through `collectives._Staging`: the tensor itself where the engine takes it, else
+# Each stages through `collectives.Staging`: the tensor itself where the engine takes it, else
 # a copy on the device it does take (Gloo: the CPU; int16 carried as int32), copied back.
 
 
-def _staged(tensor: torch.Tensor, engine) -> _Staging:
-    return _Staging(tensor, engine)
+def _staged(tensor: torch.Tensor, engine) -> Staging:
+    return Staging(tensor, engine)
 
 
-def _empty(shape, like: torch.Tensor, engine) -> _Staging:
-    return _Staging(torch.empty(shape, dtype=like.dtype, device=like.device), engine)
+def _empty(shape, like: torch.Tensor, engine) -> Staging:
+    return Staging(torch.empty(shape, dtype=like.dtype, device=like.device), engine)
 
 
 def allreduce(tensor: torch.Tensor, op: str, group: Group | None, *,
@@ -114,7 +114,7 @@ def allreduce(tensor: torch.Tensor, op: str, group: Group | None, *,
     if work is not None:
         work.wait(engine.timeout)
     result = staging.copy_back()
-    return _divide(result, group_size(group)) if op == "mean" else result
+    return divide(result, group_size(group)) if op == "mean" else result
 
 
 def start_allreduce(tensor: torch.Tensor, op: str, group: Group | None) -> collectives.Handle:
@@ -125,7 +125,7 @@ def start_allreduce(tensor: torch.Tensor, op: str, group: Group | None) -> colle
 
     def finish() -> torch.Tensor:
         result = staging.copy_back()
-        return _divide(result, group_size(group)) if op == "mean" else result
+        return divide(result, group_size(group)) if op == "mean" else result
 
     return collectives.Handle(work, finish)
 
@@ -179,7 +179,7 @@ def start_reducescatter(tensor: torch.Tensor, op: str, group: Group | None) -> c
 
     def finish() -> torch.Tensor:
         result = output.copy_back()
-        return _divide(result, n) if op == "mean" else result
+        return divide(result, n) if op == "mean" else result
 
     return collectives.Handle(work, finish)
 

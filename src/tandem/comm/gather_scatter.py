@@ -14,67 +14,72 @@ from tandem.comm import checks, context
 from tandem.comm.backend import Group
 from tandem.comm.collectives import (
     Array,
-    _check_member,
-    _check_rank,
-    _complete,
-    _output,
-    _Staging,
-    _to_torch,
+    Staging,
+    check_member,
+    check_rank,
+    complete,
+    one_rank,
+    returned,
+    to_torch,
 )
 from tandem.comm.members import group_size
 
 
-def gather(tensor: Array, root: int = 0, *, async_op: bool = False, group: Group | None = None):
+def gather(tensor: Array, root: int = 0, *, dst: int | None = None, async_op: bool = False,
+           group: Group | None = None):
     """Every rank's `tensor`, concatenated along dim 0 in rank order, on `root`; None elsewhere.
 
     Args:
         tensor: this rank's part; the same shape and dtype on every rank.
-        root: the global rank that receives them.
+        root: the global rank that receives them (torch's name `dst=` is accepted).
 
     Returns:
         On `root`, a tensor of `size` x the rows of `tensor`; None on the other ranks (or a
         `Handle` with `async_op=True`).
     """
-    _check_member(group)
-    _check_rank("root", root, group)
-    data, as_numpy = _to_torch(tensor)
+    root = one_rank("root", root, "dst", dst)
+    check_member(group)
+    check_rank("root", root, group)
+    data, as_numpy = to_torch(tensor)
     if data.dim() == 0:
         data = data.reshape(1)
     checks.agree("gather", data, group, root=root)
-    source = _Staging(data.contiguous())
+    source = Staging(data.contiguous())
     mine = context.current().world.rank == root
     n = group_size(group)
-    output = _Staging(torch.empty((n * data.shape[0], *data.shape[1:]), dtype=data.dtype,
+    output = Staging(torch.empty((n * data.shape[0], *data.shape[1:]), dtype=data.dtype,
                                   device=data.device)) if mine else None
     work = context.current().backend.gather(output.buffer if mine else None, source.buffer,
                                             root, group)
-    return _complete(work, lambda: _output(output.copy_back(), as_numpy) if mine else None,
+    return complete(work, lambda: returned(output.copy_back(), as_numpy) if mine else None,
                      async_op)
 
 
-def scatter(tensor: Array, root: int = 0, *, async_op: bool = False, group: Group | None = None):
+def scatter(tensor: Array, root: int = 0, *, src: int | None = None, async_op: bool = False,
+            group: Group | None = None):
     """The i-th of `size` equal parts (along dim 0) of `root`'s `tensor`, on rank i of the group.
 
     Args:
         tensor: on `root`, what is split; elsewhere a tensor of the same shape and dtype (its
             values are not read), as for `broadcast`.
-        root: the global rank whose tensor is split.
+        root: the global rank whose tensor is split (torch's name `src=` is accepted).
 
     Returns:
         This rank's part: `tensor.shape[0] // size` rows (or a `Handle` with `async_op=True`).
     """
-    _check_member(group)
-    _check_rank("root", root, group)
-    data, as_numpy = _to_torch(tensor)
+    root = one_rank("root", root, "src", src)
+    check_member(group)
+    check_rank("root", root, group)
+    data, as_numpy = to_torch(tensor)
     n = group_size(group)
     if data.dim() == 0 or data.shape[0] % n:
         raise ValueError(f"scatter needs dim 0 divisible by the group size {n}; got shape "
                          f"{tuple(data.shape)}. Pad the tensor, or use broadcast")
     checks.agree("scatter", data, group, root=root)
     mine = context.current().world.rank == root
-    source = _Staging(data.contiguous()) if mine else None
-    output = _Staging(torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype,
+    source = Staging(data.contiguous()) if mine else None
+    output = Staging(torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype,
                                   device=data.device))
     work = context.current().backend.scatter(output.buffer, source.buffer if mine else None,
                                              root, group)
-    return _complete(work, lambda: _output(output.copy_back(), as_numpy), async_op)
+    return complete(work, lambda: returned(output.copy_back(), as_numpy), async_op)

@@ -42,7 +42,7 @@ def all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
     op = op_name(reduce_op)
     if op == "mean" and not tensor.is_floating_point():
         tensor = tensor.float()  # an integer mean would round down (tandem's integer rule)
-    return td.allreduce(tensor, op=op, group=tandem_group(group, "reduce"))
+    return td.allreduce(tensor, op=op, inplace=False, group=tandem_group(group, "reduce"))
 
 
 def all_gather(tensor: torch.Tensor, group: Any, sync_grads: bool) -> torch.Tensor:

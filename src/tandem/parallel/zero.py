@@ -16,9 +16,9 @@ order), padded to a multiple of the group size k and cut into k equal shards. A 
 
 Communication equals one all-reduce (a reduce-scatter plus an all-gather), as in plain data
 parallelism; optimizer memory per rank drops to ~1/k. The result equals unsharded training for
-optimizers that update each element on its own (SGD, Adam, AdamW, RMSprop, Adagrad, ...), but
-not for those that use whole-tensor norms (LAMB, LARS, Adafactor): their norms would be taken
-over shards. A parameter that got no gradient on any rank is stepped with a zero gradient (so
+optimizers that update each element on its own; others (Adafactor, Muon, LAMB) are refused
+with the reason (`parallel/elementwise.py`). A parameter that got no gradient on any rank is
+stepped with a zero gradient (so
 weight decay and momentum still move it), where torch would skip it.
 
 **Where it differs from `DistributedOptimizer`:** the model's `.grad` stays this rank's own
@@ -55,6 +55,7 @@ from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps
 from tandem.parallel import splits
+from tandem.parallel.elementwise import refuse_unless_elementwise
 from tandem.parallel.flat_shard import FlatShard
 from tandem.parallel.pieces import per_element
 from tandem.parallel.split_grads import mark_grads
@@ -75,7 +76,8 @@ class ZeroOptimizer:
     rank. An optimizer that has already stepped keeps its state: it is resharded.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: Group | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Group | None = None, *,
+                 elementwise: bool | None = None) -> None:
         from tandem.parallel.data_parallel import DistributedOptimizer
 
         if isinstance(optimizer, DistributedOptimizer):
@@ -85,6 +87,10 @@ class ZeroOptimizer:
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if elementwise is not None:  # the user's word for an optimizer tandem cannot classify
+            optimizer.elementwise = elementwise
+        refuse_unless_elementwise(optimizer, "td.ZeroOptimizer", "Use td.DistributedOptimizer "
+                                  "(the optimizer state replicated, the one-process result)")
         if any(splits.kind_of(p) == splits.FULLY_SHARD for g in optimizer.param_groups for p in g["params"]):
             raise TypeError("these parameters are td.fully_shard shards (optimizer state already 1/N "
                             "per rank): give them to the plain torch optimizer, unwrapped")

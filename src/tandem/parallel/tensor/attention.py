@@ -19,7 +19,7 @@ from tandem.comm.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel import state_hooks
 from tandem.parallel.pieces import Chunk, Held, Placement, sliced, whole
-from tandem.parallel.tensor.layers import _gather_rows, mark_sliced, shard_range
+from tandem.parallel.tensor.layers import gather_rows, mark_sliced, shard_range
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
 
@@ -131,11 +131,11 @@ class ParallelSelfAttention(nn.Module):
 
         def stacked(tensor: torch.Tensor) -> torch.Tensor:
             # Gathered rank by rank: [q0 k0 v0 q1 k1 v1 ...]; regroup into [q; k; v].
-            every = _gather_rows(tensor, self.group).reshape(tp, 3, part, *tensor.shape[1:])
+            every = gather_rows(tensor, self.group).reshape(tp, 3, part, *tensor.shape[1:])
             return every.transpose(0, 1).reshape(3 * e, *tensor.shape[1:])
 
         full = {"in_proj_weight": stacked(self.in_proj_weight),
-                "out_proj.weight": _gather_rows(self.out_weight.t(), self.group).t().contiguous()}
+                "out_proj.weight": gather_rows(self.out_weight.t(), self.group).t().contiguous()}
         if self.in_proj_bias is not None:
             full["in_proj_bias"] = stacked(self.in_proj_bias)
         if self.out_bias is not None:

@@ -94,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The one-process `weight` and `bias`, gathered (for a consolidated checkpoint)."""
-        return {name: _gather_rows(p, self.group) for name, p in self.named_parameters()}
+        return {name: gather_rows(p, self.group) for name, p in self.named_parameters()}
 
     def local_pieces(self, prefix: str) -> list[Held]:
         """Rows of the one-process weight and bias (the layout protocol, `parallel/pieces.py`)."""
@@ -152,7 +152,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        full = {"weight": _gather_rows(self.weight.t(), self.group).t().contiguous()}
+        full = {"weight": gather_rows(self.weight.t(), self.group).t().contiguous()}
         if self.bias is not None:
             full["bias"] = self.bias.detach().clone()
         return full
@@ -208,7 +208,7 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from(rows, self.group)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        return {"weight": _gather_rows(self.weight, self.group)}
+        return {"weight": gather_rows(self.weight, self.group)}
 
     def local_pieces(self, prefix: str) -> list[Held]:
         """Rows (vocabulary entries) of the one-process weight (`parallel/pieces.py`)."""
@@ -219,7 +219,7 @@ class VocabParallelEmbedding(nn.Module):
         return {prefix + name: value for name, value in self.full_weights().items()}
 
 
-def _gather_rows(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
+def gather_rows(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     data = tensor.detach().contiguous()
     return collectives.allgather(data, group=group) if group_size(group) > 1 else data.clone()
 

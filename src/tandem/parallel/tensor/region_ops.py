@@ -66,7 +66,7 @@ def gather_over(tensor: torch.Tensor, dim: int, group: Group | None, checked: bo
 def sum_over(tensor: torch.Tensor, group: Group | None, checked: bool) -> torch.Tensor:
     """The sum of every rank's `tensor`, as a new tensor."""
     if checked:
-        return collectives.allreduce(tensor.contiguous(), "sum", group=group)
+        return collectives.allreduce(tensor.contiguous(), "sum", inplace=False, group=group)
     return direct.allreduce(tensor, "sum", group)
 
 

@@ -1,0 +1,107 @@
+"""Whether an optimizer may step flat shards of a parameter: is its update element-wise?
+
+`td.ZeroOptimizer` and `td.fully_shard` hand the wrapped optimizer flat 1-D pieces of the
+parameters. That is exact for an optimizer that updates each element on its own (SGD, Adam,
+RMSprop, ...), and a different algorithm for one that looks at a whole tensor: Adafactor
+factors its second moment by the rows and columns of a matrix, Muon orthogonalizes a whole
+matrix, LAMB and LARS scale by a tensor's norm. Such an optimizer would train silently to
+another result, so it is refused with the reason and the alternative.
+
+torch's own optimizers are known. Any other is *probed* once, at construction: a fresh
+optimizer of its class, with its hyper-parameters, steps a 4x6 matrix whole and the same
+numbers cut into two flat pieces (11 and 13 elements); element-wise means both give the same
+numbers. An optimizer the probe cannot run (its constructor wants more than parameters and
+hyper-parameters, its step wants a closure) is refused with the flag that settles it:
+`optimizer.elementwise = True` (or False) set by the user, who knows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+_ELEMENTWISE = {
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
+}
+_WHY_NOT = {  # torch's optimizers that look at more than one element, and how
+    torch.optim.Adafactor: "factors its second moment by the rows and columns of each matrix",
+    torch.optim.Muon: "orthogonalizes each whole matrix",
+    torch.optim.LBFGS: "keeps a history over all parameters and needs a closure",
+    torch.optim.SparseAdam: "steps sparse gradients",
+}
+_PROBED: dict[tuple[type, str], bool | str] = {}
+
+
+def why_not_elementwise(optimizer: torch.optim.Optimizer) -> str | None:
+    """None when `optimizer` may step flat shards; else the reason it may not, in words."""
+    flag = getattr(optimizer, "elementwise", None)
+    if flag is not None:
+        return None if flag else "was marked elementwise=False"
+    cls = type(optimizer)
+    if cls in _ELEMENTWISE:
+        return None
+    if cls in _WHY_NOT:
+        return _WHY_NOT[cls]
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} \
+        if optimizer.param_groups else dict(optimizer.defaults)
+    key = (cls, repr(sorted(hyper.items(), key=lambda kv: kv[0])))
+    if key not in _PROBED:
+        _PROBED[key] = _probe(cls, hyper)
+    verdict = _PROBED[key]
+    return None if verdict is True else str(verdict)
+
+
+def refuse_unless_elementwise(optimizer: torch.optim.Optimizer, split: str,
+                              alternative: str) -> None:
+    """Raise when `optimizer` would step `split`'s flat shards to another result than one
+    process. `alternative`: what to do instead, in words."""
+    why = why_not_elementwise(optimizer)
+    if why is None:
+        return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"{name} under {split}: {name} {why}, so stepping the flat 1-D shards {split} gives "
+        f"each rank would run another algorithm than one process (silently other numbers). "
+        f"{alternative}. If {name}'s update does treat each element on its own, say so: "
+        f"`optimizer.elementwise = True` before wrapping")
+
+
+def _probe(cls: type, hyper: dict[str, Any]) -> bool | str:
+    """Step a matrix whole and cut into two flat pieces with fresh optimizers of `cls`:
+    True when the numbers agree, else the reason (in words)."""
+    hyper = _constructor_arguments(cls, hyper)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(4, 6, generator=generator)
+    whole = start.clone().requires_grad_()
+    pieces = [start.flatten()[:11].clone().requires_grad_(),
+              start.flatten()[11:].clone().requires_grad_()]
+    try:
+        one, cut = cls([whole], **hyper), cls(pieces, **hyper)
+        for _ in range(3):
+            grad = torch.randn(4, 6, generator=generator)
+            whole.grad = grad.clone()
+            pieces[0].grad, pieces[1].grad = grad.flatten()[:11].clone(), grad.flatten()[11:].clone()
+            one.step()
+            cut.step()
+    except Exception as error:  # any failure means: cannot tell
+        return (f"could not be checked for an element-wise update (stepping a probe raised "
+                f"{type(error).__name__}: {error})")
+    same = torch.equal(whole.detach().flatten(), torch.cat([p.detach() for p in pieces]))
+    return True if same else ("updates a tensor as a whole (a probe matrix stepped whole and in "
+                              "two flat pieces came out different)")
+
+
+def _constructor_arguments(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The hyper-parameters `cls(...)` takes: a param group may hold keys its constructor does
+    not (torch's AdamW keeps Adam's `decoupled_weight_decay`)."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return hyper
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return hyper
+    return {k: v for k, v in hyper.items() if k in parameters}

@@ -1,0 +1,187 @@
+"""Every torch optimizer under every data-parallel wrapper equals one process, or is refused with
+the reason and the alternative (issue 40). One world per engine steps every optimizer in turn.
+
+ZeroOptimizer hands the optimizer flat 1-D shards: exact for an element-wise update (SGD, Adam,
+...), another algorithm for Adafactor, Muon or LAMB, which are refused (`parallel/elementwise.py`).
+DistributedOptimizer and the DDP wrapper keep the whole parameters on every rank: any optimizer
+is exact there.
+"""
+
+import pytest
+import torch
+
+import tandem as td
+from tandem.parallel.elementwise import why_not_elementwise
+from tandem.testing import run_distributed
+
+STEPS = 3
+ROWS = 8
+
+
+class Lamb(torch.optim.Optimizer):
+    """A short LAMB: Adam's direction scaled by the trust ratio ||p|| / ||update|| per tensor."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-6):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = state["m"] / (state["v"].sqrt() + group["eps"])
+                ratio = p.norm() / update.norm().clamp(min=1e-12)
+                p.add_(update, alpha=-group["lr"] * float(ratio))
+
+
+class HandSgd(torch.optim.Optimizer):
+    """A user's element-wise optimizer tandem does not know: the probe accepts it."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+O = torch.optim
+OPTIMIZERS = {  # name -> a maker over parameters
+    "SGD momentum nesterov": lambda ps: O.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "Adam": lambda ps: O.Adam(ps, lr=0.01),
+    "AdamW amsgrad": lambda ps: O.AdamW(ps, lr=0.01, amsgrad=True),
+    "Adamax": lambda ps: O.Adamax(ps, lr=0.01),
+    "NAdam": lambda ps: O.NAdam(ps, lr=0.01),
+    "RAdam": lambda ps: O.RAdam(ps, lr=0.01),
+    "Adagrad": lambda ps: O.Adagrad(ps, lr=0.05),
+    "Adadelta": lambda ps: O.Adadelta(ps, lr=0.5),
+    "RMSprop": lambda ps: O.RMSprop(ps, lr=0.01),
+    "Rprop": lambda ps: O.Rprop(ps, lr=0.01),
+    "ASGD": lambda ps: O.ASGD(ps, lr=0.05),
+    "Adafactor": lambda ps: O.Adafactor(ps, lr=0.01),
+    "Muon": lambda ps: O.Muon(ps, lr=0.01),
+    "Lamb (hand-written)": lambda ps: Lamb(ps),
+    "HandSgd (unknown, element-wise)": lambda ps: HandSgd(ps),
+}
+NOT_ELEMENTWISE = {"Adafactor", "Muon", "Lamb (hand-written)"}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # matrices only: Muon steps 2-D parameters alone
+    return torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3, bias=False))
+
+
+def _batch(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 6, generator=generator), torch.randn(ROWS, 3, generator=generator)
+
+
+def _train(model, optimizer, rows) -> None:
+    for step in range(STEPS):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+
+
+def _difference(model, reference) -> float:
+    return max((a - b).abs().max().item()
+               for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def _wrapped(wrapper: str, make):
+    model = _model()
+    if wrapper == "ZeroOptimizer":
+        return model, model, td.ZeroOptimizer(make(model.parameters()))
+    if wrapper == "DistributedOptimizer":
+        return model, model, td.DistributedOptimizer(make(model.parameters()))
+    net = td.DistributedDataParallel(model)
+    return model, net, make(model.parameters())
+
+
+def check_matrix(wrapper: str):
+    td.init()
+    share = ROWS // td.size()
+    mine = slice(td.rank() * share, (td.rank() + 1) * share)
+    outcome = {}
+    for name, make in OPTIMIZERS.items():
+        reference = _model()
+        _train(reference, make(reference.parameters()), slice(None))
+        try:
+            model, net, optimizer = _wrapped(wrapper, make)
+        except ValueError as refusal:
+            outcome[name] = ("refused", str(refusal))
+            continue
+        _train(net, optimizer, mine)
+        outcome[name] = ("difference", _difference(model, reference))
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("wrapper", ["ZeroOptimizer", "DistributedOptimizer", "DDP"])
+def test_every_optimizer_equals_one_process_or_is_refused_with_the_reason(wrapper, backend):
+    outcome = run_distributed(check_matrix, 2, backend, args=(wrapper,))[0]
+    for name in OPTIMIZERS:
+        kind, value = outcome[name]
+        if wrapper == "ZeroOptimizer" and name in NOT_ELEMENTWISE:
+            assert kind == "refused", f"{name}: {value}"
+            short = name.split(" ")[0]
+            assert f"{short} under td.ZeroOptimizer" in value and "td.DistributedOptimizer" in value
+            assert "optimizer.elementwise = True" in value
+        else:
+            assert kind == "difference", f"{name} under {wrapper}: {value}"
+            assert value < 1e-6, f"{name} under {wrapper}: {value} from one process"
+
+
+def test_the_rule_knows_torchs_optimizers_and_probes_the_others():
+    params = [torch.nn.Parameter(torch.zeros(2, 2))]
+    assert why_not_elementwise(torch.optim.AdamW(params, amsgrad=True)) is None
+    assert "factors its second moment" in why_not_elementwise(torch.optim.Adafactor(params))
+    assert "needs a closure" in why_not_elementwise(torch.optim.LBFGS(params))
+    assert "updates a tensor as a whole" in why_not_elementwise(Lamb(params))
+    assert why_not_elementwise(HandSgd(params)) is None
+
+
+class NeedsClosure(torch.optim.Optimizer):
+    """An optimizer the probe cannot run: its step needs a closure."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure):
+        loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+def check_unclassifiable_optimizer():
+    td.init()
+    model = _model()
+    try:
+        td.ZeroOptimizer(NeedsClosure(model.parameters()))
+    except ValueError as refusal:
+        message = str(refusal)
+    else:
+        message = None
+    said = td.ZeroOptimizer(NeedsClosure(model.parameters()), elementwise=True)
+    return message, type(said).__name__
+
+
+def test_an_optimizer_tandem_cannot_classify_is_refused_with_the_flag_and_the_flag_settles_it():
+    message, built = run_distributed(check_unclassifiable_optimizer, 2)[0]
+    assert "NeedsClosure under td.ZeroOptimizer" in message
+    assert "could not be checked" in message and "optimizer.elementwise = True" in message
+    assert built == "ZeroOptimizer"
