@@ -55,21 +55,21 @@ class HandSgd(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
-O = torch.optim
+optim = torch.optim
 OPTIMIZERS = {  # name -> a maker over parameters
-    "SGD momentum nesterov": lambda ps: O.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
-    "Adam": lambda ps: O.Adam(ps, lr=0.01),
-    "AdamW amsgrad": lambda ps: O.AdamW(ps, lr=0.01, amsgrad=True),
-    "Adamax": lambda ps: O.Adamax(ps, lr=0.01),
-    "NAdam": lambda ps: O.NAdam(ps, lr=0.01),
-    "RAdam": lambda ps: O.RAdam(ps, lr=0.01),
-    "Adagrad": lambda ps: O.Adagrad(ps, lr=0.05),
-    "Adadelta": lambda ps: O.Adadelta(ps, lr=0.5),
-    "RMSprop": lambda ps: O.RMSprop(ps, lr=0.01),
-    "Rprop": lambda ps: O.Rprop(ps, lr=0.01),
-    "ASGD": lambda ps: O.ASGD(ps, lr=0.05),
-    "Adafactor": lambda ps: O.Adafactor(ps, lr=0.01),
-    "Muon": lambda ps: O.Muon(ps, lr=0.01),
+    "SGD momentum nesterov": lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "Adam": lambda ps: optim.Adam(ps, lr=0.01),
+    "AdamW amsgrad": lambda ps: optim.AdamW(ps, lr=0.01, amsgrad=True),
+    "Adamax": lambda ps: optim.Adamax(ps, lr=0.01),
+    "NAdam": lambda ps: optim.NAdam(ps, lr=0.01),
+    "RAdam": lambda ps: optim.RAdam(ps, lr=0.01),
+    "Adagrad": lambda ps: optim.Adagrad(ps, lr=0.05),
+    "Adadelta": lambda ps: optim.Adadelta(ps, lr=0.5),
+    "RMSprop": lambda ps: optim.RMSprop(ps, lr=0.01),
+    "Rprop": lambda ps: optim.Rprop(ps, lr=0.01),
+    "ASGD": lambda ps: optim.ASGD(ps, lr=0.05),
+    "Adafactor": lambda ps: optim.Adafactor(ps, lr=0.01),
+    "Muon": lambda ps: optim.Muon(ps, lr=0.01),
     "Lamb (hand-written)": lambda ps: Lamb(ps),
     "HandSgd (unknown, element-wise)": lambda ps: HandSgd(ps),
 }
