@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 import tandem as td
-from tandem.lightning import common
+from tandem.lightning import common, names
 from tandem.lightning.environment import TandemEnvironment
 
 
@@ -123,7 +123,11 @@ class TandemStrategy(ParallelStrategy):
     # --- collectives ---------------------------------------------------------------------------
 
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
-        return common.all_reduce(tensor, group, reduce_op)
+        # self.log(..., sync_dist=True) reduces here: agree on the logged name too (`names`)
+        name = names.logged()
+        if name is None:
+            return common.all_reduce(tensor, group, reduce_op)
+        return names.all_reduce(tensor, group, reduce_op, name)
 
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None,
                    sync_grads: bool = False) -> torch.Tensor:
