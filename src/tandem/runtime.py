@@ -18,7 +18,11 @@ from tandem.environments import JobEnvironment
 
 @dataclass(frozen=True)
 class World:
-    """Who this process is. `device` is where its tensors should live."""
+    """Who this process is. `device` is where its tensors should live.
+
+    It unpacks as `rank, device = td.init()`, the pair a training script needs first (the
+    `init()` of many course and seed scripts returns it); every field has its name too.
+    """
 
     rank: int
     size: int
@@ -26,6 +30,9 @@ class World:
     local_size: int
     device: torch.device
     backend: str
+
+    def __iter__(self):
+        return iter((self.rank, self.device))
 
 
 @dataclass

@@ -114,9 +114,14 @@ def shutdown() -> None:
 
 # Horovod's module, tandem's implementation: the same layer under Horovod's name.
 SyncBatchNorm = td.SyncBatchNorm
+# Not Horovod's own (it wraps optimizers), but scripts written for it reach for torch's wrapper
+# under the hvd name (`model = hvd.DistributedDataParallel(model)`): tandem's, which averages
+# gradients during backward exactly as hvd.DistributedOptimizer does.
+DistributedDataParallel = td.DistributedDataParallel
 
 __all__ = [
-    "Adasum", "Average", "BF16Compressor", "Compression", "Compressor", "DistributedOptimizer",
+    "Adasum", "Average", "BF16Compressor", "Compression", "Compressor", "DistributedDataParallel",
+    "DistributedOptimizer",
     "FP16Compressor", "HorovodInternalError", "HorovodMismatchError", "HostsUpdatedInterrupt",
     "Max", "Min", "NoneCompressor", "ProcessSet", "Product", "Sum", "SyncBatchNorm",
     "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
