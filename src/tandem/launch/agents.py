@@ -1,13 +1,53 @@
 """What node 0 says to the other agents of a multi-node job, fixed (`coordinator`) or elastic
 (`elastic_nodes`): whether one is let in (`refusal`, `refuse`), and, at the end, waiting for
-them to hang up after the finish (`await_hang_ups`)."""
+them to hang up after the finish (`await_hang_ups`).
+
+Every agent says which tandem it runs in its hello (`versions`): tandem's version and the
+version of the agents' protocol (the messages on the control plane and what they carry). Node 0
+lets in only an agent whose versions equal its own: a node with another tandem would otherwise
+join without a word and fail later in ways that name neither version.
+"""
 
 from __future__ import annotations
 
 import queue
+import sys
 import time
 
 FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
+PROTOCOL = 2  # the agents' protocol: bump it when a message or what it carries changes
+
+
+def tandem_version() -> str:
+    """The version of the tandem this agent runs: its package's `__version__`, read when asked.
+
+    The package is imported before any module of it, this one included; it is looked up rather
+    than imported, since `import tandem` would make launch/ depend on the package's front door
+    (which reaches torch.distributed's hooks in comm/).
+    """
+    return str(sys.modules[__name__.partition(".")[0]].__version__)
+
+
+def versions() -> dict[str, object]:
+    """What an agent tells node 0 about itself: tandem's version and the protocol's."""
+    return {"version": tandem_version(), "protocol": PROTOCOL}
+
+
+def version_refusal(hello: dict) -> str | None:
+    """Why an agent with another tandem (or protocol) than node 0's is turned away, or None."""
+    mine = versions()
+    theirs = {name: hello.get(name) for name in mine}
+    if theirs == mine:
+        return None
+
+    def said(found: dict) -> str:
+        if found["version"] is None:
+            return "a tandem older than the version check (it names no version)"
+        return f"tandem {found['version']} (agent protocol {found['protocol']})"
+
+    return (f"node {hello.get('node_rank')!r} runs {said(theirs)}, node 0 runs {said(mine)}: "
+            f"install the same tandem on every node (pip install tandem=={mine['version']} "
+            "there, or the same checkout), then start its agent again")
 
 
 def await_hang_ups(events: queue.SimpleQueue, waiting: set[int]) -> None:
@@ -33,6 +73,9 @@ def unwrap_hello(hello) -> dict:
 
 def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool) -> str | None:
     """Why node 0 turns an authenticated agent away, or None to let it in."""
+    mismatch = version_refusal(hello)  # first: another tandem may mean anything below
+    if mismatch is not None:
+        return mismatch
     node = hello.get("node_rank")
     if not isinstance(node, int) or not 0 <= node < nnodes:
         return f"node rank {node!r} is out of range: this job has nodes 0..{nnodes - 1}"

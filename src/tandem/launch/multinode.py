@@ -43,6 +43,7 @@ from typing import TextIO
 
 from tandem import rendezvous
 from tandem.launch import control, ssh
+from tandem.launch.agents import versions
 from tandem.launch.config import LaunchConfig, LaunchError
 from tandem.launch.coordinator import REMOTE_STOP_S, Coordinator, lost_after
 from tandem.launch.hosts import LOCAL_NAMES, holds_address
@@ -145,7 +146,7 @@ class Member(Agent):
             return 1
         conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
                              "nproc": self.config.np, "host": socket.gethostname(),
-                             "elastic": self.config.elastic}))
+                             "elastic": self.config.elastic, **versions()}))
         self.peer = control.Peer(conn, 0, self.events, lost_after(self.config))
         self.peer.start()
         return None
