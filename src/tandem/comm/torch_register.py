@@ -11,7 +11,9 @@ plug-in about: where torch has no MPI, `register()` sets the two names torch rea
 tandem's group. It also wraps `init_process_group` (`guarded_init`) for what torch cannot know:
 a call after `td.init()` (the same backend: nothing to do; another: an error naming both), and
 a "tandem" job started by a launcher torch does not read (mpiexec, SLURM) or by none (a world
-of one, said so).
+of one, said so); a rank of `tandem run` then tells its launcher that it joined. Rank 0's
+TCPStore of torch's own rendezvous listens on MASTER_ADDR only, not on every interface
+(`rendezvous.torch_rendezvous`).
 
 The engine under a default group is made here (`_engine`), watched like `td.init`'s, or handed
 over by `td.init` (`handover`), so both sides use one engine; `default_engine()` lets
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import os
 import sys
@@ -214,6 +217,19 @@ def guarded_init(backend: Any = None, init_method: str | None = None, timeout: A
             else rendezvous_store(job, t)
         rank, world_size = job.rank, job.size
     _original_init(backend, init_method, timeout, world_size, rank, store, *rest, **more)
+    _tell_the_launcher()
+
+
+def _tell_the_launcher() -> None:
+    """A rank of `tandem run` that joined a world says so to its launcher's store, whatever the
+    backend or port (`rendezvous.torch_rendezvous.report_joined`, `launch/joined.py`)."""
+    job = environments.detect_tandem(os.environ)
+    if job is None or not job.store_key or job.master_port is None or dist.get_world_size() < 2:
+        return
+    from tandem.rendezvous.torch_rendezvous import report_joined
+
+    report_joined(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
+                  dist.get_rank(), dist.get_world_size())
 
 
 _original_init = dist.init_process_group
@@ -231,6 +247,12 @@ def register() -> None:
     if not dist.is_mpi_available():
         c10d.ProcessGroupMPI = TandemMPI
         c10d._MPI_AVAILABLE = True
+    # Rank 0's TCPStore of torch's env:// and tcp:// rendezvous listens on MASTER_ADDR only.
+    # (torch.distributed's attribute `rendezvous` is a function: ask for the module by name)
+    torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    from tandem.rendezvous.torch_rendezvous import bound_c10d_store
+
+    bound_c10d_store(torch_rendezvous, dist.TCPStore)
     wrapped = functools.wraps(_original_init)(guarded_init)
     dist.init_process_group = wrapped
     c10d.init_process_group = wrapped

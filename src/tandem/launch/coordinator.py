@@ -266,13 +266,8 @@ class Coordinator(Agent):
         for node, peer in self.peers.items():
             peer.send(("start", {"attempt": attempt, "offset": offsets[node], "world": world,
                                  "store": (host, port), "node": node, **torch}))
-        # Rank 0 runs here when this node has ranks: its TCPStore can then be seen listening.
-        if self.watch is not None:
-            self.watch.stop()
-        self.watch = None  # without ranks here, whether any joined cannot be told: no verdict
-        if self.nproc:
-            with signals_blocked():
-                self.watch = JoinWatch(self.store, torch["torch_port"]).start()
+        # Every rank that joins says so to the store here (`launch.joined`), on any node.
+        self.watch = JoinWatch(self.store)
         self.ranks.start(Placement(attempt, offsets[0], world, (host, port), self.store.key,
                                    self.gloo_interface, node=0, **torch))
         run = _Attempt(self, attempt, offsets)

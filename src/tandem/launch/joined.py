@@ -2,16 +2,20 @@
 
 A script that never joins (a single-process example, a library that does not recognise the
 launcher) runs N independent copies under `tandem run -np N`, each training alone, and exits 0;
-nothing else would say so. A rank joins in one of two ways, and the agent sees both without
-touching the ranks:
+nothing else would say so. Every way of joining ends with the rank connecting to the job's
+store, which this agent hosts and which counts the clients that proved its key
+(`StoreServer.clients`, a count that only grows):
 
-- tandem's way (`td.init()`, or `init_process_group("tandem" | "mpi")`): the rank connects
-  to the job's store, which this agent hosts and which counts the clients that proved its key
-  (`StoreServer.clients`);
-- torch's way (`dist.init_process_group("gloo")` with the torchrun variables `tandem run`
-  exports): rank 0 listens on MASTER_PORT, a port this agent picked; a thread reads the
-  kernel's socket table (/proc/net/tcp, tcp6) for that listener, often at first and less
-  often later (the listener lives from init to exit), and stops once it saw one.
+- tandem's way (`td.init()`): the rank uses that store;
+- torch's way (`dist.init_process_group` on any backend, with the torchrun variables
+  `tandem run` exports or a MASTER_PORT of the script's own): once the group exists, the rank
+  says so to the store (`rendezvous.torch_rendezvous.report_joined`). tandem's `sitecustomize`
+  (`launch/rank_site`) imports tandem into every rank, so this holds for a script that never
+  imports tandem too.
+
+So the verdict is read from what the ranks did, once they are all gone: nothing is polled, and
+no port is watched (a listener on MASTER_PORT could come and go between two looks, and a script
+that picks its own port has none to watch).
 
 `JoinWatch.verdict()` is the line printed at the end of a job that exited 0 without anyone
 joining: a warning, or with `--require-join` an error (exit code 1).
@@ -19,12 +23,8 @@ joining: a warning, or with `--require-join` an error (exit code 1).
 
 from __future__ import annotations
 
-import threading
-
 from tandem.rendezvous import StoreServer
 
-FIRST_LOOK_S = 0.02
-LATEST_LOOK_S = 0.5
 _LISTEN = "0A"  # the state column of a listening socket in /proc/net/tcp
 
 
@@ -45,40 +45,19 @@ def listening(port: int) -> bool:
 
 
 class JoinWatch:
-    """Watches one attempt for a rank that joins: a client of `store`, or a listener on
-    `torch_port` (None: torch's rendezvous is not on this machine, only the store counts)."""
+    """Whether a rank of the attempt about to start joined: a client of `store` from now on
+    (see the module's docstring). Made before the attempt's ranks start."""
 
-    def __init__(self, store: StoreServer, torch_port: int | None) -> None:
-        self.store, self.torch_port = store, torch_port
-        self._seen = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tandem-join-watch", daemon=True)
-
-    def start(self) -> JoinWatch:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        delay = FIRST_LOOK_S
-        while not self._stop.wait(delay):
-            if self._joined_now():
-                self._seen = True
-                return
-            delay = min(delay * 1.5, LATEST_LOOK_S)
-
-    def _joined_now(self) -> bool:
-        return self.store.clients > 0 or (self.torch_port is not None
-                                          and listening(self.torch_port))
-
-    def stop(self) -> None:
-        self._stop.set()
+    def __init__(self, store: StoreServer) -> None:
+        self.store = store
+        # Earlier clients (the other nodes' agents, ranks of earlier attempts) do not count.
+        self._clients_before = store.clients
 
     def joined(self) -> bool:
-        return self._seen or self._joined_now()
+        return self.store.clients > self._clients_before
 
     def verdict(self, np: int, program: str, required: bool) -> str | None:
         """None when a rank joined (or there is one rank); else the line to print."""
-        self.stop()
         if np < 2 or self.joined():
             return None
         head = "error" if required else "warning"

@@ -4,8 +4,9 @@ Every kind of job starts its local ranks here (`LocalRanks.start`, through
 `processes.start_ranks`): a plain single-node job, each attempt of a restartable one, each
 node of a multi-node one; `mpiexec.MPIExecRanks` starts the same ranks through mpiexec
 instead. A rank gets this Python running the script or module (`rank_command`), our
-environment plus thread limits (`job_environment`) and its place in the whole job
-(`rank_environment`): global rank, world size, the rendezvous store, `TANDEM_RESTART=<attempt>`,
+environment plus thread limits and tandem's `sitecustomize` (`job_environment`, `rank_site/`),
+and its place in the whole job (`rank_environment`): global rank, world size, the rendezvous
+store, `TANDEM_RESTART=<attempt>`,
 torchrun's variables (`environments.torchrun_variables`: RANK, MASTER_PORT...), and on
 multi-node jobs the network interface Gloo should use. Exits arrive as
 ("exit", rank, returncode) events on the supervisor's queue.
@@ -36,6 +37,8 @@ from tandem.launch.processes import (
 )
 
 MASTER_ADDR = "127.0.0.1"
+# Put first on every rank's PYTHONPATH: its sitecustomize imports tandem (see rank_site/).
+RANK_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_site")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, 
         if config.threads_per_rank is not None or name not in base:
             env[name] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
+    # A script that uses torch.distributed alone gets tandem's binding of rank 0's store to
+    # MASTER_ADDR and tells the launcher that it joined (`rank_site`, `launch.joined`).
+    paths = [path for path in base.get("PYTHONPATH", "").split(os.pathsep) if path]
+    env["PYTHONPATH"] = os.pathsep.join([RANK_SITE, *(p for p in paths if p != RANK_SITE)])
     return env
 
 

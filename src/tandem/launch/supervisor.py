@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import re
 import signal
 import threading
 import time
@@ -90,9 +91,31 @@ def summary(failure: Failure, attempts: str = "") -> str:
         if failure.tail:
             lines.append(f"tandem run: last {len(failure.tail)} line(s) of rank {failure.rank}:")
             lines.extend(f"  [{failure.rank}] {line}" for line in failure.tail)
+            taken = port_taken(failure.rank, failure.tail)
+            if taken is not None:
+                lines.append(taken)
         else:
             lines.append(f"tandem run: rank {failure.rank} printed nothing.")
     return "\n".join(lines)
+
+
+_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+_PORT = re.compile(r"\bport\W{0,3}(\d{1,5})\b", re.IGNORECASE)
+
+
+def port_taken(rank: int, tail: tuple[str, ...]) -> str | None:
+    """The fix, when the failed rank's last lines say that a port it wanted is taken: most
+    often a MASTER_PORT hard-coded in the script, which every job on the machine then asks
+    for (tandem run gives each job a free one of its own)."""
+    lines = [line for line in tail if _IN_USE.search(line)]
+    if not lines:
+        return None
+    found = _PORT.search(lines[-1])
+    port = f"port {found.group(1)}" if found else "a port it asked for"
+    return (f"tandem run: rank {rank} could not listen on {port}: the address is already in "
+            "use (another job or program holds it). If the script sets MASTER_PORT itself, "
+            "remove that line: tandem run gives every job a free port of its own (MASTER_PORT "
+            "is set for every rank); or set MASTER_PORT to a port that nothing else uses.")
 
 
 @contextmanager
@@ -284,18 +307,15 @@ class LocalJob(Agent):
         with signals_blocked():  # the store's threads leave our signals to this one
             store = rendezvous.StoreServer(MASTER_ADDR, 0)  # lives until the ranks are gone
         placement = Placement.single(self.config.np, store.port, store.key)
-        watch = JoinWatch(store, placement.torch_port)
+        watch = JoinWatch(store)
         try:
             try:
                 self.ranks.start(placement)
             except StartInterrupted as interrupt:  # ranks not all started: nothing to wait for
                 failure = Failure(interrupt=interrupt.signum, startup=True)
             else:
-                with signals_blocked():
-                    watch.start()
                 failure = Supervisor(self.ranks, self.events, self.output).run()
         finally:
-            watch.stop()
             self.ranks.reap()
             store.close()
         self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
