@@ -131,6 +131,46 @@ def check_explicit(wrapper):
     return max_diff(model, reference)
 
 
+def check_join():
+    """61 samples, global batch 30: the last step has 1 sample, on rank 0 alone; the others,
+    out of data, answer it inside td.join, and the step is that one sample's gradient."""
+    n, batch = 61, 30
+    x, y = data(n, seed=5)
+    loader, _ = td.partition_dataset(TensorDataset(x, y), batch_size=batch, pad=False)
+    reference, model = mlp(), mlp()
+    ref_opt = sgd(reference.parameters())
+    order = torch.as_tensor(epoch_order(n, 0))
+    for start in range(0, n, batch):
+        rows = order[start:start + batch]
+        one_process_step(reference, ref_opt, x[rows], y[rows])
+    opt = td.DistributedOptimizer(sgd(model.parameters()), **SMALL_BUCKETS)
+    sizes = []
+    with td.join(opt):
+        for xb, yb in loader:
+            sizes.append(len(xb))
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    return sizes, max_diff(model, reference)
+
+
+def check_one_rank_weights_alone():
+    model = mlp()
+    opt = td.DistributedOptimizer(sgd(model.parameters()))
+    x, y = data(4)
+    step = -1
+    try:
+        for step in range(3):
+            if td.rank() == 0 and step == 1:
+                td.samples(4)  # this rank alone weights its step
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    except td.DivergedError as error:
+        return step, str(error)
+    return step, None
+
+
 def check_costs():
     """Operations issued and host reads of an even step and of a weighted one: the same."""
     from test_hot_paths import HostReads
@@ -164,6 +204,9 @@ def test_uneven_shards_train_like_one_process(backend):
             assert diff < TOL and moved > 1e-2, (wrapper, rank, diff, moved)
         for rank, diff in enumerate(run_distributed(check_explicit, 3, backend, args=(wrapper,))):
             assert diff < TOL, (wrapper, rank, diff)
+    for rank, (sizes, diff) in enumerate(run_distributed(check_join, 3, backend)):
+        assert sizes == ([10, 10, 1] if rank == 0 else [10, 10]), sizes
+        assert diff < TOL, (rank, diff)
 
 
 def test_a_weighted_step_costs_no_operation_and_no_host_read_more():
@@ -172,3 +215,12 @@ def test_a_weighted_step_costs_no_operation_and_no_host_read_more():
         # only host read.
         assert even == weighted, (even, weighted)
         assert even[1] == ["tolist"], even
+
+
+def test_a_rank_that_weights_a_step_alone_is_named():
+    for step, message in run_distributed(check_one_rank_weights_alone, 3):
+        assert step == 1 and message is not None, (step, message)
+        assert "rank 0: gradient reduction #2 of DistributedOptimizer (after 1 optimizer steps), " \
+               "weighted by its samples" in message, message
+        assert "rank 1: gradient reduction #2 of DistributedOptimizer (after 1 optimizer steps)\n" \
+            in message, message

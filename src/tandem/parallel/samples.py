@@ -26,10 +26,13 @@ Who says how many samples a step had: the last *report* before each backward pas
   gradients keep the size they have with 1/size.
 * `td.samples(n)`: the explicit form, for loaders tandem did not make; weight n, every step.
 
-Reports of one accumulation window (`accumulate=k`, `no_sync()`) add up; each report counts
-once, however many backward passes follow it. A step without a new report is reduced as
+Reports of one accumulation window (`accumulate=k`, `no_sync()`) add up (exact when its
+micro-batches are equal); each report counts once, however many backward passes follow it. A
+report made before the reducer (the DistributedOptimizer or DistributedDataParallel) was built
+does not count: it belongs to an earlier loop. A step without a new report is reduced as
 before (the mean over ranks). Every rank must weight alike: when argument checks are on, the
 per-step agreement (step_check.py) names a rank that weights a step the others do not.
+Cost: one more pass over the gradients (the division) on a weighted step; none on the others.
 Only op="mean" is weighted; op="sum" sums as it says.
 """
 
@@ -72,7 +75,7 @@ class RoundSamples:
 
     def __init__(self, enabled: bool) -> None:
         self._enabled = enabled  # op="mean" only
-        self._seen = 0
+        self._seen = latest.serial  # what was handed out before this reducer is not its data
         self.reset()
 
     def reset(self) -> None:
