@@ -64,7 +64,7 @@ def test_checkpointer_saves_every_n_steps_keeps_the_newest_and_restores(tmp_path
             momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     assert written == [False, True, False, True, False, True, False]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-        "step-00000004", "step-00000006"]  # DCP directories
+        ".tandem-owner", "step-00000004", "step-00000006"]  # DCP directories, and whose they are
     fresh = nn.Linear(3, 2)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     assert td.Checkpointer(tmp_path / "ck", every=2).restore(model=fresh, optimizer=fresh_opt) == 6

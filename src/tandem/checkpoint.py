@@ -38,6 +38,13 @@ newest, checks it whole on every rank, loads it into the objects in whatever lay
 have (any tp, pp, fully_shard or ZeRO size, or the plain model) and returns the step to resume
 at. Every rank calls both. `async_save=True` blocks `save` only for the copy to host memory.
 
+What is never loaded wrong or lost silently: each item's bytes carry a CRC-32 in the metadata,
+checked before a load (`tandem.checksums`: a damaged file is refused naming it, the step and
+the older steps); the directory belongs to one running job (`tandem.dir_owner`: another job's
+save or restore there is refused naming it; resuming a stopped job's directory is free); an
+async save still in flight when the script ends is published at exit (`tandem.checkpoint_exit`);
+a full disk is named with the bytes needed and free, before writing when it can be seen.
+
 With `tandem run --max-restarts K` a job that loses a rank is restarted from the top of the
 script: `restore` then picks up where the last checkpoint left off. For the run to continue
 exactly as an uninterrupted one, everything random must come from the step: draw the data
@@ -48,23 +55,24 @@ attempt it is.
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import os
-import re
 import secrets
-import shutil
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tandem import checkpoint_exit, dir_owner, runtime, steps_on_disk
 from tandem import dcp_files as files
-from tandem import runtime
 from tandem import sharded_checkpoint as sharded
 from tandem.comm import collectives
-from tandem.files import CheckpointError
+from tandem.files import CheckpointError, CorruptCheckpointError, no_space
 from tandem.files import fsync_directory as _fsync_directory
 
 PathLike = str | os.PathLike
@@ -72,7 +80,6 @@ PathLike = str | os.PathLike
 # Test hook: called with the temporary file after it is written and fsynced, just before the
 # rename. The crash test sets it to SIGKILL its own process there.
 _before_replace: Callable[[Path], None] | None = None
-_NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded checkpoint's directory
 
 
 def _distributed() -> bool:
@@ -93,9 +100,15 @@ def _write_atomically(obj: Any, path: Path) -> None:
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())
+            try:
+                torch.save(obj, file)
+                file.flush()
+                os.fsync(file.fileno())
+            except (OSError, RuntimeError) as error:  # torch.save: "unexpected pos" on a full disk
+                full = no_space(error, directory, file.tell())
+                if full is None:
+                    raise
+                raise CheckpointError(f"cannot save checkpoint {str(path)!r}: {full}") from error
         if _before_replace is not None:
             _before_replace(temporary)
         os.replace(temporary, path)
@@ -216,8 +229,9 @@ class Checkpointer:
     layout the model has (replicated, tensor parallel, pipeline stages, fully sharded, ZeRO),
     and `restore` loads them into any other layout of the same model. With
     `async_save=True`, `save` returns once the state is copied to host memory; the files are
-    written by a background thread and published at the next `save`, `restore` or `wait()`
-    (call `wait()` after the last step so that the last checkpoint is published).
+    written by a background thread and published at the next `save`, `restore` or `wait()`,
+    or when the script ends (`tandem.checkpoint_exit`). The directory belongs to one running
+    job (`tandem.dir_owner`): another job's `save` or `restore` there is refused while it runs.
     """
 
     def __init__(self, directory: str | os.PathLike, every: int = 1, keep: int = 2,
@@ -238,6 +252,9 @@ class Checkpointer:
         self._staging: dict | None = {} if self.async_save else None
         # Every rank may create it: rank 0 writes, and on a shared file system this is one dir.
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._owned = self.directory.resolve()
+        self._holder = next(_holders)
+        weakref.finalize(self, dir_owner.release, self._owned, self._holder)
 
     def path(self, completed: int) -> Path:
         return self.directory / f"step-{completed:08d}"
@@ -245,24 +262,20 @@ class Checkpointer:
     def _on_disk(self) -> list[tuple[int, Path]]:
         """(completed steps, path) of the checkpoints rank 0 sees, newest first; a checkpoint
         directory without its metadata is an error, never skipped (a restart would lose it)."""
-        found = []
-        for entry in self.directory.iterdir():
-            match = _NAME.match(entry.name)
-            if not match:
-                continue
-            if entry.is_dir() and not (entry / files.METADATA).is_file():
-                raise CheckpointError(
-                    f"checkpoint directory {str(entry)!r} has no {files.METADATA} (its save did "
-                    f"not complete, or files were removed): move it away or restore its files; "
-                    f"tandem neither skips nor overwrites it")
-            found.append((int(match.group(1)), entry))
-        return sorted(found, reverse=True)
+        return steps_on_disk.on_disk(self.directory)
 
-    def checkpoints(self) -> list[int]:
-        """The completed-step counts of the checkpoints on rank 0, newest first (every rank)."""
+    def _claim(self) -> str | None:
+        return dir_owner.claim(self._owned, self._holder)
+
+    def checkpoints(self, claim: bool = False) -> list[int]:
+        """The completed-step counts of the checkpoints on rank 0, newest first (every rank).
+        With `claim`, rank 0 also takes the directory for this job (refused: an error)."""
         mine: Any = None
         if not _distributed() or runtime.rank() == 0:
             try:
+                refused = self._claim() if claim else None
+                if refused:
+                    raise CheckpointError(refused)
                 mine = [completed for completed, _ in self._on_disk()]
             except CheckpointError as error:
                 mine = error
@@ -277,7 +290,8 @@ class Checkpointer:
         """After step `step` (0-based): write a checkpoint if it completes `every` steps.
 
         Returns True when a checkpoint was written (or, with `async_save`, started). Every rank
-        must call it.
+        must call it. Refused before anything is written when another running job saves into
+        the same directory, or when the file system cannot hold the checkpoint.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: give the 0-based index of the step just finished")
@@ -289,56 +303,56 @@ class Checkpointer:
             return False
         self.wait()  # a second save waits for the first
         if not self._checked:  # refuses a directory without metadata before writing beside it
-            self.checkpoints()
+            self.checkpoints(claim=True)
             self._checked = True
-        self._pending = sharded.start_save(self.path(completed), {"completed": completed},
-                                           background=self.async_save, staging=self._staging,
-                                           **objects)
+        pending = sharded.start_save(self.path(completed), {"completed": completed},
+                                     background=self.async_save, staging=self._staging,
+                                     admit=self._claim, **objects)
+        self._pending = pending
         if not self.async_save:
             self.wait()
+        else:
+            checkpoint_exit.track(pending, completed, functools.partial(
+                steps_on_disk.prune, self.directory, self.keep, pending.path))
         return True
 
     def wait(self) -> None:
-        """Finish the save in flight, if any (every rank): its checkpoint is then on disk."""
+        """Finish the save in flight, if any (every rank): its checkpoint is then on disk.
+        After `td.shutdown()`, rank 0 publishes it once every rank has finished its files."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        checkpoint_exit.done(pending)
         pending.finish()
         if not _distributed() or runtime.rank() == 0:
             if self._pruning is not None:
                 self._pruning.join()
             # Removing old checkpoints touches no other rank and nothing the step needs.
-            self._pruning = threading.Thread(target=self._prune, args=(pending.path,), daemon=True,
+            self._pruning = threading.Thread(target=steps_on_disk.prune, daemon=True,
+                                             args=(self.directory, self.keep, pending.path),
                                              name="tandem-checkpoint-prune")
             self._pruning.start()
             if not self.async_save:
                 self._pruning.join()
 
-    def _prune(self, latest: Path) -> None:
-        files.remove_leftovers(latest)
-        try:
-            found = self._on_disk()
-        except CheckpointError:
-            return  # a directory without metadata: the next save or restore names it
-        for _, old in found[self.keep:]:
-            if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
-
     def restore(self, **objects: Any) -> int:
         """Load the newest checkpoint into `objects`, in whatever layout they now have; return
-        the step to resume at (0: none). A checkpoint that cannot be read is an error that
-        names it (nothing is loaded), never skipped for an older one."""
+        the step to resume at (0: none). A checkpoint that cannot be read, or whose bytes fail
+        their checksums, is an error that names it and the older ones (nothing is loaded),
+        never skipped for an older one."""
         if not objects:
             raise ValueError("nothing to restore: pass the objects, e.g. restore(model=model)")
         sharded.check_objects(objects)
         self.wait()
-        for completed in self.checkpoints()[:1]:
+        steps = self.checkpoints(claim=True)
+        for completed in steps[:1]:
             path = self.path(completed)
             if (self.directory / f"{path.name}.pt").exists():  # written by tandem before DCP
                 return self._restore_file(self.directory / f"{path.name}.pt", objects)
-            record = sharded.load_sharded(path, **objects)
+            try:
+                record = sharded.load_sharded(path, **objects)
+            except CorruptCheckpointError as error:
+                raise CorruptCheckpointError(steps_on_disk.damaged(error, path, steps)) from None
             return int(record.get("completed", completed))
         return 0
 
@@ -352,3 +366,6 @@ class Checkpointer:
         for name, obj in objects.items():
             obj.load_state_dict(saved["state"][name])
         return int(saved["completed"])
+
+
+_holders = itertools.count()

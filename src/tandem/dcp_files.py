@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +45,9 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from tandem import runtime
+from tandem import checksums, runtime
 from tandem.comm import collectives
-from tandem.files import CheckpointError, fsync_directory
+from tandem.files import CheckpointError, CorruptCheckpointError, fsync_directory, no_space
 from tandem.parallel import layout
 
 METADATA = ".metadata"
@@ -68,13 +70,13 @@ def from_root(obj: Any) -> Any:
     return collectives.broadcast_object(obj, root=0) if rank_size()[1] > 1 else obj
 
 
-def settle(problem: str | None, what: str) -> None:
+def settle(problem: str | None, what: str, error: type[CheckpointError] = CheckpointError) -> None:
     """Raise on every rank if any rank has a problem (the first one, naming its rank)."""
     problems = [(r, p) for r, p in enumerate(everyone(problem)) if p is not None]
     if problems:
         rank, text = problems[0]
         more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
-        raise CheckpointError(f"{what}: rank {rank}: {text}{more}")
+        raise error(f"{what}: rank {rank}: {text}{more}")
 
 
 @dataclass
@@ -145,11 +147,22 @@ def incomplete(metadata: Any) -> str | None:
 
 class PendingSave:
     """A save whose files are being written (in the background with `async_save`); `finish()`
-    (every rank) waits for them, writes the metadata and renames the directory into place."""
+    (every rank) waits for them, writes the metadata and renames the directory into place.
 
-    def __init__(self, path: Path, temporary: Path, metadata: Any, run: Callable[[], list]) -> None:
+    Each rank's writer also takes the checksums of what it wrote (`tandem.checksums`). When the
+    engine is gone (`td.shutdown()`, interpreter exit) `finish()` publishes through the files
+    instead (`finish_through_files`): each rank leaves a mark in the directory, rank 0 waits for
+    every mark (with a deadline) and publishes.
+    """
+
+    def __init__(self, path: Path, temporary: Path, metadata: Any, run: Callable[[], list],
+                 needed: int = 0) -> None:
         self.path, self.temporary, self.metadata = path, temporary, metadata
+        self.needed = needed  # bytes this rank writes, at least (for a full disk's message)
+        self.rank, self.size = rank_size()
+        self._world = runtime.state() if runtime.is_initialized() else None
         self._results: list | None = None
+        self._sums: dict = {}
         self._error: BaseException | None = None
         self._thread = None
         self._run = run
@@ -165,35 +178,98 @@ class PendingSave:
     def _work(self) -> None:
         try:
             self._results = self._run()
+            self._sums = checksums.of_results(self.temporary, self._results)
         except BaseException as error:  # noqa: BLE001 - reported to every rank by finish()
             self._error = error
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
+    def _problem(self) -> str | None:
+        if self._error is None:
+            return None
+        full = no_space(self._error, self.temporary, self.needed)
+        return f"could not write its files: {full or self._error}"
+
+    def engine_gone(self) -> bool:
+        """The world this save started in is no more (td.shutdown): no collective can finish it."""
+        return self.size > 1 and (not runtime.is_initialized() or runtime.state() is not self._world)
+
     def finish(self) -> None:
+        if self.engine_gone():
+            problem = self.finish_through_files(runtime_timeout())
+            if problem:
+                raise CheckpointError(f"could not save checkpoint {str(self.path)!r}: {problem}")
+            return
         if self._thread is not None:
             self._thread.join()
-        rank, _ = rank_size()
-        mine = None if self._error is None else f"could not write its files: {self._error}"
-        reports = everyone((mine, self._results or []))
-        problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None]
-        if not problems and rank == 0:
-            try:
-                writer = FileSystemWriter(self.temporary, single_file_per_rank=True, sync_files=True)
-                writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-                writer.finish(self.metadata, [results for _, results in reports])
-                fsync_directory(self.temporary)
-                if _before_publish is not None:
-                    _before_publish(self.temporary)
-                publish(self.temporary, self.path)
-            except OSError as error:
-                problems.append(f"rank 0 could not publish the checkpoint: {error}")
+        reports = everyone((self._problem(), self._results or [], self._sums))
+        problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(reports) if p is not None]
+        if not problems and self.rank == 0:
+            problem = self._publish([results for _, results, _ in reports], [s for _, _, s in reports])
+            problems += [problem] if problem else []
         problems = from_root(problems)
         if problems:
-            if rank == 0:
+            if self.rank == 0:
                 shutil.rmtree(self.temporary, ignore_errors=True)
             raise CheckpointError(f"could not save checkpoint {str(self.path)!r}: " + "; ".join(problems))
+
+    def _publish(self, results: list[list], sums: list[dict]) -> str | None:
+        """Rank 0: the metadata (with every rank's checksums), then the rename; a problem or None."""
+        try:
+            writer = FileSystemWriter(self.temporary, single_file_per_rank=True, sync_files=True)
+            writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+            checksums.attach(self.metadata, sums)
+            writer.finish(self.metadata, results)
+            fsync_directory(self.temporary)
+            if _before_publish is not None:
+                _before_publish(self.temporary)
+            publish(self.temporary, self.path)
+        except OSError as error:
+            return f"rank 0 could not publish the checkpoint: {no_space(error, self.temporary, 0) or error}"
+        return None
+
+    def finish_through_files(self, deadline_s: float) -> str | None:
+        """Publish with no engine: every rank marks its files done, rank 0 waits for all the marks
+        (until `deadline_s`) and publishes. Returns rank 0's problem (None elsewhere, or when
+        published)."""
+        deadline = time.monotonic() + deadline_s
+        if self._thread is not None:
+            self._thread.join(deadline_s)
+        problem = self._problem()
+        if not self.done():
+            problem = f"its files were still being written after {deadline_s:.0f} s"
+        mark = self.temporary / f".done-{self.rank}"
+        try:
+            (self.temporary / f".done-{self.rank}.tmp").write_bytes(
+                pickle.dumps((problem, self._results or [], self._sums)))
+            os.replace(self.temporary / f".done-{self.rank}.tmp", mark)
+        except OSError as error:
+            problem = f"rank {self.rank} could not leave its mark in {str(self.temporary)!r}: {error}"
+        if self.rank != 0:
+            return None
+        marks = [self.temporary / f".done-{r}" for r in range(self.size)]
+        pause = 0.01
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+            time.sleep(pause)  # other processes' files: nothing to wait on but the file system
+            pause = min(pause * 2, 0.5)
+        missing = [r for r, m in enumerate(marks) if not m.exists()]
+        if missing:
+            return f"rank(s) {missing} did not finish their files within {deadline_s:.0f} s"
+        reports = [pickle.loads(m.read_bytes()) for m in marks]
+        problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(reports) if p is not None]
+        for m in marks:
+            m.unlink(missing_ok=True)
+        if problems:
+            return "; ".join(problems)
+        return self._publish([results for _, results, _ in reports], [s for _, _, s in reports])
+
+
+def runtime_timeout() -> float:
+    """How long a wait may last in this job (the engine's timeout; the default without one)."""
+    from tandem import settings
+
+    return settings.current().timeout_s
 
 
 def publish(temporary: Path, path: Path) -> None:
@@ -216,33 +292,46 @@ def remove_leftovers(path: Path) -> None:
 
 def read_metadata(path: Path) -> Any:
     """The checkpoint's metadata, after checking on every rank that every file it names is there
-    and long enough (a truncated or missing file is found before anything loads)."""
+    and long enough (a truncated or missing file is found before anything loads), and that the
+    bytes match their checksums (the ranks share the files out)."""
     problem, metadata = None, None
+    if not path.is_dir():
+        problem = f"no checkpoint directory at {str(path)!r}"
+    elif not (path / METADATA).is_file():
+        problem = (f"{str(path)!r} has no {METADATA}: not a distributed checkpoint, or its save did "
+                   f"not complete (the metadata is written last); load an earlier checkpoint")
+    else:
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as error:  # noqa: BLE001 - a foreign or corrupt metadata file
+            problem = f"{METADATA} is unreadable ({type(error).__name__}: {error})"
+    where = f"cannot load checkpoint {str(path)!r}"
+    settle(problem, where, CheckpointError if metadata is None else CorruptCheckpointError)
+    problem = None
     try:
-        if not path.is_dir():
-            raise FileNotFoundError(f"no checkpoint directory at {str(path)!r}")
-        if not (path / METADATA).is_file():
-            raise FileNotFoundError(
-                f"{str(path)!r} has no {METADATA}: not a distributed checkpoint, or its save did "
-                f"not complete (the metadata is written last); load an earlier checkpoint")
-        metadata = FileSystemReader(path).read_metadata()
-        needed: dict[str, int] = {}
-        for info in (metadata.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for name, length in sorted(needed.items()):
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{name} is missing; the checkpoint is incomplete (copy every "
-                                      f"file of the directory, or load an earlier checkpoint)")
-            if file.stat().st_size < length:
-                raise CheckpointError(f"{name} is truncated ({file.stat().st_size} bytes, the "
-                                      f"metadata needs {length}); load an earlier checkpoint")
-    except (OSError, CheckpointError) as error:
-        problem = str(error)
-    except Exception as error:  # noqa: BLE001 - a foreign or corrupt metadata file
-        problem = f"{METADATA} is unreadable ({type(error).__name__}: {error})"
-    settle(problem, f"cannot load checkpoint {str(path)!r}")
+        problem = _damage(path, metadata)
+        if problem is None:
+            problem = checksums.check(path, metadata, *rank_size())
+    except OSError as error:
+        problem = f"a file could not be read ({error})"
+    settle(problem and f"{problem}. Nothing was loaded; load an earlier checkpoint", where,
+           CorruptCheckpointError)
     return metadata
+
+
+def _damage(path: Path, metadata: Any) -> str | None:
+    """A file the metadata names that is missing or shorter than the metadata says."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return (f"{name} is missing; the checkpoint is incomplete (copy every file of the "
+                    f"directory)")
+        if file.stat().st_size < length:
+            return f"{name} is truncated ({file.stat().st_size} bytes, the metadata needs {length})"
+    return None
 
 
 class _Targets:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from tandem import dcp_files as files
-from tandem.files import CheckpointError
+from tandem.files import CheckpointError, needed_bytes, no_space, place, shortfall
 from tandem.parallel import layout
 from tandem.parallel.pipeline.stage import Pipeline
 
@@ -161,12 +162,15 @@ def _gather(objects: dict[str, Any]) -> tuple[dict[str, files.Piece], dict[str, 
 
 
 def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
-               background: bool = False, staging: dict | None = None, **objects: Any) -> files.PendingSave:
+               background: bool = False, staging: dict | None = None,
+               admit: Callable[[], str | None] | None = None, **objects: Any) -> files.PendingSave:
     """Plan a save of `objects` at `path` and start writing (collective); `finish()` the result.
 
     The tensors are copied to host memory before this returns (into `staging`'s buffers when
     given: pass the same dict to every save, after the previous one finished); with
     `background` the files are written by a thread, and only `finish()` communicates again.
+    `admit`, asked on rank 0 before anything is written: a reason to refuse the save, or None.
+    A file system that cannot hold the files is refused before anything is written too.
     """
     if not objects:
         raise ValueError("nothing to save: pass the objects, e.g. save_sharded(path, model=model)")
@@ -180,6 +184,7 @@ def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
                 f"{str(path)!r} exists without {files.METADATA} (a save that did not complete, or "
                 f"files removed by hand): move it away or restore its files; tandem neither skips "
                 f"nor overwrites it")
+        problem = admit() if admit is not None and rank == 0 else None
         pieces, blobs, record = _gather(objects)
         record.update(extra or {})
         blobs[RECORD] = record
@@ -187,22 +192,25 @@ def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
     except (TypeError, ValueError, NotImplementedError) as error:
         problem = f"{type(error).__name__}: {error}"
     # Two messages: every rank's plan (or problem) to all, then rank 0's verdict and global plan.
-    reports = files.everyone((problem, SavePlan(items)))
-    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None]
+    reports = files.everyone((problem, SavePlan(items), place(path.parent)))
+    problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(reports) if p is not None]
     verdict: tuple = (problems, None, None)
     metadata = None
     if rank == 0 and not problems:
         temporary = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
         try:
-            temporary.mkdir(parents=False)
-            plans = dedup_save_plans([plan for _, plan in reports])
+            plans = dedup_save_plans([plan for _, plan, _ in reports])
             plans, metadata = create_default_global_save_plan(plans)
-            plans = FileSystemWriter(temporary, single_file_per_rank=True,
-                                     sync_files=True).prepare_global_plan(plans)
-            problem = files.incomplete(metadata)
+            problem = shortfall(path.parent, plans, [where for _, _, where in reports])
+            if problem is None:
+                temporary.mkdir(parents=False)
+                plans = FileSystemWriter(temporary, single_file_per_rank=True,
+                                         sync_files=True).prepare_global_plan(plans)
+                problem = files.incomplete(metadata)
             verdict = ([f"rank 0: {problem}"] if problem else [], str(temporary), plans)
         except OSError as error:
-            verdict = ([f"rank 0: could not create {str(temporary)!r}: {error}"], None, None)
+            full = no_space(error, path.parent, 0)
+            verdict = ([f"rank 0: could not create {str(temporary)!r}: {full or error}"], None, None)
     problems, temporary, plans = files.from_root(verdict)
     if problems:
         if rank == 0 and temporary is not None:
@@ -217,7 +225,7 @@ def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
         writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
         return writer.write_data(mine, staged).value()
 
-    return files.PendingSave(path, temporary, metadata, write).start(background)
+    return files.PendingSave(path, temporary, metadata, write, needed_bytes(mine)).start(background)
 
 
 def save_sharded(path: str | os.PathLike, **objects: Any) -> None:

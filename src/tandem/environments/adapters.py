@@ -269,6 +269,19 @@ def launched(env: Env) -> JobEnvironment | None:
     return None
 
 
+def job_id(source: str, env: Env) -> str | None:
+    """The launcher's name for this job, the same on every rank and every restart of it (tandem
+    run's and torchrun's run id, SLURM's job and step, Open MPI's PMIx namespace); None when the
+    launcher (`source`, a `JobEnvironment.source`) gives none."""
+    if source in ("tandem", "torchrun"):
+        return env.get("TORCHELASTIC_RUN_ID") or None
+    if source == "slurm" and env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
+    if source == "openmpi":
+        return env.get("PMIX_NAMESPACE") or None
+    return None
+
+
 #: The variables the rendezvous-style launchers (torchrun and its imitators) set.
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
 RANK_PAIR = ("RANK", "WORLD_SIZE")
