@@ -44,7 +44,7 @@ from tandem import runtime
 from tandem.comm import collectives
 from tandem.comm.groups import Group, Mesh, group_ranks
 from tandem.parallel import layout, model_check, splits, state_hooks
-from tandem.parallel.fully_shard import fsdp2_methods, policies
+from tandem.parallel.fully_shard import fsdp2_methods, optimizer_check, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
 
@@ -55,7 +55,12 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
                 offload_policy: Any = None, offload: str | None = None) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit owns) across `group`; returns `module`.
 
-    Collective: every rank of the group calls it, in the same order, on the same model.
+    Collective: every rank of the group calls it, in the same order, on the same model, with
+    the same options: the unit's tensors, policies, reshard_after_forward and group/mesh are
+    agreed once, here (`unit_agreement.py`); a rank that differs makes every rank raise,
+    naming each rank's. An optimizer that holds none of the shards and steps nothing while
+    they have gradients (another model's parameters) is refused at its first step
+    (`optimizer_check.py`).
 
     Args:
         reshard_after_forward: free the gathered parameters after forward (gather again for
@@ -98,6 +103,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     if unit.shard is not None:  # model.state_dict() / load_state_dict() speak the unsharded model
         state_hooks.install(module, UnitPieces(unit))
     fsdp2_methods.install(module, unit)  # model.unshard(), model.set_requires_gradient_sync(...)
+    optimizer_check.watch()  # an optimizer over another model's parameters is refused
     return module
 
 

@@ -38,20 +38,23 @@ import torch
 from torch import nn
 
 from tandem import runtime
+from tandem.comm import agreement
 from tandem.parallel.fully_shard.unit import SHARD, Unit, unit_of
 
 
 def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = None, *,
                 seed: int | None = None, device: torch.device | str | None = None) -> nn.Module:
-    """Give a model built on the meta device and fully sharded its values (collective).
+    """Give a model built on the meta device and fully sharded its values (collective: every
+    rank of the job calls it, with the same seed).
 
     Args:
         model: built under `with torch.device("meta")`, then `td.fully_shard` applied (as with
             FSDP2; a `model.to_empty(device=...)` before this call is fine, and not needed).
         init: called on every module, children first, as `model.apply(init)` does; default:
             the module's `reset_parameters()`. It must set every parameter its module holds.
-        seed: `torch.manual_seed(seed)` first, on every rank; None: every rank takes rank 0's
-            RNG state. Either way the RNG ends where one process's would.
+        seed: `torch.manual_seed(seed)` first, the same on every rank (agreed: ranks that
+            pass different seeds all raise, naming each rank's); None: every rank takes rank
+            0's RNG state. Either way the RNG ends where one process's would.
         device: where the parameters are initialised and computed (default `td.device()`);
             shards offloaded by `CPUOffloadPolicy` are kept in host memory.
 
@@ -184,10 +187,18 @@ def _check_resettable(model: nn.Module, slots: dict) -> None:
 
 
 def _agree_on_rng(seed: int | None, device: torch.device) -> None:
+    """Every rank starts the initialisation from the same RNG state: the seed they agree on,
+    or (no seed) rank 0's state. A seed per rank (`seed=td.rank()`) would give each rank its
+    shard of another model, with nothing to see but a loss that trains worse than one process's:
+    the seeds are agreed first (one small message, on or off `checks`; collective either way)."""
+    distributed = runtime.is_initialized() and runtime.size() > 1
+    if distributed and not runtime.joins_running_job():
+        said = f"seed={seed!r}" if seed is not None else "seed=None (rank 0's RNG state)"
+        agreement.agree(said, None, explain=_explain_seeds)
     if seed is not None:
         torch.manual_seed(seed)
         return
-    if not runtime.is_initialized() or runtime.size() == 1:
+    if not distributed:
         return
     from tandem.comm import collectives
 
@@ -196,6 +207,14 @@ def _agree_on_rng(seed: int | None, device: torch.device) -> None:
     torch.set_rng_state(states[0])
     if states[1] is not None:
         torch.cuda.set_rng_state(states[1], device)
+
+
+def _explain_seeds(ranks: tuple[int, ...], said: list[str]) -> str:
+    lines = "\n".join(f"  rank {r}: {s}" for r, s in zip(ranks, said, strict=True))
+    return (f"td.materialize: the ranks passed different seeds:\n{lines}\nEach rank would keep "
+            f"its shard of a different initialisation (a model no process ever had): "
+            f"pass the same seed on every rank (`td.materialize(model, seed=0)`), or none "
+            f"on every rank (each then takes rank 0's RNG state).")
 
 
 def _open(unit: Unit, device: torch.device, pool: list[torch.Tensor],

@@ -27,6 +27,7 @@ from tandem import runtime
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_size
 from tandem.parallel import splits
+from tandem.parallel.fully_shard import optimizer_check
 from tandem.parallel.split_grads import as_split_grad
 
 MAX_IN_FLIGHT = 2  # reduce-scatters whose whole-unit input is alive at once
@@ -105,6 +106,7 @@ class GradientReduction:
         s = shard.numel()
         shard_grad = out[:s].div_(self.size * self.replicas)
         shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
+        optimizer_check.graded(shard)  # an optimizer that holds no shard is refused (once)
         if shard.grad is None:  # torch's norms of it are the unit's global norm
             shard.grad = as_split_grad(shard_grad, splits.split_of(shard))
         else:

@@ -27,6 +27,7 @@ backward or an optimizer step is named before its next all-gather meets another'
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from typing import Any
@@ -36,11 +37,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
-from tandem.comm import agreement
 from tandem.comm.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.parallel import model_check, splits
 from tandem.parallel.flat_shard import FlatShard
+from tandem.parallel.fully_shard import unit_agreement
 from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, cast_floating
 from tandem.parallel.fully_shard.reduction import GradientReduction
 
@@ -110,11 +111,10 @@ class Unit:
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
             raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
-        # Once, before the broadcast, other models are named (an elastic newcomer's: no one's).
+        # Once, before the broadcast, other models and settings are named (an elastic newcomer's: no one's).
         if not runtime.joins_running_job():
-            agreement.agree_layout(f"fully_shard of {type(module).__name__}",
-                                   agreement.describe_tensors((n, p) for n, _, _, p in owned),
-                                   None if replicate is not None else group)  # HSDP: the world
+            unit_agreement.agree(f"fully_shard of {type(module).__name__}", [(n, p) for n, _, _, p in owned],
+                                 policy, offload, reshard_after_forward, group, replicate)
         self.module = module
         self.group = group
         self.size, self.rank = group_size(group), group_rank(group)
@@ -292,9 +292,7 @@ class Unit:
     def _set_views(self, full: torch.Tensor) -> None:
         offset = 0
         for (owner, attr), shape in zip(self._slots, self.shapes, strict=True):
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(shape)
             setattr(owner, attr, full[offset : offset + n].view(shape))
             offset += n
 
