@@ -93,7 +93,18 @@ def site_key() -> tuple[str, int]:
         frame = frame.f_back
     if frame is None:
         return ("<unknown>", 0)
-    return (frame.f_code.co_filename, frame.f_lineno)
+    # f_lineno scans the code's line table; the instruction offset is an attribute
+    code = frame.f_code
+    found = _lines.get((id(code), frame.f_lasti))
+    if found is None or found[0] is not code:  # (the code kept alive: its id stays its own)
+        if len(_lines) >= _MOST_LINES:
+            _lines.clear()
+        found = _lines[(id(code), frame.f_lasti)] = (code, (code.co_filename, frame.f_lineno))
+    return found[1]
+
+
+_lines: dict[tuple[int, int], tuple] = {}  # (id(code), instruction) -> (code, site_key)
+_MOST_LINES = 4096
 
 
 _codes: dict[tuple[str, int], int] = {}
