@@ -92,7 +92,8 @@ def test_ranks_with_different_fully_shard_settings_are_named(backend):
         assert "rank 0: CPUOffloadPolicy(pin_memory=True)" in said["offload"], said["offload"]
         assert "rank 1: none" in said["offload"], said["offload"]
         assert "rank 0: True" in said["reshard"] and "rank 1: False" in said["reshard"], said
-        assert "rank 0: mesh of 2 replicas x 1 shards (td.mesh(dp=2, shard=1))" in said["mesh"], said
+        assert ("  group/mesh:\n    rank 0: mesh of 2 replicas x 1 shards (td.mesh(dp=2, shard=1))"
+                in said["mesh"]), said["mesh"]
         assert "rank 1: shards over ranks [0, 1]" in said["mesh"], said["mesh"]
         assert "fully_shard of Linear" in said["inner"] and "mp_policy" in said["inner"], said
         for key in ("torch_policy_loss", "after"):

@@ -24,7 +24,7 @@ from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 #: The settings compared, in the order of their codes (after the tensors').
-SETTINGS = ("mp_policy", "offload_policy", "reshard_after_forward", "ranks")
+SETTINGS = ("mp_policy", "offload_policy", "reshard_after_forward", "group/mesh")
 
 
 def describe_policy(policy: MixedPrecisionPolicy) -> str:
@@ -56,7 +56,7 @@ def agree(what: str, named: list[tuple[str, torch.Tensor]], policy: MixedPrecisi
     mine = {"tensors": tensors, "mp_policy": describe_policy(policy),
             "offload_policy": repr(offload) if offload is not None else "none",
             "reshard_after_forward": repr(bool(reshard_after_forward)),
-            "ranks": describe_ranks(group, replicate)}
+            "group/mesh": describe_ranks(group, replicate)}
     codes = [agreement.checksum(tensors)] + [agreement.checksum(mine[k]) for k in SETTINGS]
     agreement.agree(mine, None if replicate is not None else group, codes=codes,
                     explain=lambda ranks, said: _explain(what, ranks, said),
