@@ -114,6 +114,14 @@ class Mesh:
     when `shard` is 1); `pp_group` the stages of this rank's pipeline (same dp, shard and tp
     position); `dp_group` the replicas of this rank's shard (same stage, shard and tp
     position), over which gradients are averaged.
+
+    With `cp` > 1 each replica's sequences are split over `cp` ranks (context parallelism,
+    `td.context`), between the shard and tp positions: global rank = (((dp_rank * pp + pp_rank)
+    * shard + shard_rank) * cp + cp_rank) * tp + tp_rank. `cp_group` links the ranks that share
+    this rank's sequences (a group of this rank alone when `cp` is 1: never the world);
+    `dp_group` then holds the same cp position, and `dp_cp_group` the ranks of every dp and cp
+    position (same stage, shard and tp position), over which a sequence-split model's gradients
+    are averaged (it is `dp_group` when `cp` is 1).
     """
 
     dp: int
@@ -128,10 +136,14 @@ class Mesh:
     shard: int = 1
     shard_rank: int = 0
     shard_group: Group | None = None
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: Group | None = None
+    dp_cp_group: Group | None = None
 
 
-def mesh(dp: int = 1, pp: int = 1, tp: int = 1, shard: int = 1) -> Mesh:
-    """Split the world into `dp` × `pp` × `shard` × `tp`.
+def mesh(dp: int = 1, pp: int = 1, tp: int = 1, shard: int = 1, cp: int = 1) -> Mesh:
+    """Split the world into `dp` × `pp` × `shard` × `cp` × `tp`.
 
     Every rank must call it with the same sizes (and make the same `new_group` calls before
     it); ranks that pass other sizes get a `GroupMismatchError` naming each rank's call, on
@@ -142,21 +154,23 @@ def mesh(dp: int = 1, pp: int = 1, tp: int = 1, shard: int = 1) -> Mesh:
     # Agreed before the sizes are checked: a rank whose sizes are wrong alone is named as the
     # odd one out, where raising on it alone would leave the others waiting for it.
     sizes = f"dp={dp!r}, pp={pp!r}, tp={tp!r}" + (f", shard={shard!r}" if shard != 1 else "")
+    sizes += f", cp={cp!r}" if cp != 1 else ""
     agree_on(f"td.mesh({sizes})", engine)
-    if dp < 1 or pp < 1 or tp < 1 or shard < 1:
+    if dp < 1 or pp < 1 or tp < 1 or shard < 1 or cp < 1:
         raise ValueError(f"mesh({sizes}): each must be >= 1")
-    needed = dp * pp * tp * shard
+    needed = dp * pp * tp * shard * cp
     if needed != world.size:
         raise ValueError(
             f"mesh({sizes}) needs {needed} ranks, but the world has "
             f"{world.size}; start the job with -np {needed} or change the sizes"
         )
     position, tp_rank = divmod(world.rank, tp)
+    position, cp_rank = divmod(position, cp)
     position, shard_rank = divmod(position, shard)
     dp_rank, pp_rank = divmod(position, pp)
 
-    def rank_of(d: int, p: int, t: int, s: int = 0) -> int:
-        return ((d * pp + p) * shard + s) * tp + t
+    def rank_of(d: int, p: int, t: int, s: int = 0, c: int = 0) -> int:
+        return (((d * pp + p) * shard + s) * cp + c) * tp + t
 
     def mine(members: list[int]) -> Group | None:
         # Every rank creates every group (the engines require it), keeping its own.
@@ -164,15 +178,25 @@ def mesh(dp: int = 1, pp: int = 1, tp: int = 1, shard: int = 1) -> Mesh:
         return group if world.rank in members else None
 
     dp_groups, pp_groups, tp_groups = [], [], []
-    for s in range(shard):  # with shard == 1, the groups (and their order) of a dp x pp x tp mesh
-        dp_groups += [mine([rank_of(d, p, t, s) for d in range(dp)]) for p in range(pp) for t in range(tp)]
-        pp_groups += [mine([rank_of(d, p, t, s) for p in range(pp)]) for d in range(dp) for t in range(tp)]
-        tp_groups += [mine([rank_of(d, p, t, s) for t in range(tp)]) for d in range(dp) for p in range(pp)]
-    shard_groups = [mine([rank_of(d, p, t, s) for s in range(shard)])
+    # with shard == cp == 1, the groups (and their order) of a dp x pp x tp mesh
+    for s, c in ((s, c) for s in range(shard) for c in range(cp)):
+        dp_groups += [mine([rank_of(d, p, t, s, c) for d in range(dp)]) for p in range(pp) for t in range(tp)]
+        pp_groups += [mine([rank_of(d, p, t, s, c) for p in range(pp)]) for d in range(dp) for t in range(tp)]
+        tp_groups += [mine([rank_of(d, p, t, s, c) for t in range(tp)]) for d in range(dp) for p in range(pp)]
+    shard_groups = [mine([rank_of(d, p, t, s, c) for s in range(shard)]) for c in range(cp)
                     for d in range(dp) for p in range(pp) for t in range(tp)] if shard > 1 else []
+    cp_groups = [mine([rank_of(d, p, t, s, c) for c in range(cp)]) for s in range(shard)
+                 for d in range(dp) for p in range(pp) for t in range(tp)] if cp > 1 else []
+    dp_cp_groups = [mine([rank_of(d, p, t, s, c) for d in range(dp) for c in range(cp)])
+                    for s in range(shard) for p in range(pp) for t in range(tp)] if cp > 1 else []
 
     def own(groups: list[Group | None]) -> Group:
         return next(g for g in groups if g is not None)
 
-    return Mesh(dp, pp, dp_rank, pp_rank, own(dp_groups), own(pp_groups), tp, tp_rank,
-                own(tp_groups), shard, shard_rank, own(shard_groups) if shard > 1 else None)
+    dp_group = own(dp_groups)
+    # cp == 1: a group of this rank alone, made without the engine (a sequence split over it
+    # is no split; None would mean the world)
+    cp_group = own(cp_groups) if cp > 1 else Group((world.rank,), None, 0)
+    return Mesh(dp, pp, dp_rank, pp_rank, dp_group, own(pp_groups), tp, tp_rank,
+                own(tp_groups), shard, shard_rank, own(shard_groups) if shard > 1 else None,
+                cp, cp_rank, cp_group, own(dp_cp_groups) if cp > 1 else dp_group)

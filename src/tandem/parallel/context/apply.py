@@ -1,0 +1,212 @@
+"""`parallelize(model, group, style)`: a model's attention made sequence-parallel, unchanged.
+
+While the model's forward runs, a torch function mode catches its calls to
+`F.scaled_dot_product_attention` (however the model reached it: `F.` or imported by name) and
+runs them over the context-parallel group in the chosen form; `nn.MultiheadAttention`'s call
+inside `F.multi_head_attention_forward`, which the mode sees as one call, is caught by its
+name in `torch.nn.functional` for the length of that call (one thread's forward at a time).
+Every other operation runs as written, on this rank's part of the sequence. An
+`nn.MultiheadAttention` computes its weights by hand unless called with `need_weights=False`:
+its calls default to that (no weights over the whole sequence exist on any rank); asking for
+the weights is refused.
+
+Each forward and each backward of the model opens with one agreement over the group
+(`parallel/model_check.py`: a rank that skipped a forward or a backward, or was given a batch
+of another shape, is named); inside, each attention call's messages carry its number and
+arguments (`wire`), so a rank that skipped one call is named too. No per-call agreement.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tandem.comm import agreement
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_ranks, group_size
+from tandem.parallel import model_check
+from tandem.parallel.context import layout, ring, ulysses, wire
+
+STYLES = ("ring", "alltoall")
+_SDPA = F.scaled_dot_product_attention
+
+
+class ContextParallelError(ValueError):
+    """An attention call or a model the sequence split cannot take (named, with the fix)."""
+
+
+class _Split:
+    """A converted model's split: its group, its form and the count of attention calls."""
+
+    def __init__(self, model: nn.Module, group: Group | None, style: str) -> None:
+        self.group, self.style, self.owner = group, style, type(model).__name__
+        self.sp = group_size(group)
+        self.calls = 0
+        self.mode: _Catch | None = None
+        self.check = model_check.check_of(model)
+
+    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+               scale=None, enable_gqa=False):
+        self.calls += 1
+        where = f"attention call #{self.calls} of {self.owner} (context parallelism, {self.style})"
+        if enable_gqa or key.shape != query.shape or value.shape != query.shape:
+            raise ContextParallelError(
+                f"{where}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                f"{tuple(value.shape)} must have one shape (self-attention over the split "
+                f"sequence, the same heads: enable_gqa={enable_gqa}); cross-attention to a "
+                f"sequence that is not split, and grouped-query attention, are not supported")
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        code = agreement.checksum(f"{tuple(query.shape)} {query.dtype} {is_causal} {scale} "
+                                  f"{None if attn_mask is None else tuple(attn_mask.shape)}")
+        checked = self.check is not None and query.device.type == "cpu"
+        header = wire.header_of(self.calls, code, checked)
+        if self.style == "ring":
+            self._ring_only(where, attn_mask, dropout_p)
+            layout.check_length(query.shape[-2] * self.sp, self.sp, where)
+            return ring.ring_attention(query, key, value, causal=is_causal, scale=scale,
+                                       group=self.group, header=header, owner=self.owner)
+        if query.dim() != 4:
+            raise ContextParallelError(f"{where}: the all-to-all form takes (batch, heads, "
+                                       f"sequence, head_dim); got query {tuple(query.shape)}")
+        self._whole_mask(where, attn_mask, query.shape[-2])
+        return ulysses.ulysses_attention(query, key, value, attn_mask=attn_mask,
+                                         dropout_p=dropout_p, causal=is_causal, scale=scale,
+                                         group=self.group, header=header, owner=self.owner)
+
+    def _ring_only(self, where: str, attn_mask, dropout_p: float) -> None:
+        if attn_mask is not None:
+            raise ContextParallelError(
+                f"{where}: the ring form takes no attn_mask (got one of shape "
+                f"{tuple(attn_mask.shape)}): it builds the causal mask itself from where each "
+                f"rank's tokens are (is_causal=True), or attends to every token (no mask). For "
+                f"a causal mask pass is_causal=True instead of the mask (nn.MultiheadAttention: "
+                f"is_causal=True with its mask); for any other mask (padding, a document mask) "
+                f"use style='alltoall' with a mask over the whole sequence")
+        if dropout_p:
+            raise ContextParallelError(
+                f"{where}: the ring form has no attention dropout (dropout_p={dropout_p}); set "
+                f"the attention's dropout to 0, or use style='alltoall'")
+
+    def _whole_mask(self, where: str, attn_mask, local: int) -> None:
+        whole = local * self.sp
+        if attn_mask is not None and tuple(attn_mask.shape[-2:]) != (whole, whole):
+            raise ContextParallelError(
+                f"{where}: attn_mask of shape {tuple(attn_mask.shape)} must end in the whole "
+                f"sequence's (query, key) = ({whole}, {whole}): each rank holds {local} of its "
+                f"{whole} tokens, and attention runs over all of them. A mask built from the "
+                f"local length (x.shape[1]) is the wrong one: for a causal mask pass "
+                f"is_causal=True, else build the mask for the whole sequence, in order")
+
+
+class _Catch(TorchFunctionMode):
+    """Sends the forward's `scaled_dot_product_attention` calls to the split."""
+
+    def __init__(self, split: _Split) -> None:
+        super().__init__()
+        self.split = split
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _SDPA:
+            return self.split.attend(*args, **(kwargs or {}))
+        if func is F.multi_head_attention_forward:
+            # Run, as every function the mode sees, with the mode off: the SDPA call inside it
+            # is then caught by its name in torch.nn.functional, for the length of this call.
+            F.scaled_dot_product_attention = self.split.attend
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                F.scaled_dot_product_attention = _SDPA
+        return func(*args, **(kwargs or {}))
+
+
+def split_of(model: nn.Module) -> _Split | None:
+    """The split `parallelize` gave `model` (None: not converted)."""
+    return getattr(model, "_context_split", None)
+
+
+def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring") -> nn.Module:
+    """Make `model`'s attention run over a context-parallel group; returns `model`.
+
+    Each rank then runs the model on its part of every sequence (`td.context.split`): layers
+    act token by token as before, and attention (`F.scaled_dot_product_attention`,
+    `nn.MultiheadAttention`) sees the whole sequence through the group.
+
+    Args:
+        model: the one-process model (its parameters stay whole and replicated).
+        group: the context-parallel group (`mesh.cp_group`; None: the world).
+        style: "ring" (keys and values passed around; any number of heads; no mask but
+            is_causal) or "alltoall" (heads traded for the sequence; heads divisible by the
+            group's size; any mask over the whole sequence).
+
+    Returns:
+        `model`, converted in place.
+
+    Raises:
+        ValueError: an unknown style, or (all-to-all) a `nn.MultiheadAttention` whose heads do
+            not divide over the group.
+
+    Gradients: each rank's loss is over its part of the sequence, and the parameters' gradients
+    are partial; average them over the context-parallel group (and the data-parallel one),
+    e.g. `td.DistributedOptimizer(opt, group=mesh.dp_cp_group)`, with each rank's loss the
+    mean over its own tokens: the mean over dp x cp ranks of those gradients is one process's.
+    """
+    if style not in STYLES:
+        raise ValueError(f"style={style!r}: choose 'ring' or 'alltoall'")
+    sp = group_size(group)
+    attention = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    if style == "alltoall":
+        for name, m in attention:
+            ulysses.heads_per_rank(m.num_heads, sp, f"{name} (nn.MultiheadAttention)")
+    if sp == 1:  # no split (a mesh's cp_group when cp is 1)
+        return model
+    layout_lines = [f"context-parallel {style} over {list(group_ranks(group))}"]
+    layout_lines += [f"{n} {tuple(p.shape)}" for n, p in model.named_parameters()]
+    agreement.agree_layout("context-parallel model", layout_lines, group, always=True)
+    model_check.watch(model, "context-parallel", layout_lines, group)
+    split = _Split(model, group, style)
+    model._context_split = split
+    for name, m in attention:
+        m.register_forward_pre_hook(_no_weights(name), with_kwargs=True)
+    model.register_forward_pre_hook(_enter)
+    model.register_forward_hook(_leave, always_call=True)
+    return model
+
+
+def _enter(model: nn.Module, _args) -> None:
+    split = split_of(model)
+    if split is None or split.mode is not None:  # a copy, or a call from inside its own forward
+        return
+    split.calls = 0
+    split.mode = _Catch(split)
+    split.mode.__enter__()
+
+
+def _leave(model: nn.Module, _args, _output) -> None:
+    split = split_of(model)
+    if split is None or split.mode is None:
+        return
+    mode, split.mode = split.mode, None
+    mode.__exit__(None, None, None)
+    if split.calls == 0 and _output is not None:
+        raise ContextParallelError(
+            f"context parallelism: the forward of {split.owner} made no attention call the "
+            f"split can see: it runs F.scaled_dot_product_attention (directly, or inside "
+            f"nn.MultiheadAttention) over the group; attention written by hand "
+            f"(softmax(q @ k.transpose(-2, -1)) @ v) would attend only to this rank's part of "
+            f"the sequence. Call F.scaled_dot_product_attention in the model, or do not split "
+            f"the sequence of a model without attention")
+
+
+def _no_weights(name: str):
+    def hook(module: nn.MultiheadAttention, args, kwargs):
+        asked = kwargs.get("need_weights", args[4] if len(args) > 4 else None)
+        if asked:
+            raise ContextParallelError(
+                f"{name} (nn.MultiheadAttention) was called with need_weights=True: under "
+                f"context parallelism no rank holds the attention weights over the whole "
+                f"sequence; call it with need_weights=False")
+        if asked is None:
+            kwargs = {**kwargs, "need_weights": False}
+        return args, kwargs
+    return hook

@@ -1,0 +1,146 @@
+"""Ring attention: each rank keeps its queries; key/value blocks travel around the ring.
+
+At step s rank r holds the keys and values of rank r - s. It attends its queries to that block
+and folds the result into what it has with an online softmax (each row keeps its log-sum-exp,
+`lse`: two partial results merge exactly as one softmax over both blocks would), while the
+block moves on to rank r + 1. After sp steps every query has seen every key, and no rank ever
+held more than two blocks: memory per rank does not grow with the number of ranks.
+
+The backward is written out (an autograd function), not left to autograd over the forward,
+which would keep every block it received. It saves only the local q, k, v, the output and the
+lse, and sends the blocks around again, each with the gradient of its keys and values
+accumulated by every rank it visits; one last hop takes those gradients home.
+
+Causal masks use the head-tail layout (`layout`): rank r holds chunks r and 2sp-1-r. Against
+its own block a rank needs the causal mask; against an earlier rank's block (o < r) all its
+queries see that block's first chunk and nothing of its second; against a later one (o > r)
+only its second chunk's queries see anything, all of the block. Every step does the same
+amount of work on every rank, and no step computes a score the mask hides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.comm.backend import Group
+from tandem.comm.groups import group_rank, group_size
+from tandem.parallel.context import wire
+
+
+def _plan(me: int, origin: int, causal: bool, half: int):
+    """(query rows, key rows, masked) for this rank's queries against `origin`'s block, or None
+    when the mask hides all of it."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    if origin == me:
+        return every, every, True
+    if origin < me:
+        return every, slice(0, half), False
+    return slice(half, None), every, False
+
+
+def _scores(q, k, scale, mask):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _block(q, k, v, scale, mask):
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _local_mask(me: int, sp: int, length: int, device) -> torch.Tensor:
+    from tandem.parallel.context.layout import positions_of
+    pos = positions_of(me, sp, length * sp, device)
+    return pos.unsqueeze(0) <= pos.unsqueeze(1)  # (query, key): key not after query
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group, header, owner):
+        me, sp = group_rank(group), group_size(group)
+        ring = wire.Ring(group)
+        half, length = q.shape[-2] // 2, q.shape[-2]
+        mask = _local_mask(me, sp, length, q.device) if causal else None
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        checked = header is not None
+        seen: dict[int, list[int]] = {}
+        block_k, block_v = k, v
+        for step in range(sp):
+            origin = (me - step) % sp
+            pending = (ring.start(wire.pack([block_k, block_v], header_at(ctx, step, header)))
+                       if step < sp - 1 else None)
+            plan = _plan(me, origin, causal, half)
+            rows, keys, masked = plan
+            o_b, lse_b = _block(q[..., rows, :], block_k[..., keys, :], block_v[..., keys, :],
+                                scale, mask if masked else None)
+            new = torch.logaddexp(lse[..., rows], lse_b)
+            out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1)
+                                 + o_b * torch.exp(lse_b - new).unsqueeze(-1))
+            lse[..., rows] = new
+            if pending is not None:
+                (block_k, block_v), got = wire.unpack(pending.wait(), k, 2, checked)
+                if checked:
+                    seen[(origin - 1) % sp] = got
+                    ctx.forwarded = got
+        if checked:
+            wire.refuse_diverged(header.tolist(), seen, group, owner)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.group, ctx.header = causal, scale, group, header
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        me, sp = group_rank(group), group_size(group)
+        ring = wire.Ring(group)
+        half = q.shape[-2] // 2
+        mask = _local_mask(me, sp, q.shape[-2], q.device) if causal else None
+        checked = ctx.header is not None
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)  # D_i = sum_j P_ij dP_ij, per query row
+        dq = torch.zeros_like(q)
+        block_k, block_v = k, v
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(sp):
+            origin = (me - step) % sp
+            rows, keys, masked = _plan(me, origin, causal, half)
+            q_r, do_r = q[..., rows, :], dout[..., rows, :]
+            k_b, v_b = block_k[..., keys, :], block_v[..., keys, :]
+            p = torch.exp(_scores(q_r, k_b, scale, mask if masked else None)
+                          - lse[..., rows].unsqueeze(-1))
+            dv[..., keys, :] += torch.matmul(p.transpose(-1, -2), do_r)
+            ds = p * (torch.matmul(do_r, v_b.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
+            dq[..., rows, :] += torch.matmul(ds, k_b) * scale
+            dk[..., keys, :] += torch.matmul(ds.transpose(-1, -2), q_r) * scale
+            # The block moves on with its gradients; after the last step only the gradients
+            # travel, one hop home (rank r then holds the gradients of its own k and v).
+            tensors = [block_k, block_v, dk, dv] if step < sp - 1 else [dk, dv]
+            received, _ = wire.unpack(ring.start(wire.pack(tensors, ctx.header)).wait(), k,
+                                      len(tensors), checked)
+            if step < sp - 1:
+                block_k, block_v, dk, dv = received
+            else:
+                dk, dv = received
+        return dq, dk, dv, None, None, None, None, None
+
+
+def header_at(ctx, step: int, header: torch.Tensor | None) -> torch.Tensor | None:
+    """The header a block carries: its origin's (a block passed on keeps the header it came with)."""
+    if header is None or step == 0:
+        return header
+    return torch.tensor(ctx.forwarded, dtype=torch.int64)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                   scale: float, group: Group | None, header: torch.Tensor | None,
+                   owner: str) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the whole sequence, q, k, v holding this rank's part
+    (head-tail layout, any leading dims)."""
+    shape = q.shape
+    flat = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
+    return RingAttention.apply(*flat, causal, scale, group, header, owner).reshape(shape)
