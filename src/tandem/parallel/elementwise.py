@@ -64,8 +64,9 @@ def refuse_unless_elementwise(optimizer: torch.optim.Optimizer, split: str,
         return
     name = type(optimizer).__name__
     raise ValueError(
-        f"{name} under {split}: {name} {why}, so stepping the flat 1-D shards {split} gives "
-        f"each rank would run another algorithm than one process (silently other numbers). "
+        f"{name} under {split}: {name} {why}, so stepping the parts of each parameter that "
+        f"{split} gives each rank would run another algorithm than one process (silently "
+        f"other numbers). "
         f"{alternative}. If {name}'s update does treat each element on its own, say so: "
         f"`optimizer.elementwise = True` before wrapping")
 

@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem.comm.groups import Group, group_ranks
 from tandem.diagnostics import steps
+from tandem.parallel.elementwise import refuse_unless_elementwise
 
 FULLY_SHARD = "fully_shard"
 TENSOR_PARALLEL = "tensor parallel"
@@ -57,7 +58,8 @@ def _watch_optimizers() -> None:
 
     - the first step of each checks that it holds no parameter fully_shard took out of the
       model (it would step tensors the model no longer uses; the loss would print as usual
-      while nothing trains);
+      while nothing trains), and that an optimizer over shards or slices updates each element
+      on its own (`elementwise`: Adafactor, Muon or LAMB would run another algorithm);
     - a plain torch optimizer over split parameters (fully_shard shards, tensor-parallel slices,
       a pipeline stage) records its steps for `tandem scale` and `MetricLogger(timing=True)`,
       as DistributedOptimizer and ZeroOptimizer do themselves."""
@@ -100,6 +102,15 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             f"td.fully_shard replaced by its shards (parameter #{stale[0]} first): stepping them "
             f"would train nothing. Build the optimizer after fully_shard: "
             f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")
+    kinds = {kind_of(p) for p in params}
+    if FULLY_SHARD in kinds:  # flat 1-D shards of each parameter
+        refuse_unless_elementwise(optimizer, "td.fully_shard", "Use td.DistributedDataParallel "
+                                  "(whole parameters on every rank), or an element-wise "
+                                  "optimizer such as AdamW")
+    if TENSOR_PARALLEL in kinds:  # slices of a matrix: its rows or its columns
+        refuse_unless_elementwise(optimizer, "tensor parallelism", "Keep the tensor-parallel "
+                                  "layers' parameters with an element-wise optimizer such as "
+                                  "AdamW, or train the model data-parallel")
     _checked.add(optimizer)
 
 
