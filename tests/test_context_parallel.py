@@ -141,3 +141,99 @@ def test_four_ranks_match_one_process(backend, style, causal):
     """sp = 4 alone, then dp = 2 x cp = 2 on the same world."""
     assert run_distributed(check_matches_one_process, 4, backend, args=(style, causal, 4)) == [[]] * 4
     assert run_distributed(check_matches_one_process, 4, backend, args=(style, causal, 2)) == [[]] * 4
+
+
+class Skipper(nn.Module):
+    """Two attention blocks; rank 1 skips the first one in its first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([SdpaBlock(True), SdpaBlock(True)])
+
+    def forward(self, x, skip: bool):
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 0):
+                x = block(x)
+        return x
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Linear(EMBED, EMBED)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class MaskedSdpa(nn.Module):
+    def __init__(self, mask_length: int):
+        super().__init__()
+        self.mask_length = mask_length
+        self.qkv = nn.Linear(EMBED, 3 * EMBED)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, HEADS, e // HEADS).transpose(1, 2) for z in self.qkv(x).split(e, dim=2))
+        n = self.mask_length
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def check_bad_inputs():
+    """Each case's error, on every rank (sp = 2); the ranks keep going after each."""
+    torch.manual_seed(0)
+    x = torch.randn(2, SEQ, EMBED)
+    found = {}
+    odd_heads = nn.Sequential(nn.MultiheadAttention(12, 3, batch_first=True))
+    found["heads"] = _error(lambda: cp.parallelize(odd_heads, style="alltoall"))
+    found["length"] = _error(lambda: cp.split(torch.zeros(2, 10), seq_dim=1))
+    masked = cp.parallelize(MaskedSdpa(SEQ), style="ring")
+    found["ring mask"] = _error(lambda: masked(cp.split(x)))
+    local_mask = cp.parallelize(MaskedSdpa(SEQ // 2), style="alltoall")
+    found["local mask"] = _error(lambda: local_mask(cp.split(x)))
+    whole_mask = cp.parallelize(MaskedSdpa(SEQ), style="alltoall")  # a mask over the whole sequence
+    reference = F.scaled_dot_product_attention(
+        *(z.view(2, SEQ, HEADS, -1).transpose(1, 2) for z in whole_mask.qkv(x).split(EMBED, dim=2)),
+        attn_mask=torch.ones(SEQ, SEQ, dtype=torch.bool).tril())
+    found["whole mask equal"] = torch.allclose(whole_mask(cp.split(x)), cp.split(reference, seq_dim=2),
+                                               atol=1e-6)
+    none = cp.parallelize(NoAttention())
+    found["no attention"] = _error(lambda: none(cp.split(x)))
+    weights = cp.parallelize(MhaBlock(False))
+    found["weights"] = _error(lambda: weights.attn(x, x, x, need_weights=True))
+    for style in ("ring", "alltoall"):
+        skipper = cp.parallelize(Skipper(), style=style)
+        found[f"skip {style}"] = _error(lambda s=skipper: s(cp.split(x), td.rank() == 1))
+        # the ranks meet again: a forward that every rank runs whole still works
+        found[f"after skip {style}"] = tuple(skipper(cp.split(x), False).shape)
+    return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_are_named(backend):
+    results = run_distributed(check_bad_inputs, 2, backend)
+    assert results[0] == results[1] or all(r.keys() == results[0].keys() for r in results)
+    for found in results:
+        assert "3 attention heads" in found["heads"] and "style='ring'" in found["heads"], found["heads"]
+        assert "SequenceSplitError" in found["length"] and "multiple of 4" in found["length"]
+        assert "Pad the batch to 12" in found["length"], found["length"]
+        assert "ContextParallelError" in found["ring mask"] and "style='alltoall'" in found["ring mask"]
+        assert "whole sequence's (query, key) = (16, 16)" in found["local mask"], found["local mask"]
+        assert found["whole mask equal"]
+        assert "made no attention call" in found["no attention"], found["no attention"]
+        assert "need_weights=False" in found["weights"], found["weights"]
+        for style in ("ring", "alltoall"):
+            error = found[f"skip {style}"]
+            assert error.startswith("DivergedError"), error
+            assert "rank 0: attention call #1 of this forward of Skipper, in 'blocks.0'" in error, error
+            assert "rank 1: attention call #1 of this forward of Skipper, in 'blocks.1'" in error, error
+            assert found[f"after skip {style}"] == (2, SEQ // 2, EMBED)

@@ -18,6 +18,8 @@ arguments (`wire`), so a rank that skipped one call is named too. No per-call ag
 
 from __future__ import annotations
 
+import sys
+
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -30,6 +32,7 @@ from tandem.parallel.context import layout, ring, ulysses, wire
 
 STYLES = ("ring", "alltoall")
 _SDPA = F.scaled_dot_product_attention
+_CALL = nn.Module._call_impl.__code__
 
 
 class ContextParallelError(ValueError):
@@ -45,6 +48,20 @@ class _Split:
         self.calls = 0
         self.mode: _Catch | None = None
         self.check = model_check.check_of(model)
+        # a module's code in the messages -> its name (the same on every rank: one model)
+        self.modules = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+        self.names = {agreement.checksum(n): n for n in self.modules.values()}
+
+    def _caller(self) -> str:
+        """The innermost module of the model whose forward is running (this call's place)."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code is _CALL:
+                name = self.modules.get(id(frame.f_locals.get("self")))
+                if name is not None:
+                    return name
+            frame = frame.f_back
+        return self.owner
 
     def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                scale=None, enable_gqa=False):
@@ -60,19 +77,22 @@ class _Split:
         code = agreement.checksum(f"{tuple(query.shape)} {query.dtype} {is_causal} {scale} "
                                   f"{None if attn_mask is None else tuple(attn_mask.shape)}")
         checked = self.check is not None and query.device.type == "cpu"
-        header = wire.header_of(self.calls, code, checked)
+        header = (wire.header_of(self.calls, agreement.checksum(self._caller()), code, checked)
+                  if checked else None)
         if self.style == "ring":
             self._ring_only(where, attn_mask, dropout_p)
             layout.check_length(query.shape[-2] * self.sp, self.sp, where)
             return ring.ring_attention(query, key, value, causal=is_causal, scale=scale,
-                                       group=self.group, header=header, owner=self.owner)
+                                       group=self.group, header=header, owner=self.owner,
+                                       names=self.names)
         if query.dim() != 4:
             raise ContextParallelError(f"{where}: the all-to-all form takes (batch, heads, "
                                        f"sequence, head_dim); got query {tuple(query.shape)}")
         self._whole_mask(where, attn_mask, query.shape[-2])
         return ulysses.ulysses_attention(query, key, value, attn_mask=attn_mask,
                                          dropout_p=dropout_p, causal=is_causal, scale=scale,
-                                         group=self.group, header=header, owner=self.owner)
+                                         group=self.group, header=header, owner=self.owner,
+                                       names=self.names)
 
     def _ring_only(self, where: str, attn_mask, dropout_p: float) -> None:
         if attn_mask is not None:

@@ -59,7 +59,7 @@ def _local_mask(me: int, sp: int, length: int, device) -> torch.Tensor:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group, header, owner):
+    def forward(ctx, q, k, v, causal, scale, group, header, owner, names):
         me, sp = group_rank(group), group_size(group)
         ring = wire.Ring(group)
         half, length = q.shape[-2] // 2, q.shape[-2]
@@ -87,7 +87,7 @@ class RingAttention(torch.autograd.Function):
                     seen[(origin - 1) % sp] = got
                     ctx.forwarded = got
         if checked:
-            wire.refuse_diverged(header.tolist(), seen, group, owner)
+            wire.refuse_diverged(header.tolist(), seen, group, owner, names)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.group, ctx.header = causal, scale, group, header
         return out
@@ -126,7 +126,7 @@ class RingAttention(torch.autograd.Function):
                 block_k, block_v, dk, dv = received
             else:
                 dk, dv = received
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def header_at(ctx, step: int, header: torch.Tensor | None) -> torch.Tensor | None:
@@ -138,9 +138,9 @@ def header_at(ctx, step: int, header: torch.Tensor | None) -> torch.Tensor | Non
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    scale: float, group: Group | None, header: torch.Tensor | None,
-                   owner: str) -> torch.Tensor:
+                   owner: str, names: dict[int, str]) -> torch.Tensor:
     """softmax(q k^T * scale) v over the whole sequence, q, k, v holding this rank's part
     (head-tail layout, any leading dims)."""
     shape = q.shape
     flat = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
-    return RingAttention.apply(*flat, causal, scale, group, header, owner).reshape(shape)
+    return RingAttention.apply(*flat, causal, scale, group, header, owner, names).reshape(shape)

@@ -27,18 +27,18 @@ class _AllToAll(torch.autograd.Function):
     """Cut along `scatter`, exchange, join along `gather`; the backward the reverse."""
 
     @staticmethod
-    def forward(ctx, tensor, scatter, gather, group, header, owner):
+    def forward(ctx, tensor, scatter, gather, group, header, owner, names):
         ctx.scatter, ctx.gather, ctx.group, ctx.header = scatter, gather, group, header
         out, headers = wire.alltoall(tensor.contiguous(), scatter, gather, group, header)
         if headers is not None:
             mine = header.tolist()
-            wire.refuse_diverged(mine, dict(enumerate(headers)), group, owner)
+            wire.refuse_diverged(mine, dict(enumerate(headers)), group, owner, names)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out, _ = wire.alltoall(grad.contiguous(), ctx.gather, ctx.scatter, ctx.group, ctx.header)
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def heads_per_rank(heads: int, sp: int, where: str) -> int:
@@ -52,12 +52,12 @@ def heads_per_rank(heads: int, sp: int, where: str) -> int:
 
 
 def ulysses_attention(q, k, v, *, attn_mask, dropout_p: float, causal: bool, scale,
-                      group: Group | None, header, owner: str) -> torch.Tensor:
+                      group: Group | None, header, owner: str, names: dict[int, str]) -> torch.Tensor:
     """Attention over the whole sequence for q, k, v of shape (batch, heads, local seq, dim)."""
     sp = group_size(group)
     heads = q.shape[1]
     local = heads_per_rank(heads, sp, f"attention in {owner}")
-    qkv = _AllToAll.apply(torch.stack([q, k, v]), 2, 3, group, header, owner)  # (3, B, H/sp, T, D)
+    qkv = _AllToAll.apply(torch.stack([q, k, v]), 2, 3, group, header, owner, names)  # (3, B, H/sp, T, D)
     length = qkv.shape[3]
     ordered = causal or attn_mask is not None
     if ordered:  # rank order -> sequence order
@@ -69,7 +69,7 @@ def ulysses_attention(q, k, v, *, attn_mask, dropout_p: float, causal: bool, sca
                 is_causal=causal, scale=scale)
     if ordered:  # and back to rank order
         out = out.index_select(2, where)
-    return _AllToAll.apply(out.unsqueeze(0), 3, 2, group, header, owner)[0]
+    return _AllToAll.apply(out.unsqueeze(0), 3, 2, group, header, owner, names)[0]
 
 
 def _my_heads(mask: torch.Tensor, heads: int, local: int, group: Group | None) -> torch.Tensor:

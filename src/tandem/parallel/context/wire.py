@@ -27,7 +27,7 @@ from tandem.comm.collectives import Staging
 from tandem.comm.groups import group_rank, group_ranks, group_size
 
 _TAG = 7  # the ring's point-to-point tag (its messages are paired by order within the tag)
-HEADER = 2  # int64 values: the attention call's number in this forward, a code of its arguments
+HEADER = 3  # int64 values: the call's number in this forward, codes of its module and its arguments
 
 
 def pack(tensors: list[torch.Tensor], header: torch.Tensor | None) -> torch.Tensor:
@@ -47,8 +47,8 @@ def unpack(buffer: torch.Tensor, like: torch.Tensor, count: int, checked: bool
     return list(data.unbind(0)), header
 
 
-def header_of(call: int, code: int, checked: bool) -> torch.Tensor | None:
-    return torch.tensor([call, code], dtype=torch.int64) if checked else None
+def header_of(call: int, module: int, code: int, checked: bool) -> torch.Tensor | None:
+    return torch.tensor([call, module, code], dtype=torch.int64) if checked else None
 
 
 class Ring:
@@ -102,15 +102,17 @@ def alltoall(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: Gro
 
 
 def refuse_diverged(mine: list[int], seen: dict[int, list[int]], group: Group | None,
-                    owner: str) -> None:
+                    owner: str, names: dict[int, str]) -> None:
     """Raise `DivergedError` unless every rank's header in `seen` (group rank -> header) is
-    `mine`: the ranks are at different attention calls of the forward, or call it differently."""
+    `mine`: the ranks are at different attention calls of the forward, or call it differently.
+    `names`: module code -> the module's name in the model (every rank has the same model)."""
     if all(h == mine for h in seen.values()):
         return
     ranks = group_ranks(group)
     seen = {**seen, group_rank(group): mine}
-    lines = "\n".join(f"  rank {ranks[i]}: attention call #{h[0]} of this forward of {owner} "
-                      f"(arguments {h[1]:#010x})" for i, h in sorted(seen.items()))
+    lines = "\n".join(f"  rank {ranks[i]}: attention call #{h[0]} of this forward of {owner}, in "
+                      f"{names.get(h[1], '(a module of another model)')!r} (arguments {h[2]:#010x})"
+                      for i, h in sorted(seen.items()))
     raise DivergedError(
         f"context parallelism: the ranks of the sequence-split group {list(ranks)} are at "
         f"different attention calls, or make one call with different arguments (what was "
