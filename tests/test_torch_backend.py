@@ -212,24 +212,29 @@ def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for(ending):
 @needs_mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named():
-    """Rank 0's checked all_reduce meets rank 1's next DDP reduction (unchecked: DDP's shapes
-    come from its buckets): the argument check sees other codes and ends the job at once."""
+    """Rank 0's checked all_reduce meets the agreement rank 1's next DDP backward sends before
+    its first bucket: both ranks' operations are named, and the job ends at once."""
     done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "mid",
                       TANDEM_TIMEOUT="120")
     assert done.returncode == 1, done.stdout + done.stderr
     text = done.stdout + done.stderr
-    assert "DivergedError: rank 0: the ranks disagreed" in text, text
+    assert "DivergedError: ranks are in different operations" in text, text
+    assert "rank 1: torch DDP gradient reduction #4 after 4 training forwards" in text, text
     assert "tandem run: job failed: rank 0" in text, text
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 def test_a_skipped_all_reduce_on_gloo_stops_the_job():
-    """On Gloo the mismatched sizes abort a rank (Gloo's own check); the job stops with it."""
+    """On tandem's Gloo engine rank 0's checked all_reduce meets rank 1's agreement of its next
+    backward (DDP's, sent before its first bucket): both ranks' operations are named."""
     done = tandem_run("-np", "2", "--backend", "gloo", str(SCRIPTS / "torch_skip.py"), "tandem",
                       "mid", TANDEM_TIMEOUT="120")
     assert done.returncode != 0, done.stdout + done.stderr
     assert "tandem run: job failed: rank" in done.stderr
-    assert "collective mismatch" in done.stdout + done.stderr
+    text = done.stdout + done.stderr
+    assert "DivergedError: ranks are in different operations" in text, text
+    assert "rank 0: all_reduce(shape=(), dtype=float32, op='sum')" in text, text
+    assert "rank 1: torch DDP gradient reduction #4 after 4 training forwards" in text, text
 
 
 MISMATCHES = {

@@ -9,12 +9,14 @@ arguments (lists of tensors, group-local roots, `ReduceOp`s) into one call of ta
 protocol (`backend.Backend`: global roots, in place, contiguous) on the engine `td.init` or
 `init_process_group` created, already wrapped by the watchdog, and returns a `TandemWork`.
 
-Argument checks: a blocking call from torch's Python API (`dist.all_reduce(t)`, the user's own
-collective) first runs tandem's argument check (`comm.checks`: one small agreement; shapes,
-dtypes, ops and roots that differ between ranks are an error naming each rank's call, never
-garbage), unless checks are off (`TANDEM_CHECKS=0`, `td.init(checks=False)`). What DDP, FSDP2,
-DTensor and pipelining send (asynchronous work, shapes known from their layouts) and
-`async_op=True` calls go straight to the engine, as tandem's own hot paths do.
+Argument checks: a call from torch's Python API (`dist.all_reduce(t)`, the user's own
+collective) runs tandem's argument check (`comm.checks`: one small agreement; shapes, dtypes,
+ops and roots that differ between ranks are an error naming each rank's call, never garbage)
+before it sends when it blocks, with its work when `async_op=True` (read at `wait()`), unless
+checks are off (`TANDEM_CHECKS=0`). What DDP, FSDP2, DTensor and pipelining send from C++
+(shapes known from their layouts) goes straight to the engine; DDP's backward gets one
+agreement per round. Collectives complete in order, and point-to-point messages carry their
+size and dtype: `torch_order` and `torch_p2p` say how.
 
 Sub-groups: torch hands `new_group` to the default group itself when that group has a
 `new_group` method, on every rank of the world, members or not; here that call is agreed
@@ -31,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from tandem import settings
-from tandem.comm import checks, context, groups
+from tandem.comm import checks, context, groups, torch_order, torch_p2p
 from tandem.comm.backend import Backend, Group, Work, on_wire
+from tandem.comm.torch_order import InOrder, Rounds
 from tandem.comm.torch_work import TandemWork, UnsupportedOperation, reduce_op
 
 
@@ -74,6 +77,10 @@ class TandemProcessGroup(dist.ProcessGroup):
         self.engine, self.group, self.members = engine, group, members
         self._name, self._timeout, self._device = name, timeout, device
         self._owner = owner  # what shutdown() releases: the engine, when this group made it
+        self._in_order = InOrder()  # collectives complete in order, as on Gloo (`torch_order`)
+        self._posted: list = []  # checks of this call's asynchronous work, for `_work`
+        self.rounds = Rounds()  # DDP's per-backward agreement
+        torch_order.count_ddp_forwards(TandemProcessGroup)
 
     # -- what torch asks of every process group ------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -110,38 +117,50 @@ class TandemProcessGroup(dist.ProcessGroup):
 
     def _check(self, opts: Any, collective: str, tensor: torch.Tensor | None = None, *,
                op: str | None = None, root: int | None = None, ignore_dim0: bool = False) -> None:
-        """The argument check of a blocking call from torch's Python API (the module docstring
-        says why only those)."""
-        if not _blocking(opts) or len(self.members) == 1:
+        """The argument check of a call from torch's Python API (the module docstring says why
+        only those): now when it blocks; posted with the work of an async_op=True call."""
+        if len(self.members) == 1:
             return
-        if context.installed() and context.current().backend is self.engine:
-            engine = context.current()  # td.init's, with its checks and debug switches
-        else:
-            engine = EngineContext(self.engine, self._timeout, self._device)
+        if not _blocking(opts):
+            if tensor is not None and torch_order.from_python_api():
+                self._posted += torch_order.post_check(collective, tensor, self.group,
+                                                       self._context(), op, root, ignore_dim0)
+            return
+        engine = self._context()
         if tensor is None:
             checks.agree_on_call(collective, self.group, engine=engine)
         else:
             checks.agree(collective, tensor, self.group, op=op, root=root,
                          ignore_dim0=ignore_dim0, engine=engine)
 
+    def _context(self) -> Any:
+        if context.installed() and context.current().backend is self.engine:
+            return context.current()  # td.init's, with its checks and debug switches
+        return EngineContext(self.engine, self._timeout, self._device)
+
     def _flat(self, n: int, like: torch.Tensor) -> torch.Tensor:
         device = like.device if self.engine.supports_device(like.device) else self.engine.staging_device
         return torch.empty(n, dtype=like.dtype, device=device)
 
     def _work(self, works: Sequence[Work], result: Any, steps: Sequence[Any] = (),
-              source: int = -1, opts: Any = None) -> TandemWork | None:
+              source: int = -1, opts: Any = None, ordered: bool = True) -> TandemWork | None:
         """The operation's `TandemWork`; or, for a blocking call from torch's Python API
         (`opts.asyncOp` False), the operation finished here and None, which torch takes as
         "already synchronised": no Work object to build for the commonest call."""
         steps = [step for step in steps if step is not None]
+        posted, self._posted = self._posted, []
         if _blocking(opts):
+            self._in_order.finish_all(self._timeout)
             for work in works:
                 work.wait(self._timeout)
             for step in steps:
                 step()
             return None
         after = (lambda: [step() for step in steps]) if steps else None
-        return TandemWork(works, self._timeout, result, after, source)
+        check = (posted[0] if len(posted) == 1 else (lambda: [c() for c in posted])) \
+            if posted else None
+        return TandemWork(works, self._timeout, result, after, source, check,
+                          self._in_order if ordered else None)
 
     # -- reductions -----------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TandemWork:
@@ -155,6 +174,8 @@ class TandemProcessGroup(dist.ProcessGroup):
                 work = self.engine.allreduce_now(buffer, name, self.group)
                 works += [work] if work is not None else []
             else:
+                if not self._posted and len(self.members) > 1:  # DDP's: one per backward,
+                    self.rounds.agree(self.group, self._context)  # before its first bucket
                 works.append(self.engine.allreduce(buffer, name, self.group))
             steps += [self._mean(buffer) if mean else None, back]
         return self._work(works, tensors, steps, opts=opts)
@@ -334,14 +355,17 @@ class TandemProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TandemWork:
         (tensor,) = tensors
         buffer, _ = self._wire(tensor)
-        return self._work([self.engine.send(buffer, self._global(dst, "dst"), tag, self.group)],
-                          tensors)
+        works = torch_p2p.send(self.engine, tensor, buffer, self._global(dst, "dst"), tag,
+                               self.group)
+        return self._work(works, tensors, ordered=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TandemWork:
         (tensor,) = tensors
         buffer, back = self._wire(tensor, keep=False)
-        work = self.engine.recv(buffer, self._global(src, "src"), tag, self.group)
-        return self._work([work], tensors, [back], source=src)
+        work, check = torch_p2p.recv(self.engine, tensor, buffer, self._global(src, "src"), tag,
+                                     self.group, self._timeout)
+        self._posted += [check] if check is not None else []  # the header, read at wait()
+        return self._work([work], tensors, [back], source=src, ordered=False)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TandemWork:
         raise UnsupportedOperation(

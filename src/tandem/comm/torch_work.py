@@ -4,8 +4,8 @@ torch's reduction ops in tandem's words.
 `TandemWork` wraps the engine's works (already watched: `watchdog.WatchedWork`) and the step
 that finishes the operation for torch (copy a staged result out, divide for AVG). `wait()` is
 the watched wait, so a rank that never joins a collective is named by the watchdog, not waited
-for until torch's 30-minute default. `get_future()` completes the operation before it returns
-its future: torch's C++ callers (DDP's reducer, functional collectives) wait on the future
+for until torch's 30-minute default. `get_future()` completes the operation (or raises) before it
+returns its future: torch's C++ callers (DDP's reducer, functional collectives) wait on the future
 alone, and no thread of ours could complete it meanwhile without driving MPI from a second
 thread. DDP's buckets are therefore reduced as they are issued, not overlapped with backward.
 """
@@ -70,9 +70,15 @@ class TandemWork(dist._Work):
     """Engine works (watched) plus the step that finishes them; `result` goes in the future."""
 
     def __init__(self, works: Sequence[Work], timeout: float, result: Any = None,
-                 after: Callable[[], None] | None = None, source: int = -1) -> None:
+                 after: Callable[[], None] | None = None, source: int = -1,
+                 check: Callable[[], None] | None = None, order: Any = None) -> None:
         super().__init__()
         self._works = list(works)
+        # The argument check posted with an asynchronous call, read before the result is
+        # handed over; the group's queue of collectives, finished in order (`torch_order`).
+        self._check, self._order = check, order
+        if order is not None:
+            order.add(self)
         self._timeout = timeout
         self._result = [] if result is None else result
         self._after = after
@@ -85,7 +91,13 @@ class TandemWork(dist._Work):
             raise self._error
         if self._done:
             return
+        order, self._order = self._order, None
+        if order is not None:
+            order.finish_through(self, timeout)  # an earlier work's error is raised there, once
         try:
+            check, self._check = self._check, None
+            if check is not None:
+                check()
             while self._works:
                 self._works[0].wait(timeout)
                 self._works.pop(0)
@@ -96,21 +108,27 @@ class TandemWork(dist._Work):
             raise
         self._done = True
 
+    def finish_in_order(self, timeout: float) -> None:
+        """Finish this work for a later one of its group (`torch_order.InOrder`)."""
+        self._order = None
+        self._finish(timeout)
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         self._finish(seconds(timeout, self._timeout))
         return True
 
     def get_future(self) -> torch.futures.Future:
+        # A failure is raised here, not set on the future: DDP's reducer crashed the process
+        # (SIGSEGV) on a future that held an exception, and passes one raised here on to
+        # `loss.backward()` as it is.
+        self._finish(self._timeout)
         future: torch.futures.Future = torch.futures.Future()
-        try:
-            self._finish(self._timeout)
-        except Exception as error:  # noqa: BLE001 - torch's waiter raises it
-            future.set_exception(error)
-            return future
         future.set_result(self._result)
         return future
 
     def is_completed(self) -> bool:
+        if self._order is not None and not self._order.ready(self):
+            return False
         if not self._done and self._error is None and all(w.is_completed() for w in self._works):
             self._finish(self._timeout)
         return self._done or self._error is not None
