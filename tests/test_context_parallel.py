@@ -237,3 +237,30 @@ def test_bad_inputs_are_named(backend):
             assert "rank 0: attention call #1 of this forward of Skipper, in 'blocks.0'" in error, error
             assert "rank 1: attention call #1 of this forward of Skipper, in 'blocks.1'" in error, error
             assert found[f"after skip {style}"] == (2, SEQ // 2, EMBED)
+
+
+def test_head_tail_layout_and_blocks_without_processes():
+    """The layout's pure functions, and the ring's block kernels (fused CPU and plain math)
+    against plain attention: outputs, log-sum-exps and the flash-style backward."""
+    from tandem.parallel.context import layout, ring
+
+    assert layout.chunk_order(2) == [0, 3, 1, 2]
+    assert layout.positions_of(1, 2, 8).tolist() == [2, 3, 4, 5]
+    assert sorted(layout.gathered_positions(4, 16).tolist()) == list(range(16))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for causal in (True, False):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        dout = torch.randn_like(expected)
+        grads = torch.autograd.grad(expected, (q, k, v), dout)
+        for fused in (True, False):
+            ring._fused, kernel = (lambda t, f=fused: f), ring._fused
+            try:
+                out, lse = ring._block(q.detach(), k.detach(), v.detach(), 0.5, causal)
+                got = ring._block_backward(dout, q.detach(), k.detach(), v.detach(), out, lse,
+                                           0.5, causal)
+            finally:
+                ring._fused = kernel
+            assert torch.allclose(out, expected, atol=1e-10), (causal, fused)
+            for a, b in zip(got, grads, strict=True):
+                assert torch.allclose(a, b, atol=1e-10), (causal, fused)

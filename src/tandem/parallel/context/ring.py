@@ -40,21 +40,51 @@ def _plan(me: int, origin: int, causal: bool, half: int):
     return slice(half, None), every, False
 
 
-def _scores(q, k, scale, mask):
+def _scores(q, k, scale, causal):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    return s
 
 
-def _block(q, k, v, scale, mask):
-    s = _scores(q, k, scale, mask)
+def _fused(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU kernel (flash attention for CPU) takes these blocks."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16,
+                                                   torch.float16)
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype: float32, or float64 for float64 (as torch's kernels keep it)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _block(q, k, v, scale, causal):
+    """One block: its output and log-sum-exp per query row (`lse_dtype`). `causal`: the queries
+    and keys are the same positions (a rank's own block, where, in the head-tail layout, the
+    causal mask over the local order is the global one)."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 0.0, causal, scale=scale)
+        return out.squeeze(1), lse.squeeze(1).to(lse_dtype(q))
+    s = _scores(q, k, scale, causal).to(lse_dtype(q))
     lse = torch.logsumexp(s, -1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(v.dtype), v), lse
 
 
-def _local_mask(me: int, sp: int, length: int, device) -> torch.Tensor:
-    from tandem.parallel.context.layout import positions_of
-    pos = positions_of(me, sp, length * sp, device)
-    return pos.unsqueeze(0) <= pos.unsqueeze(1)  # (query, key): key not after query
+def _block_backward(dout, q, k, v, out, lse, scale, causal):
+    """The gradients of one block's q, k and v, given the output and log-sum-exp over the
+    whole sequence (flash attention's backward, block by block)."""
+    if _fused(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.unsqueeze(1), q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), out.unsqueeze(1),
+            lse.unsqueeze(1), 0.0, causal, scale=scale)
+        return tuple(g.squeeze(1) for g in grads)
+    p = torch.exp(_scores(q, k, scale, causal).to(lse.dtype) - lse.unsqueeze(-1)).to(q.dtype)
+    delta = (dout * out).sum(-1, keepdim=True)  # D_i = sum_j P_ij dP_ij
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta)
+    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
+            torch.matmul(p.transpose(-1, -2), dout))
 
 
 class RingAttention(torch.autograd.Function):
@@ -62,10 +92,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, group, header, owner, names):
         me, sp = group_rank(group), group_size(group)
         ring = wire.Ring(group)
-        half, length = q.shape[-2] // 2, q.shape[-2]
-        mask = _local_mask(me, sp, length, q.device) if causal else None
+        half = q.shape[-2] // 2
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q), device=q.device)
         checked = header is not None
         seen: dict[int, list[int]] = {}
         block_k, block_v = k, v
@@ -76,10 +105,10 @@ class RingAttention(torch.autograd.Function):
             plan = _plan(me, origin, causal, half)
             rows, keys, masked = plan
             o_b, lse_b = _block(q[..., rows, :], block_k[..., keys, :], block_v[..., keys, :],
-                                scale, mask if masked else None)
+                                scale, masked)
             new = torch.logaddexp(lse[..., rows], lse_b)
             out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1)
-                                 + o_b * torch.exp(lse_b - new).unsqueeze(-1))
+                                 + o_b * torch.exp(lse_b - new).unsqueeze(-1)).to(q.dtype)
             lse[..., rows] = new
             if pending is not None:
                 (block_k, block_v), got = wire.unpack(pending.wait(), k, 2, checked)
@@ -99,24 +128,20 @@ class RingAttention(torch.autograd.Function):
         me, sp = group_rank(group), group_size(group)
         ring = wire.Ring(group)
         half = q.shape[-2] // 2
-        mask = _local_mask(me, sp, q.shape[-2], q.device) if causal else None
         checked = ctx.header is not None
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)  # D_i = sum_j P_ij dP_ij, per query row
         dq = torch.zeros_like(q)
         block_k, block_v = k, v
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for step in range(sp):
             origin = (me - step) % sp
             rows, keys, masked = _plan(me, origin, causal, half)
-            q_r, do_r = q[..., rows, :], dout[..., rows, :]
-            k_b, v_b = block_k[..., keys, :], block_v[..., keys, :]
-            p = torch.exp(_scores(q_r, k_b, scale, mask if masked else None)
-                          - lse[..., rows].unsqueeze(-1))
-            dv[..., keys, :] += torch.matmul(p.transpose(-1, -2), do_r)
-            ds = p * (torch.matmul(do_r, v_b.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
-            dq[..., rows, :] += torch.matmul(ds, k_b) * scale
-            dk[..., keys, :] += torch.matmul(ds.transpose(-1, -2), q_r) * scale
+            dq_b, dk_b, dv_b = _block_backward(dout[..., rows, :], q[..., rows, :],
+                                               block_k[..., keys, :], block_v[..., keys, :],
+                                               out[..., rows, :], lse[..., rows], scale, masked)
+            dq[..., rows, :] += dq_b
+            dk[..., keys, :] += dk_b
+            dv[..., keys, :] += dv_b
             # The block moves on with its gradients; after the last step only the gradients
             # travel, one hop home (rank r then holds the gradients of its own k and v).
             tensors = [block_k, block_v, dk, dv] if step < sp - 1 else [dk, dv]

@@ -18,6 +18,8 @@ agreement is.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tandem.comm import context, direct
@@ -27,6 +29,8 @@ from tandem.comm.collectives import Staging
 from tandem.comm.groups import group_rank, group_ranks, group_size
 
 _TAG = 7  # the ring's point-to-point tag (its messages are paired by order within the tag)
+#: seconds this process waited in the split's messages, for benchmarks (two clock reads a message)
+waited = {"s": 0.0}
 HEADER = 3  # int64 values: the call's number in this forward, codes of its module and its arguments
 
 
@@ -78,8 +82,10 @@ class _Pending:
         self.sent, self.got, self.out, self.timeout, self.source = sent, got, out, timeout, source
 
     def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
         self.got.wait(self.timeout)
         self.sent.wait(self.timeout)
+        waited["s"] += time.perf_counter() - start
         return self.out.copy_back()
 
 
@@ -94,7 +100,9 @@ def alltoall(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: Gro
     if header is not None:
         rows = torch.cat([header.view(torch.uint8).expand(sp, -1), rows], 1)
     width = rows.shape[1]
+    start = time.perf_counter()
     got = direct.alltoall(rows.contiguous(), [1] * sp, [1] * sp, group).view(sp, width)
+    waited["s"] += time.perf_counter() - start
     skip = 8 * HEADER if header is not None else 0
     data = got[:, skip:].view(tensor.dtype).reshape(parts.shape)
     headers = got[:, :skip].contiguous().view(torch.int64).tolist() if header is not None else None
