@@ -264,3 +264,25 @@ def test_head_tail_layout_and_blocks_without_processes():
             assert torch.allclose(out, expected, atol=1e-10), (causal, fused)
             for a, b in zip(got, grads, strict=True):
                 assert torch.allclose(a, b, atol=1e-10), (causal, fused)
+
+
+def check_checkpointed_matches_one_process(style: str):
+    """Blocks recomputed in backward (td.checkpoint_wrapper, then the split): the recomputed
+    attention runs over the group again, and the gradients are one process's."""
+    torch.manual_seed(0)
+    model = TinyLM(True)
+    reference = copy.deepcopy(model)
+    td.checkpoint_wrapper(model, policy=(MhaBlock, SdpaBlock))
+    cp.parallelize(model, style=style)
+    ids, positions, labels = _batch(0)
+    _loss(model, *cp.split(ids, positions, labels)).backward()
+    _loss(reference, ids, positions, labels).backward()
+    grads = {k: td.allreduce(p.grad, op="mean") for k, p in model.named_parameters()}
+    return _differences("checkpointed gradient", grads,
+                        {k: p.grad for k, p in reference.named_parameters()})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("style", ["ring", "alltoall"])
+def test_activation_checkpointing_matches_one_process(backend, style):
+    assert run_distributed(check_checkpointed_matches_one_process, 2, backend, args=(style,)) == [[], []]

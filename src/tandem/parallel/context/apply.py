@@ -18,6 +18,7 @@ arguments (`wire`), so a rank that skipped one call is named too. No per-call ag
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from tandem.comm import agreement
 from tandem.comm.backend import Group
 from tandem.comm.groups import group_ranks, group_size
-from tandem.parallel import model_check
+from tandem.parallel import activation_checkpoint, model_check
 from tandem.parallel.context import layout, ring, ulysses, wire
 
 STYLES = ("ring", "alltoall")
@@ -47,6 +48,7 @@ class _Split:
         self.sp = group_size(group)
         self.calls = 0
         self.mode: _Catch | None = None
+        self.opener: nn.Module | None = None  # the module whose forward opened `mode`
         self.check = model_check.check_of(model)
         # a module's code in the messages -> its name (the same on every rank: one model)
         self.modules = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
@@ -140,11 +142,6 @@ class _Catch(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def split_of(model: nn.Module) -> _Split | None:
-    """The split `parallelize` gave `model` (None: not converted)."""
-    return getattr(model, "_context_split", None)
-
-
 def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring") -> nn.Module:
     """Make `model`'s attention run over a context-parallel group; returns `model`.
 
@@ -185,30 +182,50 @@ def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring
     agreement.agree_layout("context-parallel model", layout_lines, group, always=True)
     model_check.watch(model, "context-parallel", layout_lines, group)
     split = _Split(model, group, style)
-    model._context_split = split
     for name, m in attention:
         m.register_forward_pre_hook(_no_weights(name), with_kwargs=True)
-    model.register_forward_pre_hook(_enter)
-    model.register_forward_hook(_leave, always_call=True)
+    # Every module's forward opens the catch if none is open: the model's own forward, and a
+    # block's recomputed one (activation checkpointing runs it again during the backward:
+    # torch.utils.checkpoint calls the module, td.checkpoint_wrapper its forward alone).
+    for module in model.modules():
+        module.register_forward_pre_hook(functools.partial(_enter, split, module is model))
+        module.register_forward_hook(functools.partial(_leave, split, module is model),
+                                     always_call=True)
+        if activation_checkpoint.is_checkpointed(module):
+            module.forward.forward = _Opening(split, module, module.forward.forward)
     return model
 
 
-def _enter(model: nn.Module, _args) -> None:
-    split = split_of(model)
-    if split is None or split.mode is not None:  # a copy, or a call from inside its own forward
+class _Opening:
+    """A recomputed forward (`td.checkpoint_wrapper`'s) that opens the catch as a call would."""
+
+    def __init__(self, split: _Split, module: nn.Module, forward) -> None:
+        self.split, self.module, self.forward = split, module, forward
+
+    def __call__(self, *args, **kwargs):
+        _enter(self.split, False, self.module, args)
+        try:
+            output = self.forward(*args, **kwargs)
+        finally:
+            _leave(self.split, False, self.module, args, None)
+        return output
+
+
+def _enter(split: _Split, root: bool, module: nn.Module, _args) -> None:
+    if split.mode is not None:  # open already: a module inside the forward
         return
-    split.calls = 0
-    split.mode = _Catch(split)
+    if root:
+        split.calls = 0
+    split.mode, split.opener = _Catch(split), module
     split.mode.__enter__()
 
 
-def _leave(model: nn.Module, _args, _output) -> None:
-    split = split_of(model)
-    if split is None or split.mode is None:
+def _leave(split: _Split, root: bool, module: nn.Module, _args, output) -> None:
+    if split.mode is None or split.opener is not module:
         return
-    mode, split.mode = split.mode, None
+    mode, split.mode, split.opener = split.mode, None, None
     mode.__exit__(None, None, None)
-    if split.calls == 0 and _output is not None:
+    if root and split.calls == 0 and output is not None:
         raise ContextParallelError(
             f"context parallelism: the forward of {split.owner} made no attention call the "
             f"split can see: it runs F.scaled_dot_product_attention (directly, or inside "
