@@ -286,3 +286,35 @@ def check_checkpointed_matches_one_process(style: str):
 @pytest.mark.parametrize("style", ["ring", "alltoall"])
 def test_activation_checkpointing_matches_one_process(backend, style):
     assert run_distributed(check_checkpointed_matches_one_process, 2, backend, args=(style,)) == [[], []]
+
+
+def check_operations_per_step(checks: bool) -> dict:
+    """Operations issued and host reads of one training step of one attention block."""
+    import test_hot_paths as hot
+    from tandem import runtime
+
+    runtime.state().checks = checks  # read when the model is converted, as by td.init(checks=)
+    try:
+        counted = {}
+        for style in ("ring", "alltoall"):
+            torch.manual_seed(0)
+            model = cp.parallelize(SdpaBlock(True), style=style)
+            x = cp.split(torch.randn(2, SEQ, EMBED))
+            counted[style] = [hot._per_step(lambda m=model: m(x).square().mean().backward())
+                              for _ in range(2)][1]
+    finally:
+        runtime.state().checks = True
+    return counted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_makes_the_theoretical_messages_and_no_agreement_of_its_own(backend):
+    on, off = (run_distributed(check_operations_per_step, 2, backend, args=(flag,))[0]
+               for flag in (True, False))
+    # sp = 2. Ring: one exchange forward (a send and a receive), two backward (the block with
+    # its gradients, then the gradients home). All-to-all: two forward, two backward.
+    assert off == {"ring": (6, []), "alltoall": (4, [])}, off
+    # With checks, the model's forward and backward each open with one agreement; the
+    # attention calls add none (their headers ride in the messages, read where they arrived).
+    assert on["ring"][0] == 8 and on["alltoall"][0] == 6, on
+    assert set(on["ring"][1]) | set(on["alltoall"][1]) == {"tolist"}, on

@@ -145,8 +145,9 @@ class RingAttention(torch.autograd.Function):
             # The block moves on with its gradients; after the last step only the gradients
             # travel, one hop home (rank r then holds the gradients of its own k and v).
             tensors = [block_k, block_v, dk, dv] if step < sp - 1 else [dk, dv]
+            # (the headers travel as in forward, unread: a forward that diverged never got here)
             received, _ = wire.unpack(ring.start(wire.pack(tensors, ctx.header)).wait(), k,
-                                      len(tensors), checked)
+                                      len(tensors), checked, read=False)
             if step < sp - 1:
                 block_k, block_v, dk, dv = received
             else:

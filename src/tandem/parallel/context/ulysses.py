@@ -37,7 +37,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out, _ = wire.alltoall(grad.contiguous(), ctx.gather, ctx.scatter, ctx.group, ctx.header)
+        out, _ = wire.alltoall(grad.contiguous(), ctx.gather, ctx.scatter, ctx.group, ctx.header,
+                               read=False)
         return out, None, None, None, None, None, None
 
 

@@ -42,12 +42,13 @@ def pack(tensors: list[torch.Tensor], header: torch.Tensor | None) -> torch.Tens
     return torch.cat([header.view(torch.uint8), data])
 
 
-def unpack(buffer: torch.Tensor, like: torch.Tensor, count: int, checked: bool
+def unpack(buffer: torch.Tensor, like: torch.Tensor, count: int, checked: bool, read: bool = True
            ) -> tuple[list[torch.Tensor], list[int] | None]:
-    """`pack`'s inverse: `count` tensors shaped like `like` (views of `buffer`), the header."""
+    """`pack`'s inverse: `count` tensors shaped like `like` (views of `buffer`), and the header
+    (`read`: read on the host; else only skipped)."""
     skip = 8 * HEADER if checked else 0
     data = buffer[skip:].view(like.dtype).view(count, *like.shape)
-    header = buffer[:skip].clone().view(torch.int64).tolist() if checked else None
+    header = buffer[:skip].clone().view(torch.int64).tolist() if checked and read else None
     return list(data.unbind(0)), header
 
 
@@ -90,10 +91,11 @@ class _Pending:
 
 
 def alltoall(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group | None,
-             header: torch.Tensor | None) -> tuple[torch.Tensor, list[list[int]] | None]:
+             header: torch.Tensor | None, read: bool = True
+             ) -> tuple[torch.Tensor, list[list[int]] | None]:
     """Cut `tensor` into `sp` parts along `scatter_dim`, send part j to group rank j, and join
     the parts received along `gather_dim` (group rank order). Returns the result and, checked,
-    every rank's header (in group rank order)."""
+    every rank's header (in group rank order; `read`: else only skipped)."""
     sp = group_size(group)
     parts = torch.stack(tensor.chunk(sp, scatter_dim))  # (sp, ...): part j for rank j
     rows = parts.reshape(sp, -1).view(torch.uint8)
@@ -105,7 +107,8 @@ def alltoall(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: Gro
     waited["s"] += time.perf_counter() - start
     skip = 8 * HEADER if header is not None else 0
     data = got[:, skip:].view(tensor.dtype).reshape(parts.shape)
-    headers = got[:, :skip].contiguous().view(torch.int64).tolist() if header is not None else None
+    headers = (got[:, :skip].contiguous().view(torch.int64).tolist()
+               if header is not None and read else None)
     return torch.cat(data.unbind(0), gather_dim), headers
 
 
