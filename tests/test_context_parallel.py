@@ -291,6 +291,7 @@ def test_activation_checkpointing_matches_one_process(backend, style):
 def check_operations_per_step(checks: bool) -> dict:
     """Operations issued and host reads of one training step of one attention block."""
     import test_hot_paths as hot
+
     from tandem import runtime
 
     runtime.state().checks = checks  # read when the model is converted, as by td.init(checks=)
@@ -300,7 +301,7 @@ def check_operations_per_step(checks: bool) -> dict:
             torch.manual_seed(0)
             model = cp.parallelize(SdpaBlock(True), style=style)
             x = cp.split(torch.randn(2, SEQ, EMBED))
-            counted[style] = [hot._per_step(lambda m=model: m(x).square().mean().backward())
+            counted[style] = [hot._per_step(lambda m=model, x=x: m(x).square().mean().backward())
                               for _ in range(2)][1]
     finally:
         runtime.state().checks = True
