@@ -124,6 +124,12 @@ def check_matches_one_process(style: str, causal: bool, cp_size: int):
         opt.zero_grad()
         ref_opt.zero_grad()
     errors += _differences("after 3 steps", model.state_dict(), reference.state_dict())
+    model.eval()
+    reference.eval()
+    with torch.no_grad():  # evaluation too (nn.MultiheadAttention's fast path is not taken)
+        logits = cp.gather(model(*parts[:2]), seq_dim=1, group=mesh.cp_group)
+        expected = reference(ids[mine], positions[mine])
+    errors += _differences("evaluation", {"logits": logits}, {"logits": expected})
     return errors
 
 
