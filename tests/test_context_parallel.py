@@ -216,6 +216,8 @@ def check_bad_inputs():
     found["no attention"] = _error(lambda: none(cp.split(x)))
     weights = cp.parallelize(MhaBlock(False))
     found["weights"] = _error(lambda: weights.attn(x, x, x, need_weights=True))
+    compiled = torch.compile(cp.parallelize(SdpaBlock(True)))
+    found["compiled"] = _error(lambda: compiled(cp.split(x)))
     for style in ("ring", "alltoall"):
         skipper = cp.parallelize(Skipper(), style=style)
         found[f"skip {style}"] = _error(lambda s=skipper: s(cp.split(x), td.rank() == 1))
@@ -237,6 +239,7 @@ def test_bad_inputs_are_named(backend):
         assert found["whole mask equal"]
         assert "made no attention call" in found["no attention"], found["no attention"]
         assert "need_weights=False" in found["weights"], found["weights"]
+        assert "torch.compile of a context-parallel model is not supported" in found["compiled"]
         for style in ("ring", "alltoall"):
             error = found[f"skip {style}"]
             assert error.startswith("DivergedError"), error

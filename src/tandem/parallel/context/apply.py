@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -211,15 +212,39 @@ class _Opening:
         return output
 
 
+_NOT_COMPILED = ("torch.compile of a context-parallel model is not supported yet: a compiled "
+                 "graph runs torch's attention on this rank's part of the sequence alone (the "
+                 "catch of attention calls is a Python mode, which graphs skip). Run the model "
+                 "eagerly, or compile only parts of it that make no attention call "
+                 "(torch.compile(block.mlp))")
+
+
+def _compiled_caller() -> bool:
+    """Whether a `torch.compile` wrapper's forward is running in this thread."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CALL and isinstance(
+                getattr(frame.f_locals.get("self"), "_orig_mod", None), nn.Module):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# Never traced: a traced mode would be skipped by the graph at run time (and a traced check
+# would answer as the trace was made).
+@torch.compiler.disable
 def _enter(split: _Split, root: bool, module: nn.Module, _args) -> None:
     if split.mode is not None:  # open already: a module inside the forward
         return
+    if root and _compiled_caller():
+        raise ContextParallelError(f"{split.owner}: {_NOT_COMPILED}")
     if root:
         split.calls = 0
     split.mode, split.opener = _Catch(split), module
     split.mode.__enter__()
 
 
+@torch.compiler.disable
 def _leave(split: _Split, root: bool, module: nn.Module, _args, output) -> None:
     if split.mode is None or split.opener is not module:
         return
@@ -232,7 +257,8 @@ def _leave(split: _Split, root: bool, module: nn.Module, _args, output) -> None:
             f"nn.MultiheadAttention) over the group; attention written by hand "
             f"(softmax(q @ k.transpose(-2, -1)) @ v) would attend only to this rank's part of "
             f"the sequence. Call F.scaled_dot_product_attention in the model, or do not split "
-            f"the sequence of a model without attention")
+            f"the sequence of a model without attention. (Or the forward ran compiled: "
+            f"{_NOT_COMPILED}.)")
 
 
 def _no_weights(name: str):
