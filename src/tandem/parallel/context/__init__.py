@@ -14,7 +14,17 @@
 - `wire`: the messages, with the header that names a rank that skipped an attention call
 
 The parameters are not split: every rank holds them whole, and a checkpoint is the model's own
-state dict. Gradients are partial per rank; average them over dp x cp (`mesh.dp_cp_group`).
+state dict (`td.Checkpointer` saves and restores it as any replicated model's). Gradients are
+partial per rank: with each rank's loss the mean over its own tokens, their mean over dp x cp
+(`mesh.dp_cp_group`) is one process's (the same as summing, over the cp ranks, the gradients of
+each rank's sum over its tokens divided by the whole sequence's count). Losses that count
+tokens unevenly (an ignore_index) need that second form, with the count all-reduced.
+
+Works with activation checkpointing (`td.checkpoint_wrapper`, `torch.utils.checkpoint`): a
+recomputed block attends over the group again. Refused with the reason: torch.compile of the
+split model (a compiled graph skips the Python mode that catches attention), attention dropout
+in the ring form, masks other than is_causal in the ring form (the all-to-all form takes a mask
+over the whole sequence), cross-attention and grouped-query attention.
 """
 
 from tandem.parallel.context.apply import ContextParallelError, parallelize
