@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tandem.comm import agreement
-from tandem.comm.backend import Group
+from tandem.comm.agreement import agree as agreement
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_ranks, group_size
 from tandem.parallel import activation_checkpoint, model_check
 from tandem.parallel.context import layout, ring, ulysses, wire
@@ -77,11 +78,11 @@ class _Split:
                 f"sequence, the same heads: enable_gqa={enable_gqa}); cross-attention to a "
                 f"sequence that is not split, and grouped-query attention, are not supported")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        code = agreement.checksum(f"{tuple(query.shape)} {query.dtype} {is_causal} {scale} "
-                                  f"{None if attn_mask is None else tuple(attn_mask.shape)}")
-        checked = self.check is not None and query.device.type == "cpu"
-        header = (wire.header_of(self.calls, agreement.checksum(self._caller()), code, checked)
-                  if checked else None)
+        header = None
+        if self.check is not None and query.device.type == "cpu":  # (see `wire`)
+            code = agreement.checksum(f"{tuple(query.shape)} {query.dtype} {is_causal} {scale} "
+                                      f"{None if attn_mask is None else tuple(attn_mask.shape)}")
+            header = wire.header_of(self.calls, agreement.checksum(self._caller()), code, True)
         if self.style == "ring":
             self._ring_only(where, attn_mask, dropout_p)
             layout.check_length(query.shape[-2] * self.sp, self.sp, where)
@@ -95,7 +96,7 @@ class _Split:
         return ulysses.ulysses_attention(query, key, value, attn_mask=attn_mask,
                                          dropout_p=dropout_p, causal=is_causal, scale=scale,
                                          group=self.group, header=header, owner=self.owner,
-                                       names=self.names)
+                                         names=self.names)
 
     def _ring_only(self, where: str, attn_mask, dropout_p: float) -> None:
         if attn_mask is not None:
@@ -143,6 +144,9 @@ class _Catch(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_converted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _Split
+
+
 def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring") -> nn.Module:
     """Make `model`'s attention run over a context-parallel group; returns `model`.
 
@@ -171,6 +175,9 @@ def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring
     """
     if style not in STYLES:
         raise ValueError(f"style={style!r}: choose 'ring' or 'alltoall'")
+    if model in _converted:
+        raise ValueError(f"{type(model).__name__} is split already ({_converted[model].style} over "
+                         f"{list(group_ranks(_converted[model].group))}): convert a model once")
     sp = group_size(group)
     attention = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
     if style == "alltoall":
@@ -182,7 +189,7 @@ def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring
     layout_lines += [f"{n} {tuple(p.shape)}" for n, p in model.named_parameters()]
     agreement.agree_layout("context-parallel model", layout_lines, group, always=True)
     model_check.watch(model, "context-parallel", layout_lines, group)
-    split = _Split(model, group, style)
+    split = _converted[model] = _Split(model, group, style)
     for name, m in attention:
         m.register_forward_pre_hook(_no_weights(name), with_kwargs=True)
     # Every module's forward opens the catch if none is open: the model's own forward, and a

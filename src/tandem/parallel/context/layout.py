@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.comm import collectives
-from tandem.comm.backend import Group
+from tandem.comm.collectives import user as collectives
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_size
 
 

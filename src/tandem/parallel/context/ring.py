@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.comm.backend import Group
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel.context import wire
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.comm.backend import Group
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel.context import layout, wire
 

@@ -22,10 +22,11 @@ import time
 
 import torch
 
-from tandem.comm import context, direct
-from tandem.comm.agreement import DivergedError
-from tandem.comm.backend import Group
-from tandem.comm.collectives import Staging
+from tandem.comm import context
+from tandem.comm.agreement.agree import DivergedError
+from tandem.comm.collectives import direct
+from tandem.comm.collectives.user import Staging
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_ranks, group_size
 
 _TAG = 7  # the ring's point-to-point tag (its messages are paired by order within the tag)
