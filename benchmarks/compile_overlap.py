@@ -7,7 +7,7 @@ activation memory that `td.checkpoint_wrapper` saves.
 Part 1, 2 ranks (`td.spawn`, Gloo, one thread per rank). Each model is trained four ways,
 alternating step by step after warm-up (which includes compiling):
 - `ddp eager` / `ddp compiled`: `td.DistributedDataParallel(model)`, and `torch.compile` of it
-  (the graph cut at the gradient buckets, `parallel/compile_split.py`);
+  (the graph cut at the gradient buckets, `parallel/data_parallel/compile_split.py`);
 - `opt eager` / `opt compiled`: `td.DistributedOptimizer` over the plain model, and
   `torch.compile(model)` under it (cut at the optimizer's buckets: its cut stands while it
   lives);

@@ -51,9 +51,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tandem as td
-from tandem import environments
 from tandem.bench.models import gpt, mlp, resnet9
 from tandem.bench.results import write_json
+from tandem.job import environments
 
 BATCH = {"mlp": 64, "resnet9": 32, "gpt": 8}  # per rank (gpt: sequences)
 GPT = {"vocab": 32768, "dim": 1024, "heads": 16, "layers": 4, "seq": 512}

@@ -150,10 +150,10 @@ def cpu_costs(count: int = 20000) -> dict:
     """
     import torch
 
-    from tandem.comm import fingerprints
-    from tandem.comm.backend import CompletedWork
-    from tandem.comm.monitor import Watchdog
-    from tandem.comm.watchdog import WatchedBackend
+    from tandem.comm.agreement import fingerprints
+    from tandem.comm.engines.backend import CompletedWork
+    from tandem.comm.watchdog.monitor import Watchdog
+    from tandem.comm.watchdog.watched import WatchedBackend
 
     class Instant:
         name, rank, size = "instant", 0, 2

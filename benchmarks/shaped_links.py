@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     import tandem as td
-    from tandem.parallel.compression import PowerSGD
+    from tandem.parallel.data_parallel.compression import PowerSGD
 
     td.init()
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ from torch import nn
 import tandem as td
 from tandem import runtime
 from tandem.bench.results import write_json
-from tandem.comm import agreement
+from tandem.comm.agreement import agree as agreement
 
 
 class Attention(nn.Module):

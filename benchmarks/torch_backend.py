@@ -3,7 +3,7 @@
     tandem run -np 2 benchmarks/torch_backend.py [--budget 1] [--max-size 64MB] [--out FILE]
 
 Under `tandem run` (MPI is the CPU default) `td.init()` makes torch's default group tandem's,
-so `dist.all_reduce(t)` goes through the Python process group (`comm/torch_pg.py`), the
+so `dist.all_reduce(t)` goes through the Python process group (`comm/torch_pg/process_group.py`), the
 watchdog and the MPI engine: what an unchanged script gets from `init_process_group("tandem")`
 (or "mpi"). For each float32 message size, in place, three collectives are timed with the loop
 of `tandem.bench.allreduce_ranks.measure` (variants take turns batch after batch, median over

@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 import tandem as td
 from tandem.bench.models import resnet9
-from tandem.metrics import Average, progress
+from tandem.metrics.average import Average, progress
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data", default=None, help="folder containing cifar-10-batches-py")

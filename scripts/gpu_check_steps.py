@@ -102,7 +102,7 @@ def probe(path: str) -> None:
     if info["cuda"]:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     try:
-        from tandem.launch.mpiexec import find_mpiexec
+        from tandem.launch.mpi.mpiexec import find_mpiexec
 
         info["mpiexec"] = find_mpiexec()
     except Exception as error:  # reported, not fatal: the MPI parts skip themselves

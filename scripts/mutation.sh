@@ -19,12 +19,12 @@ PY=$ROOT/.venv/bin/python
 
 # module -> "file to mutate|pytest arguments that select its process-free tests (;-separated)"
 declare -A TARGETS=(
-  [buckets]="src/tandem/parallel/buckets.py|tests/test_buckets.py"
+  [buckets]="src/tandem/parallel/data_parallel/buckets.py|tests/test_buckets.py"
   [schedules]="src/tandem/parallel/pipeline/schedules.py|tests/test_schedules.py"
   [pipeline_balance]="src/tandem/parallel/pipeline/balance.py|tests/test_pipeline.py;-k;partition or costs or timing"
   [data]="src/tandem/data.py|tests/test_data.py;--deselect;tests/test_data.py::test_partition_dataset_on_real_ranks"
   [config]="src/tandem/launch/config.py|tests/test_launcher.py;-k;options_come_from_tandem_variables_unless_given or every_option_comes_from_its_flag_or_its_variable or addresses_are_parsed_at_the_last_colon_with_ports_1_to_65535 or unreadable_values_name_the_flag_or_variable or each_impossible_job_is_refused_with_the_fix or the_smallest_valid_values_are_accepted or run_help_names_each_variable_and_the_program or hosts_set_the_default_number_of_processes or default_backend_is_the_fastest_that_can_run_the_job or a_named_backend_wins_over_the_default or timeline_reaches_every_rank_as_an_absolute_path or missing_script_is_named_before_anything_starts or options_come_from_the_process_environment_by_default"
-  [environments]="src/tandem/environments/*|tests/test_environments.py;tests/test_environments_mutation.py"
+  [environments]="src/tandem/job/environments/*|tests/test_environments.py;tests/test_environments_mutation.py"
 )
 ORDER=(buckets schedules pipeline_balance data config environments)
 [ $# -gt 0 ] && ORDER=("$@")

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tandem import runtime, settings
+from tandem import runtime
+from tandem.job import settings
 from tandem.testing import close_worlds
 
 

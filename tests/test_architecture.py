@@ -45,7 +45,7 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom, known: dict[str, P
             package = package[:-1]
         package = package[: len(package) - node.level + 1]
         base = ".".join(package + ([base] if base else []))
-    # `from tandem.comm import checks` imports the module tandem.comm.checks.
+    # `from tandem.comm.agreement import checks` imports the module tandem.comm.agreement.checks.
     return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
             for alias in node.names]
 
@@ -181,8 +181,8 @@ def test_a_gradient_bucket_crosses_six_files_to_the_wire():
 
     import tandem as td
     from tandem import runtime
-    from tandem.comm.watchdog import Ledger, WatchedBackend
-    from tandem.parallel.reducer import Reducer
+    from tandem.comm.watchdog.watched import Ledger, WatchedBackend
+    from tandem.parallel.data_parallel.reducer import Reducer
 
     td.init(backend="gloo")
     try:
@@ -210,9 +210,11 @@ def test_a_gradient_bucket_crosses_six_files_to_the_wire():
     finally:
         td.shutdown()
     names = [name.replace(os.sep, "/") for name in files]
-    assert names == ["parallel/reducer.py", "parallel/comm_hooks.py", "comm/watchdog.py",
-                     "comm/torch_backend.py", "comm/watchdog.py", "parallel/comm_hooks.py",
-                     "parallel/reducer.py"], names
+    assert names == ["parallel/data_parallel/reducer.py", "parallel/data_parallel/comm_hooks.py",
+                     "comm/watchdog/watched.py",
+                     "comm/engines/torch_backend.py", "comm/watchdog/watched.py",
+                     "parallel/data_parallel/comm_hooks.py",
+                     "parallel/data_parallel/reducer.py"], names
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:

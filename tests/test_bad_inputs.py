@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tandem as td
-from tandem.cli import build_parser, main
+from tandem.cli.command import build_parser, main
 from tandem.launch import LaunchError, config_from_args
 from tandem.launch.launcher import launch
 

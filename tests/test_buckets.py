@@ -5,8 +5,8 @@ import zlib
 import pytest
 import torch
 
-from tandem.comm.agreement import checksum
-from tandem.parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
+from tandem.comm.agreement.agree import checksum
+from tandem.parallel.data_parallel.buckets import ParamInfo, assign_buckets, describe_layout, explain_layout
 
 F32, F16 = torch.float32, torch.float16
 KB = 1024

@@ -5,7 +5,7 @@ backend "tandem"; code that branches on the rank runs as before.
     if rank == 0: a = td.allreduce(x, op="sum")     # rank 1 skips this one
     b = td.allreduce(y, op="sum")                   # was: both ranks get x + y, rc 0
 
-The judge of two lines (`comm.call_sites.verdict`) is a pure function, tested without
+The judge of two lines (`comm.agreement.call_sites.verdict`) is a pure function, tested without
 processes; the shared worlds (Gloo and MPI, default and debug mode) check what the ranks do
 with it; one job covers `init_process_group("tandem")` on the Gloo engine, which no shared
 world has (its torch group is Gloo's own there).
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import tandem as td
-from tandem.comm import call_sites, fingerprints
+from tandem.comm.agreement import call_sites, fingerprints
 from tandem.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

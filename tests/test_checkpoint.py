@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem.checkpoint import CheckpointError
-from tandem.comm.agreement import LayoutMismatchError
+from tandem.checkpoint.checkpointer import CheckpointError
+from tandem.comm.agreement.agree import LayoutMismatchError
 from tandem.diagnostics.replicas import ReplicaMismatchError
 from tandem.testing import run_distributed
 
@@ -168,7 +168,7 @@ def test_save_and_load_agree_on_every_rank(tmp_path):
 _CRASHING_SAVE = textwrap.dedent("""
     import os, signal, sys
     import tandem as td
-    import tandem.checkpoint as checkpoint
+    import tandem.checkpoint.checkpointer as checkpoint
 
     path = sys.argv[1]
     td.save({"version": 1}, path)

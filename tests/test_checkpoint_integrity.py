@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem import checkpoint_exit, dir_owner
-from tandem.files import CheckpointError, CorruptCheckpointError
+from tandem.checkpoint import dir_owner
+from tandem.checkpoint import exit as checkpoint_exit
+from tandem.checkpoint.durable import CheckpointError, CorruptCheckpointError
 from tandem.testing import run_distributed
 
 BACKENDS = ["gloo", "mpi"]

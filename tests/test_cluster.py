@@ -164,7 +164,7 @@ def test_a_slurm_style_job_meets_at_its_first_host(hosts, reference, tmp_path):
 @pytest.mark.timeout(150)
 def test_mpich_hydra_runs_ranks_on_both_hosts_over_ssh(hosts, reference, tmp_path):
     from tandem.launch.config import LaunchError
-    from tandem.launch.mpiexec import find_mpiexec, is_open_mpi
+    from tandem.launch.mpi.mpiexec import find_mpiexec, is_open_mpi
 
     try:
         mpiexec = find_mpiexec()

@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 
 import tandem as td
 from tandem.parallel.activation_checkpoint import is_checkpointed
-from tandem.parallel.compile_split import BucketCaps
+from tandem.parallel.data_parallel.compile_split import BucketCaps
 from tandem.parallel.fully_shard import units
 from tandem.testing import run_distributed
 

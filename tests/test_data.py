@@ -13,10 +13,10 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import tandem as td
-from tandem import settings
 from tandem.comm.groups import Group
 from tandem.data import ShardSampler, check_batch_size, epoch_order, partition_dataset
 from tandem.diagnostics import steps, timeline
+from tandem.job import settings
 from tandem.testing import run_distributed
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem as td
-from tandem.parallel.compression import PowerSGD
-from tandem.parallel.reducer import GradientLayoutError
+from tandem.parallel.data_parallel.compression import PowerSGD
+from tandem.parallel.data_parallel.reducer import GradientLayoutError
 from tandem.testing import run_distributed
 
 B = 8  # global batch: divisible by 1, 2 and 4 ranks

@@ -17,7 +17,7 @@ import torch
 
 import tandem as td
 from tandem import runtime
-from tandem.comm import checks, fingerprints
+from tandem.comm.agreement import checks, fingerprints
 from tandem.testing import run_distributed
 
 DEBUG = {"TANDEM_DEBUG": "1"}

@@ -92,7 +92,7 @@ def _start(broadcast: bool):
 
 def _layout_meets_barrier():
     """Agreements of different kinds (a layout, a barrier's check) meet: one error, both named."""
-    from tandem.comm import agreement
+    from tandem.comm.agreement import agree as agreement
 
     try:
         if td.rank() == 0:
@@ -162,7 +162,7 @@ def test_a_rank_that_skips_a_compiled_step_is_named(backend):
 
 def test_a_rank_inside_a_tandem_call_is_not_reported_as_computing():
     """The watchdog's words for a rank whose stack is in tandem but in no counted wait."""
-    from tandem.comm import waitgraph
+    from tandem.comm.watchdog import waitgraph
 
     answer = {"state": "running", "waits": [], "issued": {"world": 4},
               "inside": "td.allreduce (called at train.py:31)"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem import doctor
+from tandem.cli import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 

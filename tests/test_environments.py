@@ -2,8 +2,8 @@
 
 import pytest
 
-from tandem import environments
-from tandem.environments import detect, first_slurm_host, tandem_variables
+from tandem.job import environments
+from tandem.job.environments import detect, first_slurm_host, tandem_variables
 
 
 def test_no_launcher_is_a_world_of_one():
@@ -22,7 +22,7 @@ def test_tandem_variables_round_trip():
 
 def test_an_mpi_rank_of_tandem_run_is_a_tandem_rank_under_mpi():
     """The supervisor of `tandem run`'s MPI ranks gives each the variables of a local rank."""
-    from tandem.launch import mpi_rank
+    from tandem.launch.mpi import rank as mpi_rank
 
     enclosing = {"TANDEM_RANK": "5", "TANDEM_SIZE": "8", "RANK": "3", "WORLD_SIZE": "4"}
     hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}

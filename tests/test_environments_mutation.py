@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from tandem import environments
-from tandem.environments import (
+from tandem.job import environments
+from tandem.job.environments import (
     JobEnvironment,
     check_half_set,
     detect,
@@ -236,7 +236,7 @@ def test_rank_arguments_are_checked_exactly():
 
 def test_slurm_steps_started_with_pmi_can_initialise_mpi():
     # Under `srun --mpi=pmi2` the MPICH adapter answers first; SLURM's own still says "MPI".
-    from tandem.environments.adapters import detect_slurm
+    from tandem.job.environments.adapters import detect_slurm
 
     base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
     assert detect_slurm({**base, "PMI_RANK": "0"}).under_mpi

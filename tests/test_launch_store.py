@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.launch.supervisor import port_taken
+from tandem.launch.local.supervisor import port_taken
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = str(ROOT / "tests" / "scripts" / "torch_store_probe.py")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import tandem
-from tandem.launch.agents import PROTOCOL, refusal, versions
+from tandem.launch.agents.admission import PROTOCOL, refusal, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tests" / "scripts" / "fault_train.py")

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from tandem import rendezvous, settings
-from tandem.cli import build_parser, main
+from tandem import rendezvous
+from tandem.cli.command import build_parser, main
+from tandem.job import settings
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
+from tandem.launch.agents.hosts import Host, parse_hosts, read_hostfile
 from tandem.launch.config import check_program, parse_address
-from tandem.launch.hosts import Host, parse_hosts, read_hostfile
 from tandem.launch.launcher import default_backend, with_backend
-from tandem.launch.processes import cores, describe, exit_code
-from tandem.launch.ranks import Placement, rank_environment
+from tandem.launch.local.processes import cores, describe, exit_code
+from tandem.launch.local.ranks import Placement, rank_environment
 from tandem.testing import still_running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -450,7 +451,7 @@ OPEN_MPI_TUNING = ["--mca", "coll_libnbc_iallreduce_algorithm", "3"]
 def test_mpiexec_gets_the_flags_of_the_mpi_it_is(tmp_path, monkeypatch, banner, root, flags):
     """What `tandem run` (and the test harness: start_flags) add for the mpiexec it found,
     asked through `mpiexec --version`: Open MPI refuses more ranks than cores and root."""
-    from tandem.launch import mpiexec
+    from tandem.launch.mpi import mpiexec
 
     fake = tmp_path / "mpiexec"
     fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import main
-from tandem.launch import LaunchConfig, LaunchError, shm
+from tandem.cli.command import main
+from tandem.launch import LaunchConfig, LaunchError
 from tandem.launch.config import check_program
+from tandem.launch.mpi import shm
 from tandem.launch.programs import python_target
 from tandem.testing import still_running
 
@@ -105,7 +106,7 @@ def _ports_in_argv(agent: int) -> dict[str, int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "tandem.launch.mpi_rank" in argv and _descends_from(int(pid), agent):
+        if "tandem.launch.mpi.rank" in argv and _descends_from(int(pid), agent):
             for flag in ("--connect", "--store"):
                 if flag in argv:
                     ports[flag] = int(argv[argv.index(flag) + 1].rsplit(":", 1)[1])

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import tandem as td
-from tandem.files import CheckpointError
+from tandem.checkpoint.durable import CheckpointError
 from tandem.testing import run_distributed
 
 PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise_gather"}

@@ -29,7 +29,7 @@ def _without_torch(code: str) -> subprocess.CompletedProcess:
 
 
 def _main(*argv: str) -> str:
-    return f"from tandem.cli import main\ncode = main({list(argv)!r})\n"
+    return f"from tandem.cli.command import main\ncode = main({list(argv)!r})\n"
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["bench", "--help"],
@@ -42,8 +42,9 @@ def test_the_command_starts_without_torch(argv):
 
 def test_the_package_and_the_launcher_import_no_torch():
     done = _without_torch(
-        "import tandem, tandem.launch, tandem.launch.mpi_rank, tandem.settings\n"
-        "from tandem.launch import coordinator, multinode, supervisor\n"
+        "import tandem, tandem.launch, tandem.launch.mpi.rank, tandem.job.settings\n"
+        "from tandem.launch.agents import coordinator, multinode; from tandem.launch.local import "
+        "supervisor\n"
         "assert 'init' in dir(tandem) and 'broadcast_buffers' in tandem.__all__\n"
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -81,7 +82,7 @@ def test_tandem_runs_a_whole_job_without_torch_in_its_parent(tmp_path, backend):
 
 def test_doctor_imports_torch_only_for_torchs_own_lines():
     code = (
-        "from tandem import doctor\n"
+        "from tandem.cli import doctor\n"
         f"doctor.CHECKS = tuple(c for c in doctor.CHECKS if c.__name__ not in {TORCH_CHECKS!r})\n"
         + _main("doctor") + "assert code == 0\n"
     )

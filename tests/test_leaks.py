@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.launch import shm
+from tandem.launch.mpi import shm
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(shutil.which("ss") is None,
 
 def _mpi_starter() -> str:
     """Which process manager `tandem run --backend mpi` uses here, for the one exception."""
-    from tandem.launch.mpiexec import find_forker, find_mpiexec, is_open_mpi
+    from tandem.launch.mpi.mpiexec import find_forker, find_mpiexec, is_open_mpi
 
     mpiexec = find_mpiexec()
     if is_open_mpi(mpiexec):
@@ -155,7 +155,7 @@ def test_a_single_node_job_listens_on_loopback_only(backend):
     ("mpiexec (Open MPI) 5.0.11", True, False),  # not MPICH's: never gforker
 ], ids=["mpich", "hydra-alone", "openmpi"])
 def test_gforker_is_chosen_beside_hydra_only(tmp_path, banner, beside, found):
-    from tandem.launch.mpiexec import find_forker
+    from tandem.launch.mpi.mpiexec import find_forker
 
     mpiexec = tmp_path / "mpiexec"
     mpiexec.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
@@ -171,8 +171,8 @@ def test_gforker_gets_what_a_supervisor_needs_and_the_supervisor_gets_the_rest()
     that are not UTF-8 included) reaches the supervisor over its control socket."""
     import socket
 
-    from tandem.launch.mpi_rank import _receive_environment
-    from tandem.launch.mpiexec import forker_environment
+    from tandem.launch.mpi.mpiexec import forker_environment
+    from tandem.launch.mpi.rank import _receive_environment
 
     job = {f"MODULE_{i}": str(i) for i in range(300)}
     job.update(PATH="/bin", HOME="/root", PYTHONPATH="/src", TANDEM_LAUNCH_TOKEN="t",

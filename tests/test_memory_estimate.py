@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem import cli
+from tandem.cli import command as cli
 from tandem.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

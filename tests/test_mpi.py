@@ -167,7 +167,7 @@ def test_in_flight_out_of_order_and_progress():
 
 
 def test_progress_thread_only_with_a_spare_core(monkeypatch):
-    from tandem.comm import mpi_setup
+    from tandem.comm.engines import mpi_setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(mpi_setup.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
@@ -180,7 +180,7 @@ def test_progress_thread_only_with_a_spare_core(monkeypatch):
 
 def check_large_allreduce_in_pieces():
     """From 8 MB an all-reduce goes to MPI in 4 MB pieces: every element, every dtype, every path."""
-    from tandem.comm import mpi_backend
+    from tandem.comm.engines import mpi_backend
 
     me, n = td.rank(), td.size()
     count = (mpi_backend.PIECES_FROM_BYTES // 4) * 2 + 3  # 16 MB of float32 and a ragged end
@@ -310,5 +310,5 @@ def test_tandem_run_mpi_stops_the_job_when_a_rank_fails(script, code, fault):
     if script == "mpi_fail.py":
         assert "[1] RuntimeError: rank 1 cannot go on" in done.stderr
     # Stopping the job is the agent's: mpiexec neither races it nor explains it (Hydra runs
-    # with -disable-auto-cleanup, Open MPI with --enable-recovery; see launch/mpiexec.py).
+    # with -disable-auto-cleanup, Open MPI with --enable-recovery; see launch/mpi/mpiexec.py).
     assert "mpiexec:" not in done.stderr, done.stderr

@@ -24,10 +24,11 @@ import torch
 from helpers import kill_tree
 from streams import Lines
 
-from tandem.cli import build_parser, main
-from tandem.launch import LaunchConfig, LaunchError, config_from_args, control, multinode, ssh
+from tandem.cli.command import build_parser, main
+from tandem.launch import LaunchConfig, LaunchError, config_from_args
+from tandem.launch.agents import control, multinode, ssh
+from tandem.launch.agents.hosts import Host
 from tandem.launch.config import parse_address
-from tandem.launch.hosts import Host
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tests" / "scripts" / "fault_train.py")
@@ -305,8 +306,8 @@ def test_hosts_get_one_agent_each(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(AGENT_PROBE)
     script = (
-        "import sys; from tandem.launch import LaunchConfig, multinode; "
-        "from tandem.launch.hosts import Host; "
+        "import sys; from tandem.launch import LaunchConfig; from tandem.launch.agents import multinode; "
+        "from tandem.launch.agents.hosts import Host; "
         f"sys.exit(multinode.launch_hosts(LaunchConfig(np=2, program={str(probe)!r}, "
         "hosts=(Host('localhost', 1), Host('127.0.0.1', 1)))))"
     )

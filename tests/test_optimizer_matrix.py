@@ -3,7 +3,7 @@ the reason and the alternative (issue 40). One world per engine steps every opti
 
 ZeroOptimizer and fully_shard hand the optimizer flat 1-D shards, tensor parallelism slices of
 each matrix: exact for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor,
-Muon or LAMB, which are refused (`parallel/elementwise.py`). DistributedOptimizer and the DDP
+Muon or LAMB, which are refused (`parallel/layout/elementwise.py`). DistributedOptimizer and the DDP
 wrapper keep the whole parameters on every rank: any optimizer is exact there.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tandem as td
-from tandem.parallel.elementwise import why_not_elementwise
+from tandem.parallel.layout.elementwise import why_not_elementwise
 from tandem.testing import run_distributed
 
 STEPS = 3

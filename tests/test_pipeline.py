@@ -277,7 +277,7 @@ _meshes = {}
 def _distributed_optimizer():
     """tandem's data-parallel optimizer, where it is available."""
     try:
-        from tandem.parallel.data_parallel import DistributedOptimizer
+        from tandem.parallel.data_parallel.wrappers import DistributedOptimizer
     except ImportError:
         return None
     return DistributedOptimizer

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem.files import CheckpointError
-from tandem.launch.supervisor import Failure, summary
+from tandem.checkpoint.durable import CheckpointError
+from tandem.launch.local.supervisor import Failure, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tests" / "scripts" / "fault_train.py")

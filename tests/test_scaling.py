@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem import settings
 from tandem.bench import plots, scaling
-from tandem.cli import main
+from tandem.cli.command import main
 from tandem.diagnostics import steps
+from tandem.job import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "scale_train.py")

@@ -1,11 +1,11 @@
-"""`tandem.settings`: every TANDEM_* setting parsed in one place, and the one backend choice."""
+"""`tandem.job.settings`: every TANDEM_* setting parsed in one place, and the one backend choice."""
 
 from __future__ import annotations
 
 import pytest
 
-from tandem import settings
-from tandem.settings import DEFAULT_TIMEOUT_S, Settings, choose_backend, read
+from tandem.job import settings
+from tandem.job.settings import DEFAULT_TIMEOUT_S, Settings, choose_backend, read
 
 
 def test_nothing_set_gives_the_defaults():

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import tandem as td
-from tandem.files import CheckpointError
+from tandem.checkpoint.durable import CheckpointError
 from tandem.testing import run_distributed
 
 BATCH = 12
@@ -139,7 +139,7 @@ _CRASHING_SAVE = textwrap.dedent("""
     import os, signal, sys
     import torch
     import tandem as td
-    import tandem.dcp_files as sharded
+    import tandem.checkpoint.dcp_files as sharded
 
     td.init()
     torch.manual_seed(0)

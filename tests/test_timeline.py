@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem import settings
 from tandem.diagnostics import timeline
+from tandem.job import settings
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "tests" / "scripts" / "scale_train.py")
 

@@ -85,8 +85,8 @@ def refusals() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from tandem.comm.torch_register import BackendMismatchError
-    from tandem.comm.torch_work import UnsupportedOperation
+    from tandem.comm.torch_pg.register import BackendMismatchError
+    from tandem.comm.torch_pg.work import UnsupportedOperation
 
     said = []
     for call in (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG),

@@ -38,8 +38,8 @@ def _group(engine: str):
     if engine == "mpi":
         return c10d._get_default_group()
     if "gloo" not in _GROUPS:
-        from tandem.comm.c10d_engine import C10dEngine
-        from tandem.comm.torch_pg import TandemProcessGroup
+        from tandem.comm.engines.c10d_engine import C10dEngine
+        from tandem.comm.torch_pg.process_group import TandemProcessGroup
 
         store = dist.PrefixStore("torch-backend-safety/", c10d._get_default_store())
         cpu = torch.device("cpu")
@@ -56,7 +56,7 @@ def async_shapes() -> str:
     import torch
     import torch.distributed as dist
 
-    from tandem.comm.agreement import CollectiveMismatchError
+    from tandem.comm.agreement.agree import CollectiveMismatchError
 
     t = torch.ones(1000 + dist.get_rank())
     work = dist.all_reduce(t, async_op=True)
@@ -108,7 +108,7 @@ def test_a_barrier_completes_the_async_all_reduce_before_it():
 def mismatched_messages(engine: str) -> list[str]:
     import torch
 
-    from tandem.comm.torch_p2p import MessageMismatchError
+    from tandem.comm.torch_pg.p2p import MessageMismatchError
 
     pg = _group(engine)
     rank = pg.rank()

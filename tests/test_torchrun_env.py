@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.environments import detect, detect_torchrun
+from tandem.job.environments import detect, detect_torchrun
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
-from tandem.launch.joined import listening
-from tandem.launch.ranks import Placement, rank_environment
+from tandem.launch.local.joined import listening
+from tandem.launch.local.ranks import Placement, rank_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -68,7 +68,7 @@ def test_every_rank_gets_torchruns_variables_with_a_port_of_its_own():
 
 
 def test_an_mpi_rank_gets_torchruns_variables_from_mpi():
-    from tandem.launch import mpi_rank
+    from tandem.launch.mpi import rank as mpi_rank
 
     base = {"RANK": "7", "PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
             "MPI_LOCALNRANKS": "2"}
@@ -79,7 +79,7 @@ def test_an_mpi_rank_gets_torchruns_variables_from_mpi():
 
 
 def test_require_join_comes_from_the_flag_or_its_variable():
-    from tandem.cli import build_parser
+    from tandem.cli.command import build_parser
 
     def config(*argv: str, environ=None) -> LaunchConfig:
         args = build_parser().parse_args(["run", *argv])

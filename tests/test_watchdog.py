@@ -19,7 +19,8 @@ import torch
 
 import tandem as td
 from tandem import runtime
-from tandem.comm import fingerprints, waitgraph
+from tandem.comm.agreement import fingerprints
+from tandem.comm.watchdog import waitgraph
 from tandem.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,8 @@ importing torch, so the `tandem` command (`--help`, `run`'s parent process, `doc
 fast, and `td.init`, `from tandem import allreduce` and the rest import what they need when
 they are first touched. `_EXPORTS` says where each name lives. Importing it also registers
 tandem's torch.distributed backends ("tandem", and "mpi" where torch has none) with torch, when
-torch is imported (`comm/torch_hook.py`), and the strategy "tandem" with Lightning's Trainer and
-Fabric when `lightning` is imported (`lightning_hook.py`).
+torch is imported (`hooks/torch_backends.py`), and the strategy "tandem" with Lightning's Trainer and
+Fabric when `lightning` is imported (`hooks/lightning_strategy.py`).
 """
 
 from __future__ import annotations
@@ -14,48 +14,48 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tandem import lightning_hook as _lightning_hook
-from tandem.comm import torch_hook as _torch_hook
+from tandem.hooks import lightning_strategy as _lightning_hook
+from tandem.hooks import torch_backends as _torch_hook
 
 __version__ = "0.1.0"
 
 # module -> the public names it defines
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "tandem.checkpoint": ("CheckpointError", "Checkpointer", "load", "save"),
-    "tandem.sharded_checkpoint": ("load_sharded", "save_sharded"),
-    "tandem.comm.agreement": ("CollectiveMismatchError", "DivergedError"),
-    "tandem.comm.finite": ("all_finite",),
-    "tandem.comm.collectives": ("Handle", "allgather", "allgather_object", "allreduce",
+    "tandem.checkpoint.checkpointer": ("CheckpointError", "Checkpointer", "load", "save"),
+    "tandem.checkpoint.sharded": ("load_sharded", "save_sharded"),
+    "tandem.comm.agreement.agree": ("CollectiveMismatchError", "DivergedError"),
+    "tandem.comm.collectives.finite": ("all_finite",),
+    "tandem.comm.collectives.user": ("Handle", "allgather", "allgather_object", "allreduce",
                                 "alltoall", "barrier", "broadcast", "broadcast_object", "recv",
                                 "reduce", "reducescatter", "send"),
-    "tandem.comm.gather_scatter": ("gather", "scatter"),
+    "tandem.comm.collectives.gather_scatter": ("gather", "scatter"),
     "tandem.comm.groups": ("Group", "Mesh", "mesh", "new_group"),
     "tandem.data": ("partition_dataset",),
-    "tandem.metric_logger": ("MetricLogger",),
-    "tandem.metrics": ("Average", "progress"),
-    "tandem.means": ("MetricMismatchError",),
+    "tandem.metrics.logger": ("MetricLogger",),
+    "tandem.metrics.average": ("Average", "progress"),
+    "tandem.metrics.means": ("MetricMismatchError",),
     "tandem.diagnostics.replicas": ("ReplicaBufferWarning", "ReplicaMismatchError"),
     "tandem.diagnostics.steps": ("report",),
-    "tandem.comm.watchdog": ("PeerUnreachableError", "WatchdogTimeout"),
+    "tandem.comm.watchdog.watched": ("PeerUnreachableError", "WatchdogTimeout"),
     "tandem.parallel.activation_checkpoint": ("checkpoint_wrapper",),
     "tandem.parallel.broadcast": ("broadcast_buffers", "broadcast_optimizer_state", "broadcast_parameters",
                                   "check_replicas"),
-    "tandem.parallel.data_parallel": ("DistributedDataParallel", "DistributedOptimizer"),
+    "tandem.parallel.data_parallel.wrappers": ("DistributedDataParallel", "DistributedOptimizer"),
     "tandem.parallel.fully_shard": ("CPUOffloadPolicy", "MixedPrecisionPolicy", "clip_grad_norm_",
                                     "full_optimizer_state_dict", "full_state_dict",
                                     "fully_shard", "load_full_state_dict", "materialize"),
     "tandem.parallel.gradient_sync": ("no_sync", "set_requires_gradient_sync"),
-    "tandem.parallel.join": ("join",),
-    "tandem.parallel.local_sgd": ("LocalSGD",),
+    "tandem.parallel.data_parallel.join": ("join",),
+    "tandem.parallel.data_parallel.local_sgd": ("LocalSGD",),
     "tandem.parallel.memory": ("MemoryComparison", "MemoryEstimate", "compare_memory", "estimate_memory"),
     "tandem.parallel.pipeline": ("Pipeline", "PipelineStats"),
-    "tandem.parallel.samples": ("samples",),
-    "tandem.parallel.step_check": ("ReplicaStartWarning",),
+    "tandem.parallel.data_parallel.samples": ("samples",),
+    "tandem.parallel.data_parallel.step_check": ("ReplicaStartWarning",),
     "tandem.parallel.sync_bn": ("SyncBatchNorm",),
     "tandem.parallel.tensor": ("Branches", "ColumnParallelLinear", "ParallelSelfAttention",
                                "RowParallelLinear", "VocabParallelEmbedding", "parallelize",
                                "vocab_parallel_cross_entropy"),
-    "tandem.parallel.zero": ("ZeroOptimizer",),
+    "tandem.parallel.zero.optimizer": ("ZeroOptimizer",),
     "tandem.runtime": ("World", "device", "init", "is_initialized", "local_rank", "local_size",
                        "rank", "shutdown", "size"),
     "tandem.spawning": ("SpawnError", "spawn"),
@@ -155,7 +155,7 @@ __all__ = [
 
 
 # The one thing importing tandem does besides defining names: torch.distributed learns the
-# backends "tandem" and "mpi" (now, or once torch is imported; see comm/torch_hook.py).
+# backends "tandem" and "mpi" (now, or once torch is imported; see hooks/torch_backends.py).
 _torch_hook.install()
 
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from tandem.cli import main
+from tandem.cli.command import main
 
 sys.exit(main())

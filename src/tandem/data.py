@@ -22,7 +22,7 @@ Remainders (N samples, k ranks, global batch B):
   one sample (100 on 3 ranks: 34/33/33) and the epoch is the one-process epoch, batch for
   batch. A step whose global batch does not split evenly (the last) holds different numbers
   of samples on the ranks; the loader tells the data-parallel reducer each batch's size, and
-  that step's gradients are averaged over samples, not ranks (m_k / n, `parallel/samples.py`),
+  that step's gradients are averaged over samples, not ranks (m_k / n, `parallel/data_parallel/samples.py`),
   which gives one process's result. When the last global batch has fewer samples than there
   are ranks (N % B < k), some ranks have one batch less: run the loop inside `td.join(...)`.
   Batches read under `torch.no_grad()` (evaluation) are not reported.
@@ -176,7 +176,7 @@ class ShardedLoader(DataLoader):
 def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iterator[Any]:
     """Each batch, with the time the script waited for it reported to `tandem scale`
     (`diagnostics.steps`) and the timeline: two clock reads per batch. A batch read for
-    training (grad mode) is also recorded for the gradient reducer (`parallel/samples.py`): its
+    training (grad mode) is also recorded for the gradient reducer (`parallel/data_parallel/samples.py`): its
     share m_k / B of the step, and whether the ranks' shares differ (with pad=False only)."""
     global_batch = sampler.batch_size
     for step in itertools.count():

@@ -22,7 +22,7 @@ group must call each function, in the same order, and run the backward too.
 
 Inside the forward of a tensor-parallel model (`td.parallelize`, `td.Branches`, a model with
 tensor-parallel layers), whose forward and backward each open with one agreement over the group,
-these go straight to the engine (`comm/direct.py`): no check, nothing read on the host but the
+these go straight to the engine (`comm/collectives/direct.py`): no check, nothing read on the host but the
 sizes an uneven `all_gather` or `all_to_all` must learn. Elsewhere each call, forward and
 backward, is checked as `td.allreduce` is (one small agreement, then the data; `checks=False`
 turns it off). Sizes are exchanged once per call, never twice.
@@ -36,7 +36,10 @@ from contextlib import contextmanager
 
 import torch
 
-from tandem.comm import checks, collectives, context, direct, exchange
+from tandem.comm import context
+from tandem.comm.agreement import checks, exchange
+from tandem.comm.collectives import direct
+from tandem.comm.collectives import user as collectives
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 
 _LINEAR_OPS = ("sum", "mean")

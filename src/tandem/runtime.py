@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem import environments, settings
 from tandem.comm import context
-from tandem.comm.backend import Backend
-from tandem.environments import JobEnvironment
+from tandem.comm.engines.backend import Backend
+from tandem.job import environments, settings
+from tandem.job.environments import JobEnvironment
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,10 @@ def _device_for(job: JobEnvironment) -> torch.device:
 
 def _create_backend(name: str, job: JobEnvironment, timeout: float, device: torch.device):
     if name == "mpi":
-        from tandem.comm.mpi_backend import MPIBackend
+        from tandem.comm.engines.mpi_backend import MPIBackend
 
         return MPIBackend.create(job, timeout=timeout)
-    from tandem.comm.torch_backend import TorchBackend
+    from tandem.comm.engines.torch_backend import TorchBackend
 
     return TorchBackend.create(name, job, timeout=timeout, device=device)
 
@@ -165,8 +165,8 @@ def _start(job: JobEnvironment, backend: str | None, timeout: float | None, debu
         )
     device = _device_for(job)
     debug = told.debug if debug is None else bool(debug)
-    from tandem.comm import torch_join
-    from tandem.comm.monitor import watch
+    from tandem.comm.torch_pg import join as torch_join
+    from tandem.comm.watchdog.monitor import watch
 
     found = torch_join.existing(backend, job, device)  # the script's dist.init_process_group
     adopted = found is not None and found.watched
@@ -285,7 +285,7 @@ def shutdown() -> None:
     current, _state = _state, None
     context.clear()
     if current.torch_group:
-        from tandem.comm import torch_join
+        from tandem.comm.torch_pg import join as torch_join
 
         torch_join.release(current.backend)  # torch's default group over it goes first
     if not current.adopted:

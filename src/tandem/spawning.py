@@ -2,7 +2,7 @@
 
 The notebook and test pattern. The parent hosts the rendezvous store (so the port is free and
 stays free) and starts the children the way `tandem run` starts its ranks
-(`launch.processes.start_ranks`: each in a session of its own, with the same `TANDEM_*`
+(`launch.local.processes.start_ranks`: each in a session of its own, with the same `TANDEM_*`
 variables), running `python -m tandem.spawning`. Each child reads, from a pipe of its own, what
 `multiprocessing`'s spawn start method would give it (the parent's `sys.path`, working
 directory and main module, so that `fn` may live in the script that calls `spawn`), then `fn`
@@ -34,9 +34,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tandem import rendezvous
-from tandem.environments import tandem_variables
-from tandem.launch.output import RankOutput
-from tandem.launch.processes import cores, describe, start_ranks, stop_processes
+from tandem.job.environments import tandem_variables
+from tandem.launch.local.output import RankOutput
+from tandem.launch.local.processes import cores, describe, start_ranks, stop_processes
 
 # How long a reported error waits for a peer death that would explain it.
 _CAUSE_GRACE_S = 3.0

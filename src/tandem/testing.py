@@ -12,7 +12,7 @@
 Starting a world costs seconds (each rank imports torch), so a world of each size and backend
 is started once and reused: `run_distributed` ships the function (pickled by reference) to its
 ranks and collects `("ok" | "err", rank, result | traceback)` from each. The ranks are started
-as every local rank is (`launch.processes.start_ranks`), by mpiexec for the MPI backend. A rank
+as every local rank is (`launch.local.processes.start_ranks`), by mpiexec for the MPI backend. A rank
 that raises fails the test with that rank's traceback; a rank that does not answer within
 `timeout` has its Python stacks dumped (faulthandler on SIGABRT) into the error, and the world
 is discarded. Any world that saw a failure it might not have recovered from is restarted for the next test.
@@ -38,8 +38,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
-from tandem.environments import tandem_variables
-from tandem.launch.processes import start_ranks, stop_processes, wait_all
+from tandem.job.environments import tandem_variables
+from tandem.launch.local.processes import start_ranks, stop_processes, wait_all
 
 _START_TIMEOUT_S = 120.0
 _AFTER_ERROR_GRACE_S = 5.0
@@ -52,8 +52,8 @@ class DistributedTestError(AssertionError):
 
 def mpiexec_command(size: int) -> list[str]:
     """`mpiexec -n size`, with the flags tandem's launcher gives the MPI it finds (Open MPI's:
-    more ranks than cores, root; see `launch.mpiexec.start_flags`)."""
-    from tandem.launch.mpiexec import find_mpiexec, start_flags
+    more ranks than cores, root; see `launch.mpi.mpiexec.start_flags`)."""
+    from tandem.launch.mpi.mpiexec import find_mpiexec, start_flags
 
     mpiexec = find_mpiexec()
     return [mpiexec, *start_flags(mpiexec), "-n", str(size)]

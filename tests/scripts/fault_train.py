@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import tandem as td
-import tandem.dcp_files as dcp_files
+import tandem.checkpoint.dcp_files as dcp_files
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode")

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tandem as td
-from tandem.environments import detect
+from tandem.job.environments import detect
 
 BATCH = 16
 STEPS = 4  # optimizer steps; with accumulate_grad_batches=2, 8 batches = 128 samples

@@ -69,7 +69,7 @@ def _run_torch(backend: str, np: int, sizes: Sequence[int], budget_s: float, dev
 
 
 def _run_mpi(np: int, sizes: Sequence[int], budget_s: float, timeout: float, device: str) -> dict:
-    from tandem.launch.mpiexec import find_mpiexec, start_flags
+    from tandem.launch.mpi.mpiexec import find_mpiexec, start_flags
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))

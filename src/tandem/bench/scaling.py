@@ -111,7 +111,7 @@ def default_sizes() -> tuple[int, ...]:
 
 
 def cores() -> int:
-    from tandem.launch.processes import cores as usable_cores
+    from tandem.launch.local.processes import cores as usable_cores
 
     return usable_cores()
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.comm.backend import Backend
+from tandem.comm.engines.backend import Backend
 
 
 class Place(Protocol):

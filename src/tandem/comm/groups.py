@@ -18,8 +18,10 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.comm import agreement, context, fingerprints
-from tandem.comm.backend import Group as Group  # where it is defined; imported from here too
+from tandem.comm import context
+from tandem.comm.agreement import agree as agreement
+from tandem.comm.agreement import fingerprints
+from tandem.comm.engines.backend import Group  # where it is defined; imported from here too
 
 # The queries on a group are public from here; they live in `members`, below the agreement.
 from tandem.comm.members import group_rank as group_rank

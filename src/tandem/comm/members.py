@@ -7,7 +7,7 @@ and the exchanges it uses ask these questions, so they must not import group cre
 from __future__ import annotations
 
 from tandem.comm import context
-from tandem.comm.backend import Group
+from tandem.comm.engines.backend import Group
 
 
 def group_size(group: Group | None, engine: context.Context | None = None) -> int:

@@ -2,7 +2,7 @@
 
 A loader (`td.partition_dataset`) or the script (`td.samples(n)`) records each batch here;
 the data-parallel reducer reads it at the next backward to weight this rank's gradient by its
-samples when the ranks' batches differ in size (see `tandem.parallel.samples`). It sits below
+samples when the ranks' batches differ in size (see `tandem.parallel.data_parallel.samples`). It sits below
 both, as `steps` (what `tandem scale` counts) does: one counter and three fields, no torch.
 """
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from tandem import runtime
-from tandem.comm import collectives
-from tandem.comm.agreement import agree_layout, describe_tensors
+from tandem.comm.agreement.agree import agree_layout, describe_tensors
+from tandem.comm.collectives import user as collectives
+from tandem.comm.collectives.tensors import coalesced, module_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.comm.tensors import coalesced, module_tensors
 
 _WEIGHT_PERIOD = 65_521  # a prime: weights 1..65521 repeat, never align with power-of-two shapes
 

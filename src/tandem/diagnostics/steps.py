@@ -32,8 +32,8 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from tandem import settings
 from tandem.diagnostics import timeline
+from tandem.job import settings
 
 CAPACITY = 4096  # steps kept; older ones are overwritten (bounded memory for endless jobs)
 

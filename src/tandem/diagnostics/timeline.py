@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tandem import settings
+from tandem.job import settings
 
 ENABLED = False  # hot paths test this and nothing else
 

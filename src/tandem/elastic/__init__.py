@@ -20,7 +20,7 @@
 
 `State` holds the model, the optimizer and any extras; `commit()` snapshots them in memory;
 `run` restores the newest snapshot a surviving rank holds after a rank fails, and sends it to
-the ranks that join (see `state` and `run`; the launcher's side is `tandem.launch.elastic`).
+the ranks that join (see `state` and `run`; the launcher's side is `tandem.launch.agents.elastic`).
 """
 
 from tandem.elastic.data import local_rows

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem import runtime
-from tandem.comm.watchdog import PeerUnreachableError, WatchdogTimeout
+from tandem.comm.watchdog.watched import PeerUnreachableError, WatchdogTimeout
 from tandem.elastic.state import State, WorldChanged
 from tandem.rendezvous import elastic_rounds
 

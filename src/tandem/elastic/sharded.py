@@ -15,11 +15,11 @@ import warnings
 from typing import Any
 
 from tandem import runtime
-from tandem.comm import collectives
+from tandem.comm.collectives import user as collectives
 from tandem.elastic import transfer
-from tandem.parallel import zero_reshard
 from tandem.parallel.fully_shard import resize
-from tandem.parallel.zero import ZeroOptimizer
+from tandem.parallel.zero import reshard as zero_reshard
+from tandem.parallel.zero.optimizer import ZeroOptimizer
 from tandem.rendezvous import elastic_rounds
 
 

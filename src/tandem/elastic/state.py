@@ -34,13 +34,14 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm import collectives
+from tandem.comm.collectives import user as collectives
 from tandem.elastic import extras as kept
 from tandem.elastic import sharded, transfer
-from tandem.parallel import splits, zero_reshard
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
-from tandem.parallel.zero import ZeroOptimizer
+from tandem.parallel.layout import splits
+from tandem.parallel.zero import reshard as zero_reshard
+from tandem.parallel.zero.optimizer import ZeroOptimizer
 from tandem.rendezvous import elastic_rounds
 from tandem.rendezvous.client import StoreClient
 

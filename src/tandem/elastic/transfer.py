@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm import collectives
+from tandem.comm.collectives import user as collectives
 
 
 class _Slot:

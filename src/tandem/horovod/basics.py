@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import tandem as td
-from tandem.comm.agreement import CollectiveMismatchError
+from tandem.comm.agreement.agree import CollectiveMismatchError
 from tandem.comm.groups import Group
 from tandem.elastic.state import WorldChanged
 

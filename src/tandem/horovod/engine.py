@@ -13,7 +13,7 @@ and Horovod's tests rely on:
   one not yet synchronized is a `ValueError` on that rank, as in Horovod.
 
 **Negotiation and join.** Every operation on the global process set starts with one
-negotiation, which is tandem's agreement (`tandem.comm.agreement`: the same fixed-size message
+negotiation, which is tandem's agreement (`tandem.comm.agreement.agree`: the same fixed-size message
 as every other agreement, so a rank in another operation is named, never misread): its codes
 are the operation's description (kind, dtype, op, root, shape), a "joined" flag and, from
 ranks that called `hvd.join()`, how many rounds they have answered. Ranks that agree then hand the
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm import agreement
-from tandem.comm.agreement import NO_SAY, CollectiveMismatchError
+from tandem.comm.agreement import agree as agreement
+from tandem.comm.agreement.agree import NO_SAY, CollectiveMismatchError
 from tandem.horovod import timeline
 from tandem.horovod.basics import HorovodMismatchError
 

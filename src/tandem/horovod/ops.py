@@ -11,7 +11,7 @@
 - Operations run in posting order (see `engine`); `process_set=` picks the group.
 
 On the global set each operation is one negotiation (`engine.negotiate`: tandem's agreement,
-which joined ranks answer) and then its data, straight to the engine (`comm/direct.py`); a
+which joined ranks answer) and then its data, straight to the engine (`comm/collectives/direct.py`); a
 differentiable one negotiates its backward's collective too (`functional.checked_by`). On a
 process set, which joined ranks do not answer, tandem's own collectives run, with their
 argument check: two messages per operation either way.
@@ -27,7 +27,8 @@ import torch
 
 import tandem as td
 from tandem import functional, runtime
-from tandem.comm import direct, exchange
+from tandem.comm.agreement import exchange
+from tandem.comm.collectives import direct
 from tandem.horovod import engine
 from tandem.horovod.basics import (
     Average,
@@ -368,7 +369,7 @@ def join(device: int = -1) -> int:
     (`td.join()`: the ranks out of data count as zero gradients); otherwise it answers the
     other ranks' `hvd.allreduce`s with zeros (see `engine`).
     """
-    from tandem.parallel.reducer import live_reducers
+    from tandem.parallel.data_parallel.reducer import live_reducers
 
     engine.start_pending()
     if live_reducers():

@@ -21,7 +21,7 @@ from tandem.horovod.basics import (
     global_process_set,
     group_of,
 )
-from tandem.parallel.data_parallel import DistributedOptimizer as _TandemOptimizer
+from tandem.parallel.data_parallel.wrappers import DistributedOptimizer as _TandemOptimizer
 
 
 class _HorovodOptimizer(_TandemOptimizer):

@@ -13,7 +13,7 @@ import torch
 
 import tandem as td
 from tandem import functional
-from tandem.comm import direct
+from tandem.comm.collectives import direct
 from tandem.horovod import engine
 from tandem.horovod.basics import (
     Adasum,

@@ -10,7 +10,7 @@ Usage
     tandem run -np 2 /opt/py/bin/python -m pytest tests/   # ... run as given, under that Python
     tandem run -np 4 --backend gloo --threads-per-rank 2 train.py
     tandem run -H localhost:4 train.py        # horovodrun's spelling; -np defaults to the slots
-    tandem run -np 4 --backend mpi train.py   # ranks started through mpiexec (launch/mpiexec.py)
+    tandem run -np 4 --backend mpi train.py   # ranks started through mpiexec (launch/mpi/mpiexec.py)
     tandem run -np 2 --max-restarts 3 train.py          # restart the job when a rank fails
     tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 2 train.py   # one agent a node
     tandem run -np 8 -H node1:4,node2:4 train.py        # remote agents started over ssh
@@ -33,7 +33,7 @@ What every rank gets
   port the operating system picked, so two jobs on one machine never collide) and
   TANDEM_STORE_KEY (what a client proves to that store; without it the store answers nothing),
   TANDEM_BACKEND (the backend chosen above), TANDEM_TIMEOUT with --timeout. MPI ranks get
-  the same, plus TANDEM_UNDER_MPI=1, from their supervisor (launch/mpi_rank.py).
+  the same, plus TANDEM_UNDER_MPI=1, from their supervisor (launch/mpi/rank.py).
 - HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, as horovodrun sets them,
   for Horovod scripts that read them.
 - torchrun's variables (environments.torchrun_variables), so an unchanged torchrun script runs:
@@ -73,7 +73,7 @@ group, which is killed when the job ends, so processes the ranks started do not 
 
 A job that exits 0 although no rank joined it (no td.init(), no init_process_group: N
 independent copies ran) ends with a warning that says so; with --require-join (or
-TANDEM_REQUIRE_JOIN=1) it is an error, exit code 1 (launch/joined.py).
+TANDEM_REQUIRE_JOIN=1) it is an error, exit code 1 (launch/local/joined.py).
 
 Bad input (-np 0, a script that does not exist, an unknown backend) is reported with exit
 code 2 before anything starts, and so is a program the ranks could not run (launch/programs.py):
@@ -87,12 +87,12 @@ MPI's shared memory in /dev/shm: a job removes the segments its ranks left when 
 every `tandem run` first removes the ones a killed `tandem run` could not (those no process
 maps or holds open, so never a live job's); `tandem doctor --clean` does the same.
 
-Restarts (launch/coordinator.py): with --max-restarts K a failed job is stopped and started
+Restarts (launch/agents/coordinator.py): with --max-restarts K a failed job is stopped and started
 again, up to K times, each rank seeing TANDEM_RESTART=<attempt>; td.Checkpointer or
 td.save/td.load resume it. A lost node is restarted too, once another agent takes its place
 (same node rank and -np): a host of -H/--hostfile that had no ranks stands by for that, and a
 --nnodes job waits up to the timeout for one started by hand. Several nodes
-(launch/multinode.py): node 0's agent hosts the
+(launch/agents/multinode.py): node 0's agent hosts the
 rendezvous at --master and a control plane that authenticates agents with the job's secret
 (--secret / TANDEM_SECRET); a failure on any node stops every node. docs/failures.md shows
 each failure report.

@@ -3,7 +3,7 @@
 Every option is declared once in `OPTIONS`; the same table makes the argparse flag and names
 the `TANDEM_<DEST>` environment variable that supplies it when the flag is absent (the command
 line wins); this table is where `tandem run`'s options are read, the settings every process
-reads are `tandem.settings`. Values are checked here, before anything is started.
+reads are `tandem.job.settings`. Values are checked here, before anything is started.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tandem.launch.elastic_options import elastic_problem
-from tandem.launch.hosts import Host, check_unique, parse_hosts, read_hostfile, total_slots
+from tandem.job.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
+from tandem.launch.agents.elastic_options import elastic_problem
+from tandem.launch.agents.hosts import Host, check_unique, parse_hosts, read_hostfile, total_slots
 from tandem.launch.programs import file_problem, is_command, shape_problem
-from tandem.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
 
 
 class LaunchError(ValueError):
@@ -173,7 +173,7 @@ class LaunchConfig:
     secret: str | None = None
     timeline: str | None = None  # a trace file; the ranks get it as TANDEM_TIMELINE
     require_join: bool = False  # a job that no rank joined is an error, not a warning
-    min_np: int | None = None  # an elastic job (launch/elastic.py): its range of world sizes
+    min_np: int | None = None  # an elastic job (launch/agents/elastic.py): its range of world sizes
     max_np: int | None = None
     discovery: str | None = None  # --host-discovery-script
 

@@ -16,10 +16,10 @@ import glob
 import importlib.util
 import sys
 
-from tandem import settings
-from tandem.launch import mpiexec, shm
+from tandem.job import settings
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
-from tandem.launch.supervisor import LocalJob
+from tandem.launch.local.supervisor import LocalJob
+from tandem.launch.mpi import mpiexec, shm
 
 
 def cuda_available() -> bool:
@@ -89,13 +89,13 @@ def launch(config: LaunchConfig) -> int:
     if removed:
         print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
     if config.elastic:
-        from tandem.launch import elastic, elastic_hosts  # a world that shrinks and grows
+        from tandem.launch.agents import elastic, elastic_hosts  # a world that shrinks and grows
 
         return elastic_hosts.launch_hosts(config) if config.hosts else elastic.launch(config)
     if config.backend == "mpi":
         return mpiexec.launch(config)
     if config.max_restarts or config.nnodes > 1 or config.remote_hosts:
-        from tandem.launch import multinode  # restarts, several agents, ssh
+        from tandem.launch.agents import multinode  # restarts, several agents, ssh
 
         return multinode.launch(config)
     return LocalJob(config).run()

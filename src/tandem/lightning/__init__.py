@@ -3,7 +3,7 @@
     pip install 'tandem[lightning]'
 
 `import tandem` is enough: when `lightning` is imported (before or after tandem) the strategy
-"tandem" is added to the Trainer's and Fabric's registries (`tandem/lightning_hook.py`); this
+"tandem" is added to the Trainer's and Fabric's registries (`tandem/hooks/lightning_strategy.py`); this
 package does it at once when imported itself. Then start the script like any tandem job:
 
     tandem run -np 4 train.py          # or mpiexec / srun / torchrun

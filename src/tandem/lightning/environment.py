@@ -1,7 +1,7 @@
 """`TandemEnvironment`: Lightning's view of a job that tandem's launchers started.
 
 Lightning asks a `ClusterEnvironment` who this process is before anything communicates. The
-answer comes from `tandem.environments` (the one place tandem reads launcher variables), so a
+answer comes from `tandem.job.environments` (the one place tandem reads launcher variables), so a
 job started by `tandem run`, torchrun, mpiexec (Open MPI, MPICH) or srun is seen exactly as
 `td.init()` will see it. The processes always exist already: no Lightning launcher starts any.
 """
@@ -12,7 +12,7 @@ import os
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
-from tandem.environments import JobEnvironment, detect, launched
+from tandem.job.environments import JobEnvironment, detect, launched
 
 
 class TandemEnvironment(ClusterEnvironment):

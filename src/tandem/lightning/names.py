@@ -24,10 +24,13 @@ from typing import Any
 
 import torch
 
-from tandem.comm import agreement, checks, context, direct
+from tandem.comm import context
+from tandem.comm.agreement import agree as agreement
+from tandem.comm.agreement import checks
+from tandem.comm.collectives import direct
 from tandem.comm.members import group_size
 from tandem.lightning import common
-from tandem.means import MetricMismatchError
+from tandem.metrics.means import MetricMismatchError
 
 _KIND = agreement.checksum("tandem.lightning: self.log(sync_dist=True)")
 _DEEPEST = 6  # frames from the strategy's reduce up to Lightning's _ResultMetric method

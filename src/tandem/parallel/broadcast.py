@@ -4,10 +4,11 @@
     td.broadcast_optimizer_state(optimizer)    # after building (or loading) the optimizer
 
 Tensors travel flattened: every tensor of one dtype and device is packed into one buffer (split
-at `tandem.comm.tensors.MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of messages.
+at `tandem.comm.collectives.tensors.MESSAGE_BYTES`), so a model of hundreds of tensors costs a handful of
+messages.
 
-The packing (`coalesced`, `each_once`) is `tandem.comm.tensors`; the one check that every rank
-holds the same tensors (`agree_layout`) is `tandem.comm.agreement`'s.
+The packing (`coalesced`, `each_once`) is `tandem.comm.collectives.tensors`; the one check that every rank
+holds the same tensors (`agree_layout`) is `tandem.comm.agreement.agree`'s.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import torch
 from torch import nn
 
 from tandem import runtime
-from tandem.comm import collectives
-from tandem.comm.agreement import agree_layout, describe_tensors
+from tandem.comm.agreement.agree import agree_layout, describe_tensors
+from tandem.comm.collectives import user as collectives
+from tandem.comm.collectives.tensors import coalesced, each_once, module_tensors
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.comm.tensors import coalesced, each_once, module_tensors
 from tandem.diagnostics import replicas
-from tandem.parallel import splits
+from tandem.parallel.layout import splits
 
 
 def _named_tensors(model_or_state_dict: nn.Module | Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:

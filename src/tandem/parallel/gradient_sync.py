@@ -8,7 +8,7 @@
 The model is asked who reduces its gradients: its fully_shard units (FSDP2's
 `set_requires_gradient_sync`), and the reducer of a `td.DistributedOptimizer` or
 `td.DistributedDataParallel` over its parameters (their own `no_sync()`), found through the
-registry in `parallel/splits.py`; a `td.Pipeline` is asked for its stage. Wrappers that reduce
+registry in `parallel/layout/splits.py`; a `td.Pipeline` is asked for its stage. Wrappers that reduce
 at `step()` (ZeroOptimizer, LocalSGD) accumulate anyway, and tensor-parallel layers reduce
 activations, not gradients: they need no switch. A model nothing reduces is an error that
 says so, rather than a switch that silently does nothing.
@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from tandem.parallel import splits
 from tandem.parallel.fully_shard.unit import unit_of
+from tandem.parallel.layout import splits
 
 
 def _module(model: Any) -> nn.Module:

@@ -7,7 +7,7 @@ torch.isnan(loss): continue` on that rank alone) would have its next forward's a
 matched with the others' reduce-scatter (garbage, a crash in the engine, or a hang). So, as the
 gradient reducer opens each round (`step_check`), each forward, backward, pipeline step and
 state-dict call of a split model opens with the same fixed-size agreement message
-(`tandem.comm.agreement`), before its first collective. One all-reduce of a few hundred
+(`tandem.comm.agreement.agree`), before its first collective. One all-reduce of a few hundred
 bytes per operation; none on NCCL, where it would be a host synchronisation.
 """
 
@@ -22,11 +22,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
-from tandem.comm import agreement
-from tandem.comm.agreement import DivergedError
+from tandem.comm.agreement import agree as agreement
+from tandem.comm.agreement.agree import DivergedError
 from tandem.comm.groups import Group, group_ranks, group_size
-from tandem.parallel import compile_split
-from tandem.parallel.step_check import user_site
+from tandem.parallel.data_parallel import compile_split
+from tandem.parallel.data_parallel.step_check import user_site
 
 _MODEL_KIND = agreement.checksum("split model operation")
 _DETAIL = 5  # the code of what must match within an operation (an input's shapes)

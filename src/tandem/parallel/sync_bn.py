@@ -46,9 +46,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tandem import runtime
-from tandem.comm.backend import on_wire
+from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_size, new_group
-from tandem.parallel.join import join_active
+from tandem.parallel.data_parallel.join import join_active
 
 _private: list = []  # [(weakref to the RuntimeState it belongs to, Group)]
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.rendezvous.auth import AuthenticationFailed, derive_key, new_secret
 from tandem.rendezvous.client import StoreClient, StoreTimeout
 from tandem.rendezvous.roll_call import RendezvousError
 from tandem.rendezvous.server import PortInUseError, StoreServer, listen
-from tandem.settings import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     import torch.distributed as dist

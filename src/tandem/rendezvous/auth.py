@@ -4,7 +4,7 @@ Both sides send a random nonce; both answer with HMAC-SHA256(secret, peer's nonc
 both check the other's answer. A wrong secret fails on both sides with an error that says so,
 and a stranger that connects and says nothing is dropped after `HANDSHAKE_S`. Nothing is read
 as a message (nothing is unpickled) before the handshake succeeds. The multi-node control plane
-(`launch.control`) and the rendezvous store (`rendezvous.server`) both use it, each with its
+(`launch.agents.control`) and the rendezvous store (`rendezvous.server`) both use it, each with its
 own greeting, so a client of the one that reaches the other is told so.
 """
 

@@ -1,6 +1,6 @@
 """The rounds of an elastic job, on the launcher's store: who is in the world now.
 
-`tandem run --min-np A --max-np B` (launch/elastic.py) numbers every membership of the job: a
+`tandem run --min-np A --max-np B` (launch/agents/elastic.py) numbers every membership of the job: a
 round is the list of the worker ids that form the world, in rank order, with why it began and
 when. The launcher writes a round's record first and then moves `ROUND_KEY` to it; a rank reads
 `ROUND_KEY` (at each `State.commit()`, and after a peer failed) and, when it moved, joins the
@@ -44,7 +44,7 @@ def record_key(number: int) -> str:
 
 
 def _watchdog_board(number: int) -> str:
-    """Where the ranks' watchdogs of round `number` meet (`comm.monitor`: its board's prefix
+    """Where the ranks' watchdogs of round `number` meet (`comm.watchdog.monitor`: its board's prefix
     for an elastic round)."""
     return f"tandem/watchdog/elastic/{number}/"
 
@@ -101,7 +101,7 @@ def arrive(store, joined: Round, worker: int, deadline: float) -> bool:
 
 def report_death(store, number: int, rank: int, how: str) -> None:
     """The launcher saw rank `rank` of round `number` die: say so where the ranks' watchdogs
-    look for ranks that left (`comm.monitor`), so that a survivor's failed wait is explained at once
+    look for ranks that left (`comm.watchdog.monitor`), so that a survivor's failed wait is explained at once
     instead of after the watchdog's wait for an answer."""
     store.set(_watchdog_board(number) + f"died/{rank}", json.dumps(
         {"rank": rank, "state": "died", "issued": {}, "waits": [], "inside": None,

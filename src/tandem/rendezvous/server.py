@@ -65,7 +65,7 @@ class StoreServer:
         self._connections: set[Connection] = set()
         self._closed = False
         # Clients that proved the key so far: `tandem run` learns from it that a rank joined
-        # (td.init, the "tandem" torch.distributed backend), see `launch/joined.py`.
+        # (td.init, the "tandem" torch.distributed backend), see `launch/local/joined.py`.
         self.clients = 0
         threading.Thread(target=self._accept, name="tandem-store-accept", daemon=True).start()
 
@@ -109,7 +109,7 @@ class StoreServer:
     # -- the network side -------------------------------------------------------------------
     def _accept(self) -> None:
         # Threads inherit the signal mask of the thread that made the server: a launcher makes
-        # it inside `launch.output.signals_blocked()`, so signals stay with its main thread.
+        # it inside `launch.local.output.signals_blocked()`, so signals stay with its main thread.
         while True:
             try:
                 sock, address = self._listener.accept()

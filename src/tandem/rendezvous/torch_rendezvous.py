@@ -1,6 +1,6 @@
 """torch's own rendezvous (`init_process_group` with env:// or tcp://) as tandem runs it.
 
-Two things torch cannot do alone, both set up by `comm.torch_register.register`:
+Two things torch cannot do alone, both set up by `comm.torch_pg.register.register`:
 
 - `bound_c10d_store(module, TCPStore)` wraps `torch.distributed.rendezvous._create_c10d_store`, the one
   place where rank 0 creates its `TCPStore`. Left to itself that store listens on every
@@ -13,7 +13,7 @@ Two things torch cannot do alone, both set up by `comm.torch_register.register`:
 - `report_joined(job)`: after `init_process_group` returned, a rank of a `tandem run` job tells
   the launcher's store that it joined a world (one authenticated connection, which the store
   counts: `StoreServer.clients`). That is how `tandem run` knows that ranks joined, whichever
-  backend and port they used (`launch/joined.py`).
+  backend and port they used (`launch/local/joined.py`).
 """
 
 from __future__ import annotations

@@ -41,12 +41,14 @@ import torch
 from torch import nn
 
 from tandem import runtime
-from tandem.comm import collectives
+from tandem.comm.collectives import user as collectives
 from tandem.comm.groups import Group, Mesh, group_ranks
-from tandem.parallel import layout, model_check, splits, state_hooks
+from tandem.parallel import model_check
 from tandem.parallel.fully_shard import fsdp2_methods, optimizer_check, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
+from tandem.parallel.layout import protocol as layout
+from tandem.parallel.layout import splits, state_hooks
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
@@ -140,7 +142,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
                     max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm, as `nn.utils.clip_grad_norm_` does in one process.
 
-    Asks each gradient how its parameter is split (`parallel/splits.py`): a fully_shard shard,
+    Asks each gradient how its parameter is split (`parallel/layout/splits.py`): a fully_shard shard,
     a tensor-parallel slice or branch, a pipeline stage's parameter adds its partial norm over
     the group that holds the pieces; a replicated parameter (as after DDP's backward) counts
     once. Takes a module, a `td.Pipeline`, or parameters. Returns the total norm. Collective
@@ -193,7 +195,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
 def _zero_owner(params: list[torch.Tensor]) -> Any:
     """The ZeroOptimizer that holds every one of `params`, None when none holds any; an error
     when only some are, or by several (no one norm of the averaged gradient to take)."""
-    from tandem.parallel.zero import owner_of
+    from tandem.parallel.zero.optimizer import owner_of
 
     owners = [owner_of(p) for p in params]
     if all(owner is None for owner in owners):
@@ -209,7 +211,7 @@ def _zero_owner(params: list[torch.Tensor]) -> Any:
 def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     """The ordinary state dict of the unsplit model, on every rank (collective): a model sharded
     by `fully_shard` or split by `td.parallelize` (`model.state_dict()`, whose hooks gather the
-    shards and slices, `parallel/state_hooks.py`, with tensors of its own), or a `td.Pipeline`
+    shards and slices, `parallel/layout/state_hooks.py`, with tensors of its own), or a `td.Pipeline`
     (every stage's entries, gathered over the pipeline's ranks)."""
     stage = getattr(model, "stage", None)
     if isinstance(stage, nn.Module) and not isinstance(model, nn.Module):  # a td.Pipeline

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from tandem import runtime
-from tandem.comm import agreement
+from tandem.comm.agreement import agree as agreement
 from tandem.parallel.fully_shard.unit import SHARD, Unit, unit_of
 
 
@@ -200,7 +200,7 @@ def _agree_on_rng(seed: int | None, device: torch.device) -> None:
         return
     if not distributed:
         return
-    from tandem.comm import collectives
+    from tandem.comm.collectives import user as collectives
 
     states = collectives.broadcast_object(
         (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None))

@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tandem import runtime
-from tandem.parallel import splits
+from tandem.parallel.layout import splits
 
 _holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> holds shards
 _graded: list = [None]  # a weak reference to a shard graded since an optimizer over shards stepped

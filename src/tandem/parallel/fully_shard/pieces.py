@@ -1,16 +1,16 @@
-"""A fully sharded unit's side of the layout protocol (`parallel/pieces.py`)."""
+"""A fully sharded unit's side of the layout protocol (`parallel/layout/pieces.py`)."""
 
 from __future__ import annotations
 
 import torch
 
-from tandem.comm import collectives
+from tandem.comm.collectives import user as collectives
 from tandem.parallel.fully_shard.unit import Unit
-from tandem.parallel.pieces import Held
+from tandem.parallel.layout.pieces import Held
 
 
 class UnitPieces:
-    """A unit's side of the layout protocol (`parallel/pieces.py`): its shard holds a range of
+    """A unit's side of the layout protocol (`parallel/layout/pieces.py`): its shard holds a range of
     the flat space in which its parameters lie end to end."""
 
     def __init__(self, unit: Unit) -> None:

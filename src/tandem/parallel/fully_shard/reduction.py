@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm.backend import on_wire
+from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_size
-from tandem.parallel import splits
 from tandem.parallel.fully_shard import optimizer_check
-from tandem.parallel.split_grads import as_split_grad
+from tandem.parallel.layout import splits
+from tandem.parallel.layout.split_grads import as_split_grad
 
 MAX_IN_FLIGHT = 2  # reduce-scatters whose whole-unit input is alive at once
 _in_flight: deque[GradientReduction] = deque()  # oldest first; backward runs on one thread

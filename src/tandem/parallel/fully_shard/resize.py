@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from tandem.comm.groups import group_rank, group_size
-from tandem.parallel.flat_shard import FlatShard, missing
 from tandem.parallel.fully_shard.api import units
 from tandem.parallel.fully_shard.reduction import GradientReduction
 from tandem.parallel.fully_shard.unit import unit_of
+from tandem.parallel.layout.flat_shard import FlatShard, missing
 
 
 def over_the_world(model: nn.Module) -> bool:

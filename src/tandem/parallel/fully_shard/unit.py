@@ -37,13 +37,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
-from tandem.comm.backend import on_wire
+from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
-from tandem.parallel import model_check, splits
-from tandem.parallel.flat_shard import FlatShard
+from tandem.parallel import model_check
 from tandem.parallel.fully_shard import unit_agreement
 from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, cast_floating
 from tandem.parallel.fully_shard.reduction import GradientReduction
+from tandem.parallel.layout import splits
+from tandem.parallel.layout.flat_shard import FlatShard
 
 # module -> its Unit (FSDP2's `fully_shard.state(module)`), not an attribute on the module.
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -174,7 +175,7 @@ class Unit:
         if self.on_meta:  # shapes only: `td.materialize` gives the shard its values
             self.set_shard(torch.empty(self.shard_numel, dtype=dtype, device="meta"))
         else:
-            from tandem.comm import collectives
+            from tandem.comm.collectives import user as collectives
             with torch.no_grad():
                 flat = torch.zeros(self.size * self.shard_numel, dtype=dtype, device=device)
                 torch.cat([p.detach().reshape(-1) for _, _, _, p in owned], out=flat[: self.numel])

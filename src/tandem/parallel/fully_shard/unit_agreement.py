@@ -8,7 +8,7 @@ offload policy, `reshard_after_forward` (whether backward gathers again) and the
 shards and replicates over. A rank that gathers in bf16 while another gathers in fp32 reads
 the other's bytes as its own dtype (MPI: inf, then NaN parameters, no error; Gloo: an abort).
 
-One agreement message (`comm/agreement.py`, a few int64: one code per setting) at
+One agreement message (`comm/agreement/agree.py`, a few int64: one code per setting) at
 `td.fully_shard`, on or off `checks`, as the tensor-parallel plan's: it is paid once per unit,
 never per step. On a mismatch every rank raises one error naming each rank's setting and the fix.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tandem.comm import agreement
+from tandem.comm.agreement import agree as agreement
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 

@@ -167,7 +167,7 @@ def _check_arguments(world_size: int, layout: str, optimizer: str, offload: str 
 
 def _tensors(model: nn.Module, wrapped: list[sharded.Unit] | None) -> list[tuple[int, int]]:
     """(numel, element size) of every parameter of the unsplit model, each tensor once."""
-    from tandem.parallel import splits
+    from tandem.parallel.layout import splits
 
     if wrapped is None:
         return [(p.numel(), p.element_size()) for p in model.parameters()]

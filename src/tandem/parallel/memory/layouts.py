@@ -28,7 +28,7 @@ def replicated(tensors: list[tuple[int, int]], optimizer: str) -> dict:
 
 def padded(numel: int, n: int) -> int:
     """One rank's shard of a flat space of `numel` elements (tandem pads it to a multiple of n)."""
-    from tandem.parallel.flat_shard import FlatShard
+    from tandem.parallel.layout.flat_shard import FlatShard
 
     return FlatShard(numel, n, 0).shard_numel
 

@@ -2,7 +2,7 @@
 
 Construction is the one moment the ranks compare their arguments (afterwards they only
 exchange tensors). A rank that fails must not leave the others waiting for it, so every rank
-puts its error or its plan into one agreement (`tandem.comm.agreement`: one small all-reduce
+puts its error or its plan into one agreement (`tandem.comm.agreement.agree`: one small all-reduce
 when all is well), and all of them raise together when one failed or they differ.
 """
 
@@ -13,8 +13,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from tandem.comm.agreement import agree
-from tandem.comm.collectives import broadcast_object
+from tandem.comm.agreement.agree import agree
+from tandem.comm.collectives.user import broadcast_object
 from tandem.parallel.pipeline import balance as balancing
 
 
@@ -93,7 +93,7 @@ def settle(error: BaseException | None, group, ranks, doing: str, mine: dict | N
 
     Where a rank failed it raises its own error; the others raise one of the same type that
     names the failing stage. One all-reduce when every rank is fine and agrees (see
-    `tandem.comm.agreement`); every rank's description is exchanged only when one is not.
+    `tandem.comm.agreement.agree`); every rank's description is exchanged only when one is not.
     """
     mine = dict(mine or {}, error=None if error is None else (type(error).__name__, str(error)))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.comm.backend import Backend, Work, on_wire
+from tandem.comm.engines.backend import Backend, Work, on_wire
 
 #: int64 words in a packed spec: container, count, then (dtype, ndim, *dims) per tensor.
 SPEC_WORDS = 256

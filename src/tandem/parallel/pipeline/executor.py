@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tandem.diagnostics import timeline
+from tandem.parallel.layout.splits import reducer_of
 from tandem.parallel.pipeline.edges import (
     SPEC_WORDS,
     EdgeSpec,
@@ -26,7 +27,6 @@ from tandem.parallel.pipeline.edges import (
     spec_tag,
 )
 from tandem.parallel.pipeline.schedules import Action, ActionKind
-from tandem.parallel.splits import reducer_of
 
 
 @dataclass(frozen=True)

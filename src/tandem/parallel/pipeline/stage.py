@@ -52,12 +52,13 @@ import torch
 from torch import nn
 
 from tandem import runtime
-from tandem.comm import collectives
-from tandem.comm.agreement import DivergedError
-from tandem.comm.backend import on_wire
+from tandem.comm.agreement.agree import DivergedError
+from tandem.comm.collectives import user as collectives
+from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
-from tandem.parallel import model_check, split_grads, splits
+from tandem.parallel import model_check
+from tandem.parallel.layout import split_grads, splits
 from tandem.parallel.pipeline import balance as balancing
 from tandem.parallel.pipeline import build as building
 from tandem.parallel.pipeline.edges import HEADER_TAG, Link

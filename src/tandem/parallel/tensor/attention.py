@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.comm.backend import Group
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_size
-from tandem.parallel import state_hooks
-from tandem.parallel.pieces import Chunk, Held, Placement, sliced, whole
+from tandem.parallel.layout import state_hooks
+from tandem.parallel.layout.pieces import Chunk, Held, Placement, sliced, whole
 from tandem.parallel.tensor.layers import gather_rows, mark_sliced, shard_range
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
@@ -102,7 +102,7 @@ class ParallelSelfAttention(nn.Module):
 
     def local_pieces(self, prefix: str) -> list[Held]:
         """nn.MultiheadAttention's names; in_proj holds this rank's rows of q, k and v, stacked
-        (three boxes of one local tensor, `parallel/pieces.py`)."""
+        (three boxes of one local tensor, `parallel/layout/pieces.py`)."""
         e, part = self.embed_dim, self.local_heads * self.head_dim
         first = part * group_rank(self.group)
 

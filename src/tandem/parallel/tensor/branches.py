@@ -13,7 +13,7 @@ branch's parameters get their gradient on the rank that holds them.
 Each forward opens its communication with one agreement over the group (after the local
 branches ran, so it carries their joined output's shape) and each backward with another
 (`parallel/model_check.py`): a rank that skipped one, or whose branches return another shape,
-is named before the join. The join itself then goes straight to the engine (`comm/direct.py`):
+is named before the join. The join itself then goes straight to the engine (`comm/collectives/direct.py`):
 one all-reduce (`join="sum"`) or one all-gather (`join="cat"`) per forward, none backward. The
 ranks' sizes along `dim` are exchanged once per shape of this rank's output and cached; the
 agreement carries each rank's cached sizes, so ranks whose sizes changed on some ranks only
@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from tandem import runtime
-from tandem.comm import direct, exchange
-from tandem.comm.backend import Group
+from tandem.comm.agreement import exchange
+from tandem.comm.collectives import direct
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_ranks, group_size
 from tandem.parallel import model_check
 from tandem.parallel.tensor.layers import mark_sliced

@@ -1,6 +1,6 @@
 """One agreement per forward covers every tensor-parallel collective inside it.
 
-The collectives of tensor-parallel layers go straight to the engine (`comm/direct.py`), with
+The collectives of tensor-parallel layers go straight to the engine (`comm/collectives/direct.py`), with
 no argument check of their own. What keeps a rank that skipped a forward or a backward from
 having its messages matched with another operation's is the agreement that each forward and
 each backward of the model opens with (`parallel/model_check.py`): `td.parallelize` sets it up
@@ -28,10 +28,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
-from tandem.comm import direct
-from tandem.comm.backend import Group
+from tandem.comm.collectives import direct
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_ranks, group_size
-from tandem.parallel import compile_split, model_check
+from tandem.parallel import model_check
+from tandem.parallel.data_parallel import compile_split
 
 _CALL = nn.Module._call_impl.__code__
 # module -> {its group's ranks: the hooks that cover it}; modules kept weakly

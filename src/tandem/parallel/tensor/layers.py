@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.comm import checks, collectives, direct
-from tandem.comm.backend import Group
+from tandem.comm.agreement import checks
+from tandem.comm.collectives import direct
+from tandem.comm.collectives import user as collectives
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_size
-from tandem.parallel import split_grads, splits, state_hooks
-from tandem.parallel.pieces import Held, sliced, whole
+from tandem.parallel.layout import split_grads, splits, state_hooks
+from tandem.parallel.layout.pieces import Held, sliced, whole
 from tandem.parallel.tensor import guard, region_ops
 from tandem.parallel.tensor.regions import copy_to, gather_from, reduce_from, scatter_to
 
@@ -45,7 +47,7 @@ def shard_range(size: int, group: Group | None, what: str) -> tuple[int, int]:
 
 
 def mark_sliced(group: Group | None, *params: torch.Tensor | None) -> None:
-    """Register the tensors as tensor-parallel slices over `group` (see `parallel/splits.py`),
+    """Register the tensors as tensor-parallel slices over `group` (see `parallel/layout/splits.py`),
     and the group for the regions' compiled operators (`region_ops.remember`)."""
     region_ops.remember(group)
     for param in params:
@@ -97,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
         return {name: gather_rows(p, self.group) for name, p in self.named_parameters()}
 
     def local_pieces(self, prefix: str) -> list[Held]:
-        """Rows of the one-process weight and bias (the layout protocol, `parallel/pieces.py`)."""
+        """Rows of the one-process weight and bias (the layout protocol, `parallel/layout/pieces.py`)."""
         first = self.weight.shape[0] * group_rank(self.group)
         out = [Held(self.weight, (sliced(prefix + "weight", self.weight,
                                          (self.out_features, self.in_features), first),))]
@@ -158,7 +160,7 @@ class RowParallelLinear(nn.Module):
         return full
 
     def local_pieces(self, prefix: str) -> list[Held]:
-        """Columns of the one-process weight; the bias whole (`parallel/pieces.py`)."""
+        """Columns of the one-process weight; the bias whole (`parallel/layout/pieces.py`)."""
         first = self.weight.shape[1] * group_rank(self.group)
         out = [Held(self.weight, (sliced(prefix + "weight", self.weight,
                                          (self.out_features, self.in_features), first, dim=1),))]
@@ -211,7 +213,7 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": gather_rows(self.weight, self.group)}
 
     def local_pieces(self, prefix: str) -> list[Held]:
-        """Rows (vocabulary entries) of the one-process weight (`parallel/pieces.py`)."""
+        """Rows (vocabulary entries) of the one-process weight (`parallel/layout/pieces.py`)."""
         full = (self.num_embeddings, self.embedding_dim)
         return [Held(self.weight, (sliced(prefix + "weight", self.weight, full, self.start),))]
 

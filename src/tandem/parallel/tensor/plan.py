@@ -35,11 +35,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from tandem.comm import agreement, context
-from tandem.comm.backend import Group
+from tandem.comm import context
+from tandem.comm.agreement import agree as agreement
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_ranks, group_size
-from tandem.parallel import model_check, splits
+from tandem.parallel import model_check
 from tandem.parallel.broadcast import broadcast_parameters
+from tandem.parallel.layout import splits
 from tandem.parallel.tensor import guard
 from tandem.parallel.tensor.attention import ParallelSelfAttention
 from tandem.parallel.tensor.layers import (

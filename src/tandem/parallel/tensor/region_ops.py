@@ -5,7 +5,7 @@ handles, a watchdog), and a function it may not trace breaks the graph: four bre
 column-parallel layer followed by a row-parallel one. Registered as custom operators
 (`torch.library.custom_op`), the collectives are opaque kernels instead: dynamo puts a call
 in the graph, inductor calls it at run time, and the operator runs tandem's engine eagerly,
-exactly as the eager regions do (`sum_over`, `gather_over` below: `comm/direct.py`, or the
+exactly as the eager regions do (`sum_over`, `gather_over` below: `comm/collectives/direct.py`, or the
 checked user-facing collective). What the graph needs of them is given here:
 
 - a fake implementation (`register_fake`): the output's shape and dtype without running
@@ -41,8 +41,10 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.comm import collectives, context, direct
-from tandem.comm.backend import Group
+from tandem.comm import context
+from tandem.comm.collectives import direct
+from tandem.comm.collectives import user as collectives
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_size
 from tandem.parallel.tensor import guard
 

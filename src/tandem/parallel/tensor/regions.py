@@ -13,7 +13,7 @@ so a column-parallel layer followed by a row-parallel one communicates once forw
 (`reduce_from`) and once backward (`copy_to`). They differ from `td.functional`, whose
 convention is a loss summed over ranks (data parallelism, branches that feed one rank each).
 
-Their collectives go straight to the engine (`comm/direct.py`): the forward they run in opens
+Their collectives go straight to the engine (`comm/collectives/direct.py`): the forward they run in opens
 with one agreement over the group, and so does its backward (`guard`); shards are equal, so no
 size is exchanged. A tensor that enters the split region several times in one forward (the
 input of separate q, k and v projections) enters once: its gradient is summed locally and
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.comm import direct
-from tandem.comm.backend import Group
+from tandem.comm.collectives import direct
+from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_size
 from tandem.parallel.tensor import guard, region_ops
 from tandem.parallel.tensor.region_ops import gather_over as _gather

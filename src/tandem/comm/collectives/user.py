@@ -1,0 +1,436 @@
+"""The user-facing collectives: one name each, with `inplace=` and `async_op=`.
+
+Every function here takes a torch tensor (CPU or CUDA) or a NumPy array (returned as NumPy),
+checks that all ranks agree on the arguments (see `checks`), and runs on whatever backend
+`td.init` chose. Roots, sources and destinations are global ranks; torch's keyword names
+(`src=`, `dst=`, `op=dist.ReduceOp.SUM`) are accepted beside tandem's (`root=`, `op="sum"`).
+
+**In place and returned.** `allreduce`, `broadcast` and `reduce` write the result into the
+tensor given *and* return it, so both idioms users bring give the right answer:
+`td.allreduce(p.grad)` (torch.distributed's, where the call's effect is on the tensor) and
+`t = td.allreduce(t)` (Horovod's, where the result is returned). A copy-returning default
+made the first idiom a silent no-op: the replicas of a port of `dist.all_reduce(p.grad)` drift
+apart while every line runs. `inplace=False` leaves the tensor alone and returns a new one
+(what `tandem.horovod` passes: Horovod's `allreduce` never writes its input).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.comm import context
+from tandem.comm.agreement import checks, exchange
+from tandem.comm.engines.backend import Group, Work, on_wire
+from tandem.comm.members import group_ranks, group_size
+
+OPS = ("sum", "mean", "min", "max", "product")
+Array = torch.Tensor | np.ndarray
+
+
+class Handle:
+    """An asynchronous collective: `wait()` returns its result, `done()` polls."""
+
+    def __init__(self, work: Work, finish: Callable[[], Any]) -> None:
+        self._work = work
+        self._finish = finish
+        self._finished = False
+        self._result: Any = None
+
+    def done(self) -> bool:
+        return self._finished or self._work.is_completed()
+
+    def wait(self) -> Any:
+        if not self._finished:
+            self._work.wait(context.current().timeout)
+            self._result = self._finish()
+            self._finished = True
+        return self._result
+
+
+def complete(work: Work, finish: Callable[[], Any], async_op: bool):
+    if async_op:
+        return Handle(work, finish)
+    work.wait(context.current().timeout)
+    return finish()
+
+
+_TORCH_OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "product"}
+
+
+def _check_op(op: Any) -> str:
+    """`op` as tandem's name: one of OPS, or torch.distributed's `ReduceOp` for it."""
+    if isinstance(op, str):
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)}")
+        return op
+    for torch_name, name in _TORCH_OPS.items():
+        if op == getattr(torch.distributed.ReduceOp, torch_name, None):
+            return name
+    raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)} (or torch.distributed's "
+                     f"ReduceOp.{', ReduceOp.'.join(_TORCH_OPS)})")
+
+
+def one_rank(name: str, value: int, torch_name: str, torch_value: int | None) -> int:
+    """`root=` or torch's spelling (`src=`, `dst=`), not two different ranks."""
+    if torch_value is None:
+        return value
+    if value not in (0, torch_value):
+        raise ValueError(f"{name}={value} and {torch_name}={torch_value} name different ranks: "
+                         f"give one of them")
+    return torch_value
+
+
+def check_member(group: Group | None) -> None:
+    if group is not None and group.rank < 0:
+        raise ValueError(
+            f"rank {context.current().world.rank} is not a member of {group!r}; only members may call it"
+        )
+
+
+def check_rank(name: str, value: int, group: Group | None) -> None:
+    if value not in group_ranks(group):
+        raise ValueError(f"{name}={value} is not a rank of the group {list(group_ranks(group))}")
+
+
+def to_torch(data: Array, name: str = "tensor") -> tuple[torch.Tensor, bool]:
+    if isinstance(data, torch.Tensor):
+        return data, False
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data), True
+    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, not {type(data).__name__}")
+
+
+def returned(tensor: torch.Tensor, as_numpy: bool) -> Array:
+    return tensor.numpy() if as_numpy else tensor
+
+
+_GLOO_WIDER = {torch.int16: torch.int32}
+
+
+class Staging:
+    """A contiguous buffer on a device the backend accepts, copied back when done."""
+
+    __slots__ = ("original", "buffer")
+
+    def __init__(self, tensor: torch.Tensor, engine: context.Context | None = None) -> None:
+        self.original = tensor
+        engine = engine or context.current()
+        if tensor.dtype in _GLOO_WIDER and engine.backend.name == "gloo":
+            # Gloo has no int16: int32 carries it; sums wrap back to int16 as they would natively.
+            self.buffer = tensor.to(_GLOO_WIDER[tensor.dtype]).contiguous()
+        else:
+            self.buffer = on_wire(tensor, engine.backend).contiguous()
+
+    def copy_back(self) -> torch.Tensor:
+        if self.buffer is not self.original:
+            self.original.copy_(self.buffer)
+        return self.original
+
+
+def divide(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(n)
+    # Integer mean rounds down, as NumPy's `sum // n` does.
+    return torch.div(tensor, n, rounding_mode="floor", out=tensor)
+
+
+def allreduce(
+    tensor: Array,
+    op: str = "mean",
+    *,
+    inplace: bool = True,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Reduce `tensor` across the ranks of `group`; every rank gets the result.
+
+    Args:
+        tensor: a torch tensor (CPU or CUDA) or a NumPy array, of one shape and dtype on
+            every rank.
+        op: "mean" (the default), "sum", "min", "max" or "product", or torch.distributed's
+            `ReduceOp`. An integer mean rounds down.
+        inplace: write the result into `tensor` (the default) as well as return it; False
+            leaves `tensor` alone and returns a new tensor.
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        The reduced tensor (`tensor` itself unless inplace=False), NumPy for NumPy input, or a
+        `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or ops (each rank's named).
+        ValueError: an unknown op, or a rank outside `group`.
+    """
+    op = _check_op(op)
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
+    checks.agree("allreduce", data, group, op=op)
+    state = context.current()
+    backend = state.backend
+    staging = Staging(data if inplace else data.clone(), state)
+    native = "sum" if op == "mean" else op
+    if async_op:
+        work = backend.allreduce(staging.buffer, native, group)
+        return Handle(work, lambda: _reduced(staging, op, group, as_numpy))
+    # Waited for at once: the engine may finish it on the spot (see Backend.allreduce_now).
+    work = backend.allreduce_now(staging.buffer, native, group)
+    if work is not None:
+        work.wait(state.timeout)
+    return _reduced(staging, op, group, as_numpy)
+
+
+def _reduced(staging: Staging, op: str, group: Group | None, as_numpy: bool) -> Array:
+    result = staging.copy_back()
+    if op == "mean":
+        divide(result, group_size(group))
+    return returned(result, as_numpy)
+
+
+def broadcast(
+    tensor: Array,
+    root: int = 0,
+    *,
+    src: int | None = None,
+    inplace: bool = True,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Every rank gets `root`'s tensor: written into `tensor` (unless inplace=False) and
+    returned.
+
+    Args:
+        tensor: the data on `root`; a tensor of the same shape and dtype elsewhere.
+        root: the global rank whose tensor is sent (torch's name `src=` is accepted).
+        inplace, async_op, group: as for `allreduce`.
+
+    Returns:
+        `root`'s tensor (`tensor` itself unless inplace=False), or a `Handle` with async_op.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or roots.
+        ValueError: `root` is not a rank of `group`.
+    """
+    root = one_rank("root", root, "src", src)
+    check_member(group)
+    check_rank("root", root, group)
+    data, as_numpy = to_torch(tensor)
+    checks.agree("broadcast", data, group, root=root)
+    staging = Staging(data if inplace else data.clone())
+    work = context.current().backend.broadcast(staging.buffer, root, group)
+    return complete(work, lambda: returned(staging.copy_back(), as_numpy), async_op)
+
+
+def reduce(
+    tensor: Array,
+    root: int = 0,
+    op: str = "sum",
+    *,
+    dst: int | None = None,
+    inplace: bool = True,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Reduce onto `root`: the root's `tensor` holds the result (unless inplace=False) and it
+    is returned there; the other ranks get their input back, unchanged.
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        root: the global rank that receives the result (torch's name `dst=` is accepted).
+        op: as for `allreduce`; the default is "sum", as torch's `dist.reduce`.
+        inplace, async_op, group: as for `allreduce`.
+
+    Returns:
+        On `root` the reduced tensor, elsewhere the input; or a `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes, ops or roots.
+        ValueError: an unknown op, or `root` outside `group`.
+    """
+    root = one_rank("root", root, "dst", dst)
+    op = _check_op(op)
+    check_member(group)
+    check_rank("root", root, group)
+    data, as_numpy = to_torch(tensor)
+    checks.agree("reduce", data, group, op=op, root=root)
+    staging = Staging(data.clone())
+    work = context.current().backend.reduce(staging.buffer, root, "sum" if op == "mean" else op, group)
+    is_root = context.current().world.rank == root
+
+    def finish():
+        if not is_root:
+            return returned(data if inplace else data.clone(), as_numpy)  # untouched
+        result = staging.copy_back()
+        if op == "mean":
+            divide(result, group_size(group))
+        if inplace:
+            data.copy_(result)
+            result = data
+        return returned(result, as_numpy)
+
+    return complete(work, finish, async_op)
+
+
+def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = None):
+    """Concatenate every rank's tensor along dim 0; first dims may differ across ranks."""
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
+    if data.dim() == 0:
+        data = data.reshape(1)
+    checks.agree("allgather", data, group, ignore_dim0=True)
+    lengths = exchange.lengths(data.shape[0], group, context.current())
+    longest = max(lengths)
+    n = group_size(group)
+    rest = tuple(data.shape[1:])
+    padded = data
+    if data.shape[0] < longest:
+        padded = torch.zeros((longest, *rest), dtype=data.dtype, device=data.device)
+        padded[: data.shape[0]] = data
+    source = Staging(padded.contiguous())
+    output = Staging(torch.empty((n * longest, *rest), dtype=data.dtype, device=data.device))
+    work = context.current().backend.allgather_into(output.buffer, source.buffer, group)
+
+    def finish():
+        gathered = output.copy_back()
+        if all(length == longest for length in lengths):
+            return returned(gathered, as_numpy)
+        pieces = [gathered[i * longest : i * longest + lengths[i]] for i in range(n)]
+        return returned(torch.cat(pieces), as_numpy)
+
+    return complete(work, finish, async_op)
+
+
+def reducescatter(
+    tensor: Array, op: str = "sum", *, async_op: bool = False, group: Group | None = None
+):
+    """Reduce, then give rank i the i-th of `size` equal chunks along dim 0."""
+    op = _check_op(op)
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
+    n = group_size(group)
+    if data.dim() == 0 or data.shape[0] % n:
+        raise ValueError(
+            f"reducescatter needs dim 0 divisible by the group size {n}; got shape "
+            f"{tuple(data.shape)}. Pad the tensor or use allreduce."
+        )
+    checks.agree("reducescatter", data, group, op=op)
+    source = Staging(data)
+    output = Staging(
+        torch.empty((data.shape[0] // n, *data.shape[1:]), dtype=data.dtype, device=data.device)
+    )
+    native = "sum" if op == "mean" else op
+    work = context.current().backend.reducescatter_into(output.buffer, source.buffer, native, group)
+
+    def finish():
+        result = output.copy_back()
+        if op == "mean":
+            divide(result, n)
+        return returned(result, as_numpy)
+
+    return complete(work, finish, async_op)
+
+
+def alltoall(
+    tensor: Array,
+    splits: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
+    group: Group | None = None,
+):
+    """Send `splits[j]` rows to rank j (equal parts when None); returns what arrived, in order."""
+    check_member(group)
+    data, as_numpy = to_torch(tensor)
+    n = group_size(group)
+    rows = data.shape[0] if data.dim() else 0
+    if splits is None:
+        if rows % n:
+            raise ValueError(
+                f"alltoall without splits needs dim 0 divisible by the group size {n}; got "
+                f"shape {tuple(data.shape)}. Pass splits=[rows for each rank]."
+            )
+        splits = [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(
+            f"alltoall splits {splits} must be {n} non-negative counts summing to dim 0 ({rows})"
+        )
+    checks.agree("alltoall", data, group, ignore_dim0=True)
+    # Tell every rank how many rows to expect from each peer: one small all-to-all.
+    incoming = Staging(torch.empty(n, dtype=torch.int64))
+    outgoing = Staging(torch.tensor(splits, dtype=torch.int64))
+    backend = context.current().backend
+    backend.alltoall_into(incoming.buffer, outgoing.buffer, [1] * n, [1] * n, group).wait(
+        context.current().timeout
+    )
+    received = incoming.copy_back().tolist()
+    source = Staging(data)
+    output = Staging(
+        torch.empty((sum(received), *data.shape[1:]), dtype=data.dtype, device=data.device)
+    )
+    work = backend.alltoall_into(output.buffer, source.buffer, received, splits, group)
+    return complete(work, lambda: returned(output.copy_back(), as_numpy), async_op)
+
+
+def send(tensor: Array, dst: int, tag: int = 0, *, async_op: bool = False,
+         group: Group | None = None):
+    """Send to global rank `dst`; the matching `recv` must pass a tensor of the same shape."""
+    check_rank("dst", dst, None)
+    if dst == context.current().world.rank:
+        raise ValueError(f"rank {dst} cannot send to itself")
+    data, _ = to_torch(tensor)
+    staging = Staging(data)
+    work = context.current().backend.send(staging.buffer, dst, tag, group)
+    return complete(work, lambda: None, async_op)
+
+
+def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
+         group: Group | None = None):
+    """Receive from global rank `src` into `tensor` (in place) and return it."""
+    check_rank("src", src, None)
+    if src == context.current().world.rank:
+        raise ValueError(f"rank {src} cannot receive from itself")
+    data, as_numpy = to_torch(tensor)
+    staging = Staging(data)
+    work = context.current().backend.recv(staging.buffer, src, tag, group)
+
+    def finish():
+        staging.copy_back()
+        return tensor if as_numpy else data
+
+    return complete(work, finish, async_op)
+
+
+def barrier(group: Group | None = None) -> None:
+    """Return once every rank of the group has called it."""
+    check_member(group)
+    checks.agree_on_call("barrier", group)  # is every rank in this barrier?
+    context.current().backend.barrier(group).wait(context.current().timeout)
+
+
+def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None) -> Any:
+    """`root`'s picklable object, on every rank."""
+    check_member(group)
+    check_rank("root", root, group)
+    if context.current().world.rank == root:
+        payload = exchange.pickled(obj)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        payload, length = None, torch.zeros(1, dtype=torch.int64)
+    length = broadcast(length, root, group=group)
+    if payload is None:
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    payload = broadcast(payload, root, group=group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
+    """Every rank's picklable object, as a list in rank order."""
+    check_member(group)
+    payload = exchange.pickled(obj)
+    checks.agree_on_call("allgather_object", group, payload)
+    return exchange.objects(payload, group, context.current())

@@ -1,0 +1,106 @@
+"""Leaving an MPI job: a rank that failed must not hang in `MPI_Finalize`.
+
+MPICH's `MPI_Finalize` (which mpi4py calls at exit) waits for every rank. So a rank that dies
+of an exception while its peers still compute does not exit: it waits in `MPI_Finalize` for
+ever, its launcher never learns that it failed, and the job hangs instead of stopping. This
+module gives the MPI backend the behaviour of `python -m mpi4py`, plus a deadline:
+
+- an uncaught exception (seen through `sys.excepthook`) ends the rank at exit without
+  finalizing: `MPI_Abort` (mpiexec or srun then stops the whole job), or, under
+  `tandem run --backend mpi` (`TANDEM_MPI_ON_FAILURE=exit`), a plain exit with code 1 that
+  the agent reports and acts on like any failed rank;
+- a normal exit first waits, up to the job's timeout, for every rank to arrive (one
+  non-blocking barrier), so `MPI_Finalize` never waits without a deadline. Ranks that do not
+  arrive in time are named, and this rank leaves as a failed one.
+
+`sys.exit(n)` with n != 0 (argparse's errors too) is a failure as well: it reaches no
+excepthook, so the guard wraps `sys.exit` to see it, and the rank leaves with code n. Only a
+bare `raise SystemExit(n)` goes unseen: such a rank waits for the others like one that finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from tandem.job import settings
+
+_POLL_S = 1e-3  # how often a rank at exit checks whether the others have arrived
+_guard: _ExitGuard | None = None
+
+
+def install(MPI: Any, timeout: float) -> None:
+    """Guard this process's exit (once; a later init only updates the deadline).
+
+    Collective over `MPI_COMM_WORLD` the first time: every rank calls it from `td.init`.
+    """
+    global _guard
+    policy = settings.current().mpi_on_failure  # abort | exit, checked there
+    if _guard is None:
+        _guard = _ExitGuard(MPI, timeout, policy)
+    else:
+        _guard.timeout, _guard.policy = timeout, policy
+
+
+class _ExitGuard:
+    def __init__(self, MPI: Any, timeout: float, policy: str) -> None:
+        self.MPI = MPI
+        self.timeout = timeout
+        self.policy = policy
+        self.failure: str | None = None
+        self.exit_code = 1
+        self.comm = MPI.COMM_WORLD.Dup()  # the exit barrier never meets anyone else's message
+        previous = sys.excepthook
+
+        def excepthook(kind, value, traceback) -> None:
+            self.failure = kind.__name__
+            previous(kind, value, traceback)
+
+        sys.excepthook = excepthook
+        real_exit = sys.exit
+
+        def exit(status: object = None) -> None:
+            if status is not None and status != 0:
+                self.failure = f"sys.exit({status!r})"
+                # What Python itself would exit with: the number, or 1 for a message.
+                self.exit_code = status if isinstance(status, int) else 1
+            real_exit(status)
+
+        sys.exit = exit
+        # Registered after mpi4py's own exit handler, so it runs before MPI_Finalize.
+        atexit.register(self.leave)
+
+    def leave(self) -> None:
+        if self.MPI.Is_finalized():
+            return  # the script finalized MPI itself: nothing is left to guard
+        rank = self.comm.Get_rank()
+        if self.failure is not None:
+            self._abandon(f"rank {rank} failed ({self.failure}); leaving the MPI job "
+                          "without MPI_Finalize so that the others are stopped")
+        request = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout
+        pause = threading.Event()  # never set: a bounded poll period, not a wait for a peer
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._abandon(
+                    f"rank {rank} finished, but not every rank of {self.comm.Get_size()} "
+                    f"finished within {self.timeout:g} s after it; leaving without MPI_Finalize"
+                )
+            pause.wait(_POLL_S)
+        self.comm.Free()
+
+    def _abandon(self, message: str) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        sys.stderr.write(f"tandem: {message}\n")
+        sys.stderr.flush()
+        if self.policy == "exit":
+            os._exit(self.exit_code)
+        self.MPI.COMM_WORLD.Abort(self.exit_code)

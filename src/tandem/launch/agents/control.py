@@ -1,0 +1,221 @@
+"""The control plane between the agents of a multi-node job: authenticated messages, heartbeats.
+
+Node 0's agent listens (`ControlServer`) and the other agents connect to it (`connect`). Before
+anything is read as a message, each side proves it knows the job's secret without sending it
+(`rendezvous.auth.authenticate`, the rendezvous store's handshake too); a wrong secret fails on
+both sides with an error that says so, and a stranger that connects and says nothing is dropped
+after `HANDSHAKE_S`. Only then are messages (small tuples, pickled by
+`multiprocessing.connection`) exchanged.
+
+A cut network link produces no error by itself, TCP just goes quiet, so each side sends a ping
+every `HEARTBEAT_S`, and a peer that says nothing for `lost_after` seconds is reported as
+unreachable (an event on the agent's queue, like everything else the agent reacts to).
+
+Also here: which local address and network interface lead to a given host, so that an agent
+can advertise an address its peers can reach and point Gloo at the right interface; and the
+address an accepted connection reached this machine at (`reached_at`): node 0 points its own
+ranks' Gloo at that interface, the one the other nodes demonstrably reach it through, even
+where its own name resolves to loopback (Debian's `127.0.1.1 <hostname>` line).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+
+from tandem.rendezvous.auth import HANDSHAKE_S, AuthenticationFailed, authenticate, new_secret
+
+HEARTBEAT_S = 1.0
+CONNECT_RETRY_S = 0.25
+_SIOCGIFADDR = 0x8915
+
+__all__ = ["AuthenticationFailed", "ControlServer", "Peer", "authenticate", "connect",
+           "interface_of", "local_address_towards", "local_addresses", "new_secret",
+           "reached_at"]
+
+
+class Peer:
+    """One authenticated connection: thread-safe `send`, and a reader that reports to `events`.
+
+    Events: ("message", tag, message) for each message, ("lost", tag, reason) once, when the
+    peer closes the connection or has been silent for `lost_after` seconds.
+    """
+
+    def __init__(self, conn: Connection, tag: object, events: queue.SimpleQueue,
+                 lost_after: float) -> None:
+        self.conn, self.tag, self._events, self.lost_after = conn, tag, events, lost_after
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for target, name in ((self._read, "reader"), (self._beat, "heartbeat")):
+            thread = threading.Thread(target=target, name=f"tandem-control-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def send(self, message: tuple) -> bool:
+        if self._closed.is_set():
+            return False
+        try:
+            with self._lock:
+                self.conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+    def _lost(self, reason: str) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._events.put(("lost", self.tag, reason))
+
+    def _read(self) -> None:
+        from tandem.launch.local.output import block_agent_signals
+
+        block_agent_signals()
+        while not self._closed.is_set():
+            try:
+                if not self.conn.poll(self.lost_after):
+                    self._lost(f"no word from it for {self.lost_after:g} s (the network between "
+                               "the nodes is cut, or its machine is down)")
+                    return
+                message = self.conn.recv()
+            except (EOFError, OSError, ValueError):
+                self._lost("its connection closed (its agent exited or was killed)")
+                return
+            if message != ("ping",):
+                self._events.put(("message", self.tag, message))
+
+    def _beat(self) -> None:
+        from tandem.launch.local.output import block_agent_signals
+
+        block_agent_signals()
+        while not self._closed.wait(HEARTBEAT_S):
+            self.send(("ping",))
+
+
+class ControlServer:
+    """Node 0's listener: authenticates each agent in a thread of its own, then reports it.
+
+    Events: ("joined", conn, hello, address) with the agent's first message, or
+    ("rejected", address, reason).
+    """
+
+    def __init__(self, host: str, secret: str, events: queue.SimpleQueue) -> None:
+        self._secret = secret
+        self._events = events
+        self._listener = Listener((host, 0), family="AF_INET")
+        self.port = self._listener.address[1]
+        self._thread = threading.Thread(target=self._accept, name="tandem-control-accept",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        from tandem.launch.local.output import block_agent_signals
+
+        block_agent_signals()
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # closed
+            address = self._listener.last_accepted
+            threading.Thread(target=self._greet, args=(conn, address), daemon=True).start()
+
+    def _greet(self, conn: Connection, address) -> None:
+        where = f"{address[0]}:{address[1]}" if address else "?"
+        try:
+            authenticate(conn, self._secret, server=True)
+            if not conn.poll(HANDSHAKE_S):
+                raise AuthenticationFailed("it authenticated but never said which node it is")
+            hello = conn.recv()
+        except (AuthenticationFailed, EOFError, OSError) as error:
+            conn.close()
+            self._events.put(("rejected", where, str(error)))
+            return
+        self._events.put(("joined", conn, hello, where))
+
+    def close(self) -> None:
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+def connect(address: tuple[str, int], secret: str, timeout: float) -> Connection:
+    """Connect to node 0's control plane and authenticate, retrying until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            sock = socket.create_connection(address, timeout=max(0.1, min(remaining, 10.0)))
+            break
+        except OSError as error:
+            if remaining <= 0:
+                raise ConnectionError(
+                    f"cannot reach node 0's control plane at {address[0]}:{address[1]} within "
+                    f"{timeout:g} s ({error.strerror or error})"
+                ) from None
+            threading.Event().wait(CONNECT_RETRY_S)  # node 0 may still be starting: retry
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        authenticate(conn, secret, server=False)
+    except AuthenticationFailed:
+        conn.close()
+        raise
+    return conn
+
+
+def local_address_towards(host: str, port: int = 9) -> str:
+    """The address of this machine that packets to `host` leave from (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(host), port))  # UDP connect: only a route lookup
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def local_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address (its first), by name: {"lo": "127.0.0.1", ...}."""
+    found = {}
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on this interface
+            found[name] = socket.inet_ntoa(reply[20:24])
+    finally:
+        probe.close()
+    return found
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 `address` (`lo`, `eth0`...), or None."""
+    return next((name for name, held in local_addresses().items() if held == address), None)
+
+
+def reached_at(conn: Connection) -> str | None:
+    """The local address an accepted connection came in at (None if it cannot be read)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            return sock.getsockname()[0]
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,380 @@
+"""`tandem run --min-np A --max-np B`: a job that goes on when ranks fail and grows when it can.
+
+The agent hosts the store and starts `-np` ranks, each a *worker* with an id of its own for
+the life of its process. Who forms the world is a *round* on the store
+(`rendezvous.elastic_rounds`): the workers in rank order. The rank supervisor's loop
+(`supervisor.Supervisor`) watches them, with two differences:
+
+- a rank that fails does not stop the others: the agent publishes the next round without it,
+  and the survivors (`tandem.elastic.run`) leave the broken world at the failure, join the new
+  round, take the last committed state from one of them and go on. Below `--min-np` survivors
+  the job ends like any failed job, with the summary naming the first rank that failed;
+- `--host-discovery-script` is run every `DISCOVERY_S` seconds; when it offers more slots
+  than there are ranks (up to `--max-np`), the agent starts new workers in a new round, and the
+  ranks move to it at their next `State.commit()`.
+
+Every transition is one line: the old and new world and why. A rank that exits 0 means the
+job is finishing: no round changes after that, and a failure then ends the job.
+
+Across machines (`--nnodes`), this agent is node 0: the workers of the other nodes' agents
+(`elastic_nodes`) are in its rounds too, their exits come as messages, a lost node takes its
+workers with it in one round, and a node that joins grows the job like a discovered slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TextIO
+
+from tandem import rendezvous
+from tandem.job.settings import DEFAULT_TIMEOUT_S
+from tandem.launch.agents.control import new_secret
+from tandem.launch.agents.coordinator import REMOTE_STOP_S
+from tandem.launch.agents.elastic_nodes import ElasticMember, ElasticRanks, Node, Nodes
+from tandem.launch.agents.multinode import gloo_interface, listen_address, read_secret
+from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.local.output import block_agent_signals, signals_blocked
+from tandem.launch.local.processes import describe
+from tandem.launch.local.ranks import MASTER_ADDR
+from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
+from tandem.rendezvous.elastic_rounds import Round, publish, ready_key, report_death
+
+DISCOVERY_S = 1.0  # how often --host-discovery-script runs
+DISCOVERY_TIMEOUT_S = 10.0  # a discovery script that takes longer is killed and reported
+
+
+class ElasticJob(Agent):
+    """Node 0 of an elastic job (the only node, on one machine); `run()` returns its exit code."""
+
+    def __init__(self, config: LaunchConfig, secret: str | None = None,
+                 stdout: TextIO | None = None, stderr: TextIO | None = None,
+                 expected_nodes: int | None = None) -> None:
+        super().__init__(config, ranks=ElasticRanks, stdout=stdout, stderr=stderr)
+        self.low, self.high = config.min_np or 1, config.max_np or config.np
+        self.nodes = Nodes(config, self.events, self.output, secret, expected_nodes)
+        self.agents = None  # -H: the agents this machine starts (`elastic_hosts.HostAgents`)
+        self.discovery = config.discovery  # (-H: given here, the agents' configs have none)
+        self.on_listening = None  # -H: starts them, given the store's port
+        self.store: rendezvous.StoreServer | None = None
+        self.store_address: tuple[str, int] = (MASTER_ADDR, 0)  # what the workers are told
+        self.gloo_interface: str | None = None
+        self.round: Round | None = None
+        self.next_worker = 0
+        self.pending: set[int] = set()  # started, not yet in a round (`grow`, `admit`)
+        self._stop_discovery = threading.Event()
+
+    def close(self) -> None:
+        super().close()
+        self.nodes.close()
+        if self.store is not None:
+            self.store.close()
+
+    def _open(self) -> None:
+        """The store (and, across nodes, the control plane) the job lives on."""
+        if not self.nodes.several:
+            with signals_blocked():  # the store's threads leave our signals to this one
+                self.store = rendezvous.StoreServer(MASTER_ADDR, 0)
+            self.store_address = (MASTER_ADDR, self.store.port)
+            return
+        host, port = self.config.master
+        listen = listen_address(self.config.master, self.config.nnodes)
+        key = rendezvous.store_key(self.nodes.secret)
+        with signals_blocked():
+            self.store = rendezvous.StoreServer(
+                listen, port, key, lambda where, why: self.events.put(("rejected", where, why)))
+        self.store_address = (host, self.store.port)
+        self.gloo_interface = gloo_interface(host)
+        self.nodes.open(self.store, listen)
+        if self.on_listening is not None:
+            self.on_listening(self.store.port)
+
+    def _run(self) -> int:
+        self._open()
+        try:
+            failure = self.nodes.gather(self.config.timeout or DEFAULT_TIMEOUT_S)
+            if failure is None:
+                self.start()
+                if self.discovery is not None:
+                    with signals_blocked():
+                        threading.Thread(target=self._discover, name="tandem-discovery",
+                                         daemon=True).start()
+                failure = _ElasticWatch(self).run()
+        finally:
+            self._stop_discovery.set()
+            self.ranks.reap()
+        self.output.join(DRAIN_S)
+        text = None
+        if failure is not None and failure.interrupt is None:
+            if failure.node in (None, 0) and failure.rank is not None:
+                failure = dataclasses.replace(failure,
+                                              tail=tuple(self.output.tail(failure.rank)))
+            text = summary(failure)
+            self.output.message(text)
+        code = 0 if failure is None else failure.code
+        self.nodes.finish(code, text)
+        return code
+
+    # -- rounds ----------------------------------------------------------------------------
+    def publish(self, workers: list[int], why: str, since: float) -> Round:
+        number = 0 if self.round is None else self.round.number + 1
+        old = 0 if self.round is None else self.round.size
+        self.round = Round(number, tuple(workers), why, since)
+        publish(self.store, self.round)
+        if number:
+            self.output.message(f"tandem run: elastic: world {old} -> {len(workers)} "
+                                f"(round {number}): {why}")
+        return self.round
+
+    def _place(self, node: Node, count: int, first_rank: int, size: int, number: int) -> list[int]:
+        """Start `count` new workers on `node` as ranks `first_rank`, ...; their ids."""
+        workers = list(range(self.next_worker, self.next_worker + count))
+        self.next_worker += count
+        slots = node.free_slots(count)
+        node.workers.update(zip(workers, slots, strict=True))
+        if node.peer is None:
+            self.ranks.start_workers(workers, slots, first_rank, size, number,
+                                     self.store_address, self.store.key, self.gloo_interface)
+        else:
+            self.nodes.send(node, ("workers", {
+                "workers": workers, "slots": slots, "first_rank": first_rank, "size": size,
+                "round": number, "store": self.store_address}))
+        return workers
+
+    def start(self) -> None:
+        """The job's first workers, on the nodes there now (node 0's first): round 0."""
+        counts, left = {}, self.high
+        for number in sorted(self.nodes.nodes):
+            counts[number] = min(self.nodes.nodes[number].slots, left)
+            left -= counts[number]
+        size = sum(counts.values())
+        self.publish(list(range(size)), "start", time.time())
+        first = 0
+        for number, count in counts.items():
+            if count:
+                self._place(self.nodes.nodes[number], count, first, size, 0)
+                first += count
+
+    def grow(self, node: Node, count: int) -> None:
+        """Start `count` new workers on `node`; their round is formed once they are ready
+        (`admit`)."""
+        first = len(self.nodes.live())
+        new = self._place(node, count, first, first + count, -1)
+        self.pending.update(new)
+        keys = [ready_key(worker) for worker in new]
+        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+
+        def wait_ready() -> None:
+            block_agent_signals()
+            if self.store.wait_for(keys, timeout):
+                self.events.put(("ready", tuple(new)))
+
+        threading.Thread(target=wait_ready, name="tandem-elastic-ready", daemon=True).start()
+
+    def admit(self, workers: tuple[int, ...], why: str) -> None:
+        """The new workers reached td.init(): the round that adds those still alive."""
+        live = self.nodes.live()
+        joining = [w for w in workers if w in self.pending and w in live]
+        self.pending.difference_update(workers)
+        if joining:
+            staying = [w for w in self.round.workers if w in live]
+            self.publish(staying + joining, why, time.time())
+
+    def shrink(self, gone: dict[int, str], why: str) -> Round | None:
+        """The round without the `gone` workers (worker -> how it went, "exit code 9"); None
+        when too few would be left."""
+        for worker, how in gone.items():
+            rank = self.round.rank_of(worker)
+            if rank is not None:
+                report_death(self.store, self.round.number, rank, how)
+        live = self.nodes.live()
+        staying = [w for w in self.round.workers if w in live]
+        if len(staying) < self.low:
+            return None
+        return self.publish(staying, why, time.time())
+
+    # -- discovery -------------------------------------------------------------------------
+    def _discover(self) -> None:
+        said = None
+        while not self._stop_discovery.wait(DISCOVERY_S):
+            slots, problem = discover(self.discovery)
+            if problem is not None and problem != said:
+                self.output.message(f"tandem run: --host-discovery-script: {problem}")
+            said = problem
+            if slots is not None:
+                self.events.put(("slots", slots))
+
+
+def discover(script: str) -> tuple[dict[str, int] | None, str | None]:
+    """The slots the discovery script offers, by host: ({host: slots}, None), or (None, why)."""
+    try:
+        done = subprocess.run([script], capture_output=True, text=True,
+                              timeout=DISCOVERY_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"could not run it: {error}"
+    if done.returncode != 0:
+        return None, f"it exited {done.returncode}: {done.stderr.strip()[-200:]}"
+    slots: dict[str, int] = {}
+    for line in done.stdout.split():
+        host, _, count = line.partition(":")
+        try:
+            slots[host] = slots.get(host, 0) + (int(count) if count else 1)
+        except ValueError:
+            return None, f"{line!r} is not `host:slots`"
+    return slots, None
+
+
+class _ElasticWatch(Supervisor):
+    """The supervisor's loop, where a failed rank shrinks the job instead of ending it, and,
+    across nodes, the other agents' reports, arrivals and losses."""
+
+    def __init__(self, job: ElasticJob) -> None:
+        super().__init__(job.ranks, job.events, job.output)
+        self.job = job
+        self.finished: set[int] = set()  # workers that exited 0
+        if job.nodes.several:
+            self.kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
+
+    def finishing(self) -> bool:
+        """A worker exited 0: the job is at its end."""
+        return bool(self.finished)
+
+    def others_running(self) -> bool:
+        return bool(self.job.nodes.remote_live())
+
+    def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
+        if not self.stopping:
+            self.job.nodes.tell_all(("stop", {}))
+        super().stop(failure, signum)
+
+    def rank_finished(self, worker: int) -> None:
+        self.job.nodes.gone(worker)
+        self.finished.add(worker)
+
+    def rank_exited(self, worker: int, returncode: int) -> None:
+        self.job.nodes.gone(worker)
+        self.failed(worker, returncode, self.rank_failure(worker, returncode))
+
+    def failed(self, worker: int, returncode: int, failure: Failure) -> None:
+        """Worker `worker` (here or on another node) exited `returncode` != 0."""
+        if self.failure is not None:
+            return
+        if worker in self.job.pending:  # never joined a round: the others did not miss it
+            self.job.pending.discard(worker)
+            self.output.message(f"tandem run: elastic: new worker {worker} "
+                                f"{describe(returncode)} before it joined; the job goes on")
+            return
+        rank = self.job.round.rank_of(worker)
+        why = f"rank {rank} (worker {worker}{self._where(failure)}) {describe(returncode)}"
+        if not self.finishing() and self.job.shrink({worker: describe(returncode)}, why):
+            return
+        self.end(f"worker {worker} {describe(returncode)}", failure)
+
+    def end(self, what: str, failure: Failure) -> None:
+        """Stop the whole job: too few workers left, or the job was finishing."""
+        left = len(self.job.nodes.live())
+        why = (f"{left} rank(s) left, below --min-np {self.job.low}" if not self.finishing()
+               else "the job was finishing")
+        self.output.message(f"tandem run: {what}; {why}: stopping the job")
+        self.stop(failure)
+
+    def _where(self, failure: Failure) -> str:
+        return f" on node {failure.node}" if failure.node else ""
+
+    def other(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "message":
+            self._message(event[1], *event[2])
+        elif kind == "lost":
+            self._lost(event[1], event[2])
+        elif kind == "joined":
+            node = self.job.nodes.admit(*event[1:])
+            if node is not None and not (self.stopping or self.finishing()):
+                self._grow(node, f"node {node.number} ({node.host}) joined")
+        elif kind == "rejected":
+            self.output.message(f"tandem run: rejected an agent from {event[1]}: {event[2]}")
+        elif self.stopping or self.finishing():
+            return
+        elif kind == "ready":
+            self.job.admit(event[1], f"{len(event[1])} worker(s) joined")
+        elif kind == "slots" and not self.job.pending:
+            self._discovered(event[1])
+
+    def _discovered(self, offered: dict[str, int]) -> None:
+        """The discovery script's hosts: on one machine, all its slots are this machine's;
+        with -H, a host that runs no agent gets one (`elastic_hosts`)."""
+        here = self.job.nodes.nodes[0]
+        agents = self.job.agents
+        if agents is None:
+            here.slots = sum(offered.values())
+            self._grow(here, f"the discovery script offers {here.slots} slot(s)")
+            return
+        if agents.hosts[0] in offered:
+            here.slots = offered[agents.hosts[0]]
+            self._grow(here, f"the discovery script offers {here.slots} slot(s) here")
+        agents.discovered({name: min(slots, self.job.high) for name, slots in offered.items()})
+
+    def _grow(self, node: Node, why: str) -> None:
+        count = min(self.job.high - len(self.job.nodes.live()), node.capacity())
+        if count > 0:
+            self.output.message(f"tandem run: elastic: {why}; starting {count} worker(s)")
+            self.job.grow(node, count)
+
+    def _message(self, number: int, kind: str, body: dict) -> None:
+        if kind != "exit":
+            return
+        worker, returncode = int(body["worker"]), int(body["returncode"])
+        node = self.job.nodes.gone(worker)
+        if returncode == 0:
+            self.finished.add(worker)
+            return
+        host = node.host if node is not None else "?"
+        self.failed(worker, returncode, Failure(
+            node=number, host=host, rank=worker, pid=body.get("pid"), returncode=returncode,
+            tail=tuple(body.get("tail") or ())))
+
+    def _lost(self, number: int, reason: str) -> None:
+        """Node `number`'s agent went away or silent: its workers are lost with it."""
+        node, workers = self.job.nodes.lost(number)
+        if self.job.agents is not None:
+            self.job.agents.forget(number)
+        if node is None or self.stopping or self.finishing():
+            return
+        self.job.pending.difference_update(workers)
+        how = f"was lost with node {number} ({node.host})"
+        why = f"node {number} ({node.host}) is unreachable: {reason}"
+        in_round = {w: how for w in workers if self.job.round.rank_of(w) is not None}
+        if not in_round:
+            self.output.message(f"tandem run: elastic: {why}; none of its workers had joined")
+            return
+        if self.job.shrink(in_round, why):
+            return
+        ranks = sorted(self.job.round.rank_of(w) for w in in_round)
+        self.end(f"node {number} ({node.host}) is unreachable", Failure(
+            node=number, host=node.host, lost=reason, ranks=(ranks[0], ranks[-1])))
+
+
+def launch(config: LaunchConfig) -> int:
+    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`). (With -H:
+    `elastic_hosts.launch_hosts`.)"""
+    if config.nnodes == 1:
+        return ElasticJob(config).run()
+    try:
+        secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
+        if config.node_rank == 0:
+            if secret is None:
+                secret = new_secret()
+                print(f"tandem run: no --secret given: this job's secret is {secret}; start the "
+                      f"other nodes with --secret {secret} (or TANDEM_SECRET={secret})",
+                      file=sys.stderr, flush=True)
+            return ElasticJob(config, secret).run()
+        if secret is None:
+            raise LaunchError(f"node {config.node_rank} needs the job's secret: pass --secret S "
+                              "(or set TANDEM_SECRET) with the value node 0 printed or was given")
+        return ElasticMember(config, secret, gloo_interface(config.master[0])).run()
+    except rendezvous.PortInUseError as error:
+        raise LaunchError(str(error)) from None

@@ -1,0 +1,370 @@
+"""Multi-node jobs: one agent per machine, joined by an authenticated control plane.
+
+    node0$ tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 4 train.py
+    node1$ tandem run --nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret S -np 4 train.py
+
+Node 0's agent (`coordinator.Coordinator`) hosts the rendezvous store at ADDR:PORT and a control
+plane on a port the system picks, whose address it publishes in the store. Every other agent
+(`Member`, here) connects to the store, reads that address, connects, and authenticates with the
+job's secret (`--secret`/`TANDEM_SECRET`; node 0 generates one and prints it when none is
+given; `--secret -` reads it from standard input). Node 0 admits each node once (a node rank
+out of range, a duplicate or a different `--nnodes` is refused with the reason) and assigns
+the ranks: node r runs ranks r*np .. r*np+np-1 (each node's own -np, in node order).
+
+Then each attempt: node 0 says "start" with the placement, every agent runs its ranks and
+reports their failures at once; the first failure anywhere stops every rank on every node; each
+agent says when its ranks are all down; node 0 then restarts the job (`--max-restarts`) or
+sends "finish" with the summary, which every agent prints before exiting with the job's code.
+An agent that goes silent for the timeout (`--timeout`, at most 30 s) is unreachable: the
+others stop their ranks and say so. `tandem run --max-restarts K` on one machine is the same
+coordinator with no other nodes and a store on 127.0.0.1 only.
+
+Gloo must reach the other nodes: unless GLOO_SOCKET_IFNAME is set, each agent points its ranks
+at the interface that routes to the master address, and node 0 at the interface the other
+agents reached it through. Node 0 listens at the master address, which must be one of its own
+(`listen_address`: another is an error naming this machine's addresses); a master *name* that
+resolves to loopback here (Debian's `127.0.1.1 node0` line in /etc/hosts) while the other
+nodes know it by a network address makes node 0 listen on every interface instead, since the
+store and the control plane admit only holders of the job's secret.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import TextIO
+
+from tandem import rendezvous
+from tandem.job.settings import DEFAULT_TIMEOUT_S
+from tandem.launch.agents import control, ssh
+from tandem.launch.agents.admission import versions
+from tandem.launch.agents.coordinator import REMOTE_STOP_S, Coordinator, lost_after
+from tandem.launch.agents.hosts import LOCAL_NAMES, holds_address
+from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.local.output import block_agent_signals
+from tandem.launch.local.processes import KILL_WAIT_S, signal_group
+from tandem.launch.local.ranks import Placement
+from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor
+
+AGENTS_EXIT_S = 15.0  # -H: how long remote agents may take to exit after the job ends
+
+
+def gloo_interface(master_host: str) -> str | None:
+    """The interface this machine reaches `master_host` through (for GLOO_SOCKET_IFNAME)."""
+    try:
+        return control.interface_of(control.local_address_towards(master_host))
+    except OSError:
+        return None
+
+
+def listen_address(master: tuple[str, int], nnodes: int) -> str:
+    """Where node 0 listens for --master ADDR:PORT (see the module docstring); a `LaunchError`
+    when ADDR is not this machine's."""
+    host, port = master
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as error:
+        raise LaunchError(f"--master {host}:{port}: cannot resolve {host!r} "
+                          f"({error.strerror or error}); give node 0's address") from None
+    literal = host in LOCAL_NAMES or _is_address(host)
+    if nnodes > 1 and not literal and ipaddress.ip_address(address).is_loopback:
+        return "0.0.0.0"  # reachable from the others at whatever address they know it by
+    if not holds_address(address):
+        here = ", ".join(f"{ip} ({name})" for name, ip in control.local_addresses().items())
+        raise LaunchError(
+            f"--master {host}:{port}: this machine ({socket.gethostname()}) has no address "
+            f"{address}; node 0 hosts the rendezvous there, so --master must name one of node "
+            f"0's addresses (here: {here}), the same on every node"
+        )
+    return host
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def read_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str | None:
+    if config.secret != "-":
+        return config.secret
+    line = (stdin or sys.stdin).readline().strip()
+    if not line:
+        raise LaunchError("--secret -: expected the secret on standard input, got nothing")
+    return line
+
+
+class Member(Agent):
+    """The agent of node 1, 2...: joins node 0, runs its ranks when told, stops when told."""
+
+    def __init__(self, config: LaunchConfig, secret: str, interface: str | None = None,
+                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+        super().__init__(config, stdout=stdout, stderr=stderr)
+        self.secret, self.interface = secret, interface
+        self.peer: control.Peer | None = None
+        self.master = "{}:{}".format(*config.master)
+
+    def say(self, text: str) -> None:
+        self.output.message(f"tandem run (node {self.config.node_rank}): {text}")
+
+    def close(self) -> None:
+        super().close()
+        if self.peer is not None:
+            self.peer.close()
+
+    def _join(self) -> int | None:
+        """Connect and authenticate; None when joined, else the exit code (after saying why)."""
+        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+        host, port = self.config.master
+        try:
+            store = rendezvous.StoreClient(host, port, rendezvous.store_key(self.secret), timeout)
+            try:
+                address = store.get("tandem/control").decode()
+            finally:
+                store.close()
+            control_host, control_port = address.rsplit(":", 1)
+            conn = control.connect((control_host, int(control_port)), self.secret, timeout)
+        except control.AuthenticationFailed as error:  # at the store or the control plane
+            self.say(f"cannot join node 0 at {self.master}: {error} (the secrets differ). "
+                     "Give every node the same --secret (or TANDEM_SECRET)")
+            return 2
+        except rendezvous.StoreTimeout as error:  # a store without the control plane's address
+            self.say(f"the rendezvous store at {self.master} has no tandem control plane "
+                     f"({error}); is node 0 a `tandem run --nnodes` agent of this job?")
+            return 1
+        except ConnectionError as error:
+            self.say(f"node 0 is unreachable: {error}")
+            return 1
+        conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
+                             "nproc": self.config.np, "host": socket.gethostname(),
+                             "elastic": self.config.elastic, **versions()}))
+        self.peer = control.Peer(conn, 0, self.events, lost_after(self.config))
+        self.peer.start()
+        return None
+
+    def _run(self) -> int:
+        code = self._join()
+        if code is not None:
+            return code
+        while True:
+            event = self.events.get()
+            if event[0] == "signal":
+                self.peer.send(("interrupted", {"signum": event[1]}))
+                return 128 + event[1]
+            if event[0] == "lost":
+                self.say(f"node 0 ({self.master}) is unreachable: {event[2]}")
+                return 1
+            if event[0] != "message":
+                continue
+            kind, body = event[2]
+            if kind == "refused":
+                self.say(f"node 0 refused this agent: {body['reason']}")
+                return 2
+            if kind == "note":
+                self.output.message(body["text"])
+            elif kind == "finish":
+                if body.get("summary"):
+                    self.output.message(body["summary"])
+                return int(body["code"])
+            elif kind == "start":
+                code = self._attempt(body)
+                if code is not None:
+                    return code
+
+    def _attempt(self, body: dict) -> int | None:
+        """Run one attempt; None to wait for node 0's verdict, else this agent's exit code."""
+        attempt = body["attempt"]
+        self.ranks.start(Placement(attempt, body["offset"], body["world"], tuple(body["store"]),
+                                   rendezvous.store_key(self.secret), self.interface,
+                                   torch_port=body.get("torch_port"),
+                                   run_id=body.get("run_id", ""), node=body.get("node", 0),
+                                   nodes=body.get("nodes", 1)))
+        run = _MemberAttempt(self, attempt)
+        run.run()
+        self.output.join(DRAIN_S)
+        if run.lost is not None:
+            return 1
+        tails = {rank: self.output.tail(rank) for rank in run.failed}
+        self.peer.send(("done", {"attempt": attempt, "tails": tails}))
+        if run.finish is not None:
+            if run.finish.get("summary"):
+                self.output.message(run.finish["summary"])
+            return int(run.finish["code"])
+        return None
+
+
+class _MemberAttempt(Supervisor):
+    """One attempt as node 1, 2... sees it: report failures to node 0, stop when it says so."""
+
+    def __init__(self, member: Member, attempt: int) -> None:
+        super().__init__(member.ranks, member.events, member.output,
+                         node=member.config.node_rank, host=socket.gethostname())
+        self.member, self.attempt = member, attempt
+        self.failed: dict[int, int] = {}
+        self.lost: str | None = None
+        self.finish: dict | None = None
+
+    def rank_exited(self, rank: int, returncode: int) -> None:
+        """Every failure goes to node 0, which decides what the job's first failure was."""
+        self.failed[rank] = returncode
+        self.member.peer.send(("exit", {"attempt": self.attempt, "rank": rank,
+                                        "returncode": returncode, "pid": self.ranks.pids[rank]}))
+        self.stop(self.rank_failure(rank, returncode))
+
+    def interrupted(self, signum: int) -> None:
+        self.member.peer.send(("interrupted", {"attempt": self.attempt, "signum": signum}))
+        self.stop(Failure(node=self.node, host=self.host, interrupt=signum), signum)
+
+    def give_up(self) -> None:
+        self.member.say(f"ranks {sorted(self.ranks.live)} did not exit after SIGKILL")
+
+    def other(self, event: tuple) -> None:
+        if event[0] == "lost":
+            self.lost = event[2]
+            self.member.say(f"node 0 ({self.member.master}) is unreachable: {self.lost}; "
+                            "stopping this node's ranks")
+            self.stop(None)
+        elif event[0] == "message":
+            kind, message = event[2]
+            if kind == "stop" and message.get("attempt") == self.attempt:
+                self.stop(None)
+            elif kind == "finish":
+                self.finish = message
+                self.stop(None)
+            elif kind == "note":
+                self.output.message(message["text"])
+
+
+def _coordinate(config: LaunchConfig, secret: str | None) -> int:
+    host, port = config.master
+    listen = listen_address(config.master, config.nnodes)  # before a secret is printed
+    if secret is None:
+        secret = control.new_secret()
+        print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
+              f"nodes with --secret {secret} (or TANDEM_SECRET={secret})",
+              file=sys.stderr, flush=True)
+    coordinator = Coordinator(config, nproc=config.np, nnodes=config.nnodes,
+                              store=(host, port), secret=secret, listen=listen,
+                              gloo_interface=gloo_interface(host), host=socket.gethostname())
+    return coordinator.run()
+
+
+def launch_hosts(config: LaunchConfig) -> int:
+    """-H/--hostfile with remote hosts: this machine coordinates, the others get agents."""
+    placed = ssh.place(config.np, config.hosts)
+    first, first_count = placed[0]
+    here = first_count if first.is_local else 0
+    others = placed[1:] if first.is_local else placed
+    nnodes = 1 + len(others)
+    # Before anything starts: a master that is not this machine's, unknown names, no ssh,
+    # hosts that ssh cannot reach.
+    listen = listen_address(config.master, nnodes) if config.master is not None else None
+    addresses = ssh.check_hosts([host for host, _ in placed])
+    ssh.check_reachable(addresses)
+    note = ssh.unused(config.np, config.hosts, standby=config.max_restarts > 0)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    remote = next((h for h, _ in others if not h.is_local), None)
+    if config.master is not None:
+        master_host, port = config.master
+    else:
+        master_host = control.local_address_towards(remote.name) if remote else "127.0.0.1"
+        port = 0
+    secret = control.new_secret()
+    local_config = dataclasses.replace(config, np=max(here, 1), hosts=())  # this node's share
+    coordinator = Coordinator(local_config, nproc=here, nnodes=nnodes, store=(master_host, port),
+                              secret=secret, gloo_interface=gloo_interface(master_host),
+                              host=socket.gethostname(), listen=listen)
+    agents: dict[int, subprocess.Popen] = {}  # node -> its current agent
+    spares = [host for host in config.hosts if host not in {h for h, _ in placed}]
+    store_port = 0
+
+    def start_agent(node: int, host, count: int) -> None:
+        arguments = ssh.agent_arguments(config, node_rank=node, nnodes=nnodes,
+                                        master=(master_host, store_port), nproc=count)
+        agent = ssh.start_agent(ssh.agent_command(host, arguments, os.getcwd()), secret)
+        agents[node] = agent
+        threading.Thread(target=_report_exit, args=(agent, node, host.name), daemon=True,
+                         name=f"tandem-agent{node}-wait").start()
+
+    def start_agents(port: int) -> None:
+        nonlocal store_port
+        store_port = port
+        for node, (host, count) in enumerate(others, start=1):
+            start_agent(node, host, count)
+
+    def replace(node: int, count: int) -> str | None:
+        """A lost node's agent goes (its ssh may wait for a host that is gone); a spare host
+        with the slots, reachable over ssh, takes its place."""
+        gone = agents.pop(node, None)  # first, so that its exit is not taken for the new one's
+        if gone is not None:
+            signal_group(gone.pid, signal.SIGKILL)
+        while spares:
+            host = spares.pop(0)
+            if host.slots < count:
+                continue
+            try:
+                ssh.check_reachable(ssh.check_hosts([host]))
+            except LaunchError as error:
+                print(f"tandem run: {error}", file=sys.stderr, flush=True)
+                continue
+            start_agent(node, host, count)
+            return host.name
+        return None
+
+    def _report_exit(agent: subprocess.Popen, node: int, name: str) -> None:
+        block_agent_signals()
+        code = agent.wait()
+        if agents.get(node) is agent:  # not an agent that another took the place of
+            coordinator.events.put(("agent-exited", node, name, code))
+
+    coordinator.on_listening = start_agents
+    coordinator.on_lost = replace
+    coordinator.echo_to_peers = False
+    try:
+        return coordinator.run()
+    finally:
+        deadline = time.monotonic() + AGENTS_EXIT_S
+        for node, agent in agents.items():
+            if node in coordinator.lost:  # its ssh may wait for a host that is gone
+                signal_group(agent.pid, signal.SIGKILL)
+            try:
+                agent.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(agent.pid, signal.SIGKILL)
+                agent.wait(KILL_WAIT_S)
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run a restartable or multi-node job (see the module docstring); return its exit code."""
+    try:
+        if config.remote_hosts:
+            return launch_hosts(config)
+        if config.nnodes == 1:
+            # --master on one node: host the store there (a taken port is an error, not ignored).
+            return Coordinator(config, nproc=config.np, host=socket.gethostname(),
+                               store=config.master or ("127.0.0.1", 0)).run()
+        secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
+        if config.node_rank == 0:
+            return _coordinate(config, secret)
+        if secret is None:
+            raise LaunchError(
+                f"node {config.node_rank} needs the job's secret: pass --secret S (or set "
+                "TANDEM_SECRET) with the value node 0 printed or was given"
+            )
+        host, _ = config.master
+        return Member(config, secret, gloo_interface(host)).run()
+    except rendezvous.PortInUseError as error:
+        raise LaunchError(str(error)) from None
+
+
+__all__ = ["Member", "launch", "launch_hosts", "read_secret", "REMOTE_STOP_S"]

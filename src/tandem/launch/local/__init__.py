@@ -1,0 +1,13 @@
+"""Where a rank is launched: this machine's rank processes, their output and their supervisor.
+
+What is where:
+
+- `joined`: Whether any rank joined the job, so that `tandem run` can say when none did.
+- `output`: Rank output: every line a rank prints reaches our stdout/stderr as `[rank] line`.
+- `processes`: Local rank processes: start them, signal their process groups, stop them within a
+  deadline.
+- `ranks`: This machine's ranks of one attempt: what each runs, what it gets, and their exits as
+  events.
+- `supervisor`: The rank supervisor: watch this machine's ranks, stop them all on the first
+  failure, say why.
+"""

@@ -1,0 +1,208 @@
+"""This machine's ranks of one attempt: what each runs, what it gets, and their exits as events.
+
+Every kind of job starts its local ranks here (`LocalRanks.start`, through
+`processes.start_ranks`): a plain single-node job, each attempt of a restartable one, each
+node of a multi-node one; `mpiexec.MPIExecRanks` starts the same ranks through mpiexec
+instead. A rank gets this Python running the script or module (`rank_command`), our
+environment plus thread limits and tandem's `sitecustomize` (`job_environment`, `rank_site/`),
+and its place in the whole job (`rank_environment`): global rank, world size, the rendezvous
+store, `TANDEM_RESTART=<attempt>`,
+torchrun's variables (`environments.torchrun_variables`: RANK, MASTER_PORT...), and on
+multi-node jobs the network interface Gloo should use. Exits arrive as
+("exit", rank, returncode) events on the supervisor's queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tandem.job.environments import horovod_variables, tandem_variables, torchrun_variables
+from tandem.launch.config import LaunchConfig, StartError
+from tandem.launch.local.output import RankOutput, block_agent_signals
+from tandem.launch.local.processes import (
+    cores,
+    groups_connected_to,
+    signal_group,
+    start_failure_code,
+    start_ranks,
+)
+
+MASTER_ADDR = "127.0.0.1"
+# Put first on every rank's PYTHONPATH: its sitecustomize imports tandem (see rank_site/).
+RANK_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank_site")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this node's ranks sit in one attempt of the job (node 0 decides, tells everyone)."""
+
+    attempt: int
+    offset: int  # global rank of this node's first rank
+    world: int
+    store: tuple[str, int]
+    store_key: str = field(repr=False)  # what the ranks prove to the store (rendezvous.server)
+    gloo_interface: str | None = None
+    # torchrun's rendezvous for unchanged torch.distributed scripts (`torchrun_variables`):
+    # a free port on node 0 where rank 0's TCPStore will listen, and the job's run id.
+    torch_port: int | None = None
+    run_id: str = ""
+    node: int = 0  # this node's index (GROUP_RANK) among `nodes`
+    nodes: int = 1
+
+    @classmethod
+    def single(cls, np: int, port: int, store_key: str) -> Placement:
+        """A one-node job of `np` ranks around a store on this machine's `port`."""
+        return cls(attempt=0, offset=0, world=np, store=(MASTER_ADDR, port), store_key=store_key,
+                   torch_port=free_port(MASTER_ADDR), run_id=new_run_id())
+
+
+def free_port(host: str = "") -> int:
+    """A port nothing listens on now, for rank 0's torch TCPStore (torchrun's MASTER_PORT).
+
+    The operating system picks it; it is released at once for rank 0 to bind, so two jobs on
+    one machine never share one (another process could take it in between, as with torchrun's
+    own choice: rank 0 then fails to bind and names the port).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def new_run_id() -> str:
+    """TORCHELASTIC_RUN_ID: one per job, the same on every node (node 0 makes it)."""
+    return f"tandem-{secrets.token_hex(6)}"
+
+
+def rank_command(config: LaunchConfig) -> list[str]:
+    """The command line of every rank: this Python running the script or module, or the
+    command as given (`tandem run -np 2 python train.py`)."""
+    if config.executable:
+        return [shutil.which(config.program) or config.program, *config.args]
+    if config.module:
+        return [sys.executable, "-u", "-m", config.program, *config.args]
+    return [sys.executable, "-u", config.program, *config.args]
+
+
+def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """What every rank gets whoever starts it (us, or mpiexec): timeout, threads, unbuffered."""
+    env = dict(base)
+    env.pop("TANDEM_SECRET", None)  # the agents' secret is none of the ranks' business
+    if config.timeout is not None:
+        env["TANDEM_TIMEOUT"] = str(config.timeout)
+    if config.timeline is not None:
+        env["TANDEM_TIMELINE"] = os.path.abspath(config.timeline)
+    # N ranks each running one thread per core would oversubscribe the machine N times.
+    threads = config.threads_per_rank or max(1, cores() // config.np)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if config.threads_per_rank is not None or name not in base:
+            env[name] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    # A script that uses torch.distributed alone gets tandem's binding of rank 0's store to
+    # MASTER_ADDR and tells the launcher that it joined (`rank_site`, `launch.local.joined`).
+    paths = [path for path in base.get("PYTHONPATH", "").split(os.pathsep) if path]
+    env["PYTHONPATH"] = os.pathsep.join([RANK_SITE, *(p for p in paths if p != RANK_SITE)])
+    return env
+
+
+def rank_environment(config: LaunchConfig, local: int, placement: Placement,
+                     base: Mapping[str, str], nproc: int | None = None,
+                     rank: int | None = None) -> dict[str, str]:
+    """The environment of this node's rank `local` (of `nproc`, default `config.np`):
+    `job_environment` plus its place in the job: global rank `rank`, by default the node's
+    offset + `local` (an elastic job's new worker takes a free local slot instead)."""
+    env = job_environment(config, base)
+    host, port = placement.store
+    rank = placement.offset + local if rank is None else rank
+    env.update(tandem_variables(
+        rank=rank, size=placement.world, local_rank=local,
+        local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
+        backend=config.backend, store_key=placement.store_key,
+    ))
+    env.update(horovod_variables(rank=rank, size=placement.world,
+                                 local_rank=local, local_size=nproc or config.np))
+    if placement.torch_port is not None:
+        env.update(torchrun_variables(
+            rank=rank, size=placement.world, local_rank=local,
+            local_size=nproc or config.np, node=placement.node, nodes=placement.nodes,
+            master_addr=host, master_port=placement.torch_port, run_id=placement.run_id,
+            restart=placement.attempt, max_restarts=config.max_restarts))
+    env["TANDEM_RESTART"] = str(placement.attempt)
+    if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
+        env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface
+    return env
+
+
+class LocalRanks:
+    """The ranks this machine runs in one attempt; exits become ("exit", rank, code) events."""
+
+    def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
+                 nproc: int | None = None) -> None:
+        self.config, self._events, self.output = config, events, output
+        self.nproc = config.np if nproc is None else nproc
+        self.pids: dict[int, int] = {}  # global rank -> pid (also its process group id)
+        self.live: set[int] = set()
+        self.store_port: int | None = None  # the job's store, which td.init() connects to
+
+    def start(self, placement: Placement) -> None:
+        self.store_port = placement.store[1]
+        envs = [rank_environment(self.config, local, placement, os.environ, self.nproc)
+                for local in range(self.nproc)]
+        for local, env in enumerate(envs):
+            if self.output.terminal_rank(placement.offset + local):
+                env["TANDEM_TERMINAL"] = "1"  # its bars may redraw in place (see launch.local.output)
+        command = rank_command(self.config)
+        try:
+            processes = start_ranks(command, envs)
+        except OSError as error:  # checked before (programs.py), yet the system said no
+            raise StartError(f"could not start {command[0]}: {error.strerror or error}",
+                             code=start_failure_code(error)) from None
+        self.pids, self.live = {}, set()
+        for local, proc in enumerate(processes):
+            self.watch(placement.offset + local, proc.pid, proc.stdout, proc.stderr, proc.wait)
+
+    def watch(self, rank: int, pid: int, stdout, stderr, wait) -> None:
+        """Copy a started rank's output; report its exit code (`wait()`'s result) as an event."""
+        self.pids[rank] = pid
+        self.live.add(rank)
+        self.output.attach(rank, stdout, stderr)
+        threading.Thread(target=self._wait, args=(rank, wait), daemon=True,
+                         name=f"tandem-rank{rank}-wait").start()
+
+    def _wait(self, rank: int, wait) -> None:
+        block_agent_signals()
+        self._events.put(("exit", rank, wait()))
+
+    def exited(self, rank: int) -> None:
+        self.live.discard(rank)
+
+    def signal(self, signum: int, ranks: set[int] | None = None) -> None:
+        """`signum` to the process group of each live rank (of `ranks`, default all)."""
+        for rank in sorted(self.live if ranks is None else self.live & ranks):
+            signal_group(self.pids[rank], signum)
+
+    def starting(self) -> set[int]:
+        """The live ranks still starting (importing, most likely): none of their processes
+        holds a connection to the job's store, which `td.init()` opens and keeps, and they
+        printed nothing on stdout. Read from /proc when asked (on a signal), never polled."""
+        quiet = {rank for rank in self.live if rank not in self.output.spoke}
+        if not quiet or self.store_port is None:
+            return quiet
+        reached = groups_connected_to({self.pids[rank] for rank in quiet}, self.store_port)
+        return {rank for rank in quiet if self.pids[rank] not in reached}
+
+    def reap(self) -> None:
+        """Kill what is left of every rank's process group (children the ranks started)."""
+        for pid in self.pids.values():
+            signal_group(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """After the job: release what started the ranks (nothing here; mpiexec for MPI)."""

@@ -1,0 +1,97 @@
+"""Local SGD: replicas step on their own and average their parameters every `period` steps.
+
+    opt = td.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), period=8)
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    opt.average()            # before evaluating or saving, when steps % period != 0
+
+Wrap a plain torch optimizer (not a `DistributedOptimizer`: gradients stay local). Each step
+is the inner optimizer's step on the local gradient; every `period`-th step then replaces each
+parameter by its mean over the ranks, in a few flat all-reduces. Communication drops by a
+factor of `period` against synchronous data parallelism. With `period=1` and plain SGD this is
+exactly synchronous gradient averaging (the mean of `p - lr * g_r` is `p - lr * mean(g_r)`).
+
+The optimizer's own state (momentum, Adam's moments) stays local, as in "post-local SGD"; only
+parameters are averaged, not buffers (BatchNorm statistics): broadcast those with
+`td.broadcast_parameters` or average them yourself when they matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tandem import runtime
+from tandem.comm.agreement.agree import agree_layout, describe_tensors
+from tandem.comm.collectives import user as collectives
+from tandem.comm.collectives.tensors import coalesced
+from tandem.comm.groups import Group, group_size
+
+
+class LocalSGD:
+    """Wrap a torch optimizer so that replicas synchronise parameters every `period` steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, period: int, group: Group | None = None) -> None:
+        from tandem.parallel.data_parallel.wrappers import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(
+                "LocalSGD keeps gradients local: wrap the plain torch optimizer, not a "
+                "DistributedOptimizer (which would average every step and defeat the period)"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"LocalSGD wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"period must be a positive int (steps between averages), got {period!r}")
+        if group is not None and group.rank < 0:
+            raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
+        self.optimizer = optimizer
+        self.period = period
+        self.group = group
+        self.local_steps = 0
+        agree_layout("LocalSGD", describe_tensors(
+            (f"group{g}.param{i}", p) for g, group_dict in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group_dict["params"])), group)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step locally; every `period`-th call, average the parameters over the ranks."""
+        loss = self.optimizer.step(closure)
+        self.local_steps += 1
+        if self.local_steps % self.period == 0:
+            self.average()
+        return loss
+
+    def average(self) -> None:
+        """Replace every parameter by its mean over the ranks now (collective)."""
+        size = group_size(self.group)
+        if size == 1:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        backend = runtime.get_backend()
+        timeout = runtime.state().timeout
+
+        def mean(flat: torch.Tensor) -> None:
+            # Layouts were agreed at construction: call the backend directly when we can.
+            if backend.supports_device(flat.device) and flat.is_floating_point():
+                backend.allreduce(flat, "sum", self.group).wait(timeout)
+                flat.div_(size)
+            else:
+                collectives.allreduce(flat, op="mean", inplace=True, group=self.group)
+
+        coalesced(params, mean)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "local_steps": self.local_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.local_steps = int(state_dict.get("local_steps", 0))

@@ -1,0 +1,148 @@
+"""Which tensors are split across ranks, how, and over which group: the registry every model-wide
+call asks (instead of markers set on the tensors).
+
+    splits.mark(shard, "fully_shard", group)      # fully_shard: a flat shard of a unit
+    splits.mark(weight, "tensor parallel", group) # a tensor-parallel slice
+    splits.mark(old, "replaced")                  # a parameter fully_shard took out of the model
+
+`td.clip_grad_norm_` reduces norms over the groups of split gradients, `broadcast_parameters`
+leaves shards alone and refuses to copy one rank's tensor-parallel slices onto the others,
+`DistributedOptimizer` refuses to average different slices, and an optimizer still holding
+parameters that fully_shard replaced is refused at its first step. Weak references: a tensor
+that goes away leaves the registry with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tandem.comm.groups import Group, group_ranks
+from tandem.diagnostics import steps
+from tandem.parallel.layout.elementwise import refuse_unless_elementwise
+
+FULLY_SHARD = "fully_shard"
+TENSOR_PARALLEL = "tensor parallel"
+PIPELINE = "pipeline"  # a stage's own parameters; the group is the pipeline's
+REPLACED = "replaced"
+# A ZeroOptimizer's parameter: replicated, but its .grad is this rank's own until step()
+# averages it. Never registered (the parameter is whole); only its gradient says so, to
+# torch's norms (`split_grads`).
+ZERO = "ZeroOptimizer"
+
+
+class Split(NamedTuple):
+    kind: str
+    group: Group | None
+
+
+_REGISTRY = WeakIdKeyDictionary()
+
+
+def mark(tensor: torch.Tensor, kind: str, group: Group | None = None) -> None:
+    _REGISTRY[tensor] = Split(kind, group)
+    _watch_optimizers()
+
+
+_checked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose parameters were checked
+_watching = False
+
+
+def _watch_optimizers() -> None:
+    """From the first split tensor on, torch optimizers are watched (two global hooks, each a
+    set lookup per step once an optimizer is known):
+
+    - the first step of each checks that it holds no parameter fully_shard took out of the
+      model (it would step tensors the model no longer uses; the loss would print as usual
+      while nothing trains), and that an optimizer over shards or slices updates each element
+      on its own (`elementwise`: Adafactor, Muon or LAMB would run another algorithm);
+    - a plain torch optimizer over split parameters (fully_shard shards, tensor-parallel slices,
+      a pipeline stage) records its steps for `tandem scale` and `MetricLogger(timing=True)`,
+      as DistributedOptimizer and ZeroOptimizer do themselves."""
+    global _watching
+    if not _watching:
+        register_optimizer_step_pre_hook(_refuse_replaced)
+        register_optimizer_step_post_hook(_account_step)
+        _watching = True
+
+
+_accounted: weakref.WeakSet = weakref.WeakSet()  # optimizers whose wrapper records their steps
+_splits_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> holds split params
+
+
+def accounted_elsewhere(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` is wrapped by a tandem class that records its steps itself."""
+    _accounted.add(optimizer)
+
+
+def _account_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer in _accounted:
+        return
+    holds = _splits_seen.get(optimizer)
+    if holds is None:
+        holds = _splits_seen[optimizer] = any(
+            kind_of(p) in (FULLY_SHARD, TENSOR_PARALLEL, PIPELINE)
+            for group in optimizer.param_groups for p in group["params"])
+    if holds:
+        steps.step_done()
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer in _checked:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stale = [i for i, p in enumerate(params) if kind_of(p) == REPLACED]
+    if stale:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds {len(stale)} of {len(params)} parameters that "
+            f"td.fully_shard replaced by its shards (parameter #{stale[0]} first): stepping them "
+            f"would train nothing. Build the optimizer after fully_shard: "
+            f"opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")
+    kinds = {kind_of(p) for p in params}
+    if FULLY_SHARD in kinds:  # flat 1-D shards of each parameter
+        refuse_unless_elementwise(optimizer, "td.fully_shard", "Use td.DistributedDataParallel "
+                                  "(whole parameters on every rank), or an element-wise "
+                                  "optimizer such as AdamW")
+    if TENSOR_PARALLEL in kinds:  # slices of a matrix: its rows or its columns
+        refuse_unless_elementwise(optimizer, "tensor parallelism", "Keep the tensor-parallel "
+                                  "layers' parameters with an element-wise optimizer such as "
+                                  "AdamW, or train the model data-parallel")
+    _checked.add(optimizer)
+
+
+def split_of(tensor: torch.Tensor) -> Split | None:
+    """How `tensor` is split (None: every rank that holds it holds all of it)."""
+    return _REGISTRY.get(tensor)
+
+
+def mixes_slices(tensor: torch.Tensor, group: Group | None) -> bool:
+    """Whether `group` holds several different tensor-parallel slices of `tensor` (averaging or
+    broadcasting over it would mix them)."""
+    split = split_of(tensor)
+    if split is None or split.kind != TENSOR_PARALLEL:
+        return False
+    return len(set(group_ranks(group)) & set(group_ranks(split.group))) > 1
+
+
+def kind_of(tensor: torch.Tensor) -> str | None:
+    split = split_of(tensor)
+    return None if split is None else split.kind
+
+
+# parameter -> weak reference to the reducer that averages its gradient: one reducer per
+# parameter, and the pipeline finds the reducers over a stage here.
+_REDUCERS = WeakIdKeyDictionary()
+
+
+def set_reducer(param: torch.Tensor, reducer_ref: weakref.ref) -> None:
+    _REDUCERS[param] = reducer_ref
+
+
+def reducer_of(param: torch.Tensor):
+    """The live reducer that averages `param`'s gradient, if any."""
+    ref = _REDUCERS.get(param)
+    return ref() if ref is not None else None

@@ -1,0 +1,406 @@
+"""ZeRO stage 1: each rank keeps the optimizer state of only its shard of the parameters.
+
+    opt = td.ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+All parameters are laid end to end in one flat space (group by group, in the optimizer's
+order), padded to a multiple of the group size k and cut into k equal shards. A step:
+
+1. packs the local gradients into one flat buffer and reduce-scatters it (mean): each rank
+   receives the averaged gradient of its own shard only;
+2. steps the wrapped optimizer, which has been re-pointed at this rank's shard (one flat
+   tensor per param group, so per-group hyper-parameters still apply), so its state (Adam's
+   two moments, SGD's momentum) exists for 1/k of the parameters;
+3. all-gathers the updated shards and copies them into the model's parameters.
+
+Communication equals one all-reduce (a reduce-scatter plus an all-gather), as in plain data
+parallelism; optimizer memory per rank drops to ~1/k. The result equals unsharded training for
+optimizers that update each element on its own; others (Adafactor, Muon, LAMB) are refused
+with the reason (`parallel/layout/elementwise.py`). A parameter that got no gradient on any rank is
+stepped with a zero gradient (so
+weight decay and momentum still move it), where torch would skip it.
+
+**Where it differs from `DistributedOptimizer`:** the model's `.grad` stays this rank's own
+gradient after backward() (the average exists only as shards, made in `step()`), so recipes
+that read gradients between backward() and step() need its help: clip with
+`opt.clip_grad_norm_(max_norm)` (the global norm of the averaged gradient), not
+`nn.utils.clip_grad_norm_`. GradScaler's `unscale_` is not supported (each rank would see
+inf in its own shard only and skip different steps): use bf16 autocast, which needs no scaler.
+The model's gradients stay local (this class averages its shard only). The model's
+parameters stay the source of truth: each step re-reads this rank's shard from
+them, so loading a model state dict between steps is safe. `state_dict()` gathers the full,
+ordinary optimizer state dict (collective: every rank must call it); `load_state_dict` takes
+such a dict and keeps this rank's shard. LR schedulers want a torch `Optimizer`: give them
+`opt.optimizer`, whose `param_groups` (and so `lr`) are the ones this class steps with.
+To restore, every rank calls `load_state_dict` with the full dict (`td.load` returns it on
+every rank); `td.broadcast_optimizer_state` is not needed.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tandem import runtime
+from tandem.comm.agreement.agree import agree_layout, describe_tensors
+from tandem.comm.collectives import user as collectives
+from tandem.comm.engines.backend import on_wire
+from tandem.comm.groups import Group, group_rank, group_size
+from tandem.diagnostics import steps
+from tandem.parallel.layout import splits
+from tandem.parallel.layout.elementwise import refuse_unless_elementwise
+from tandem.parallel.layout.flat_shard import FlatShard
+from tandem.parallel.layout.pieces import per_element
+from tandem.parallel.layout.split_grads import mark_grads
+
+_OWNERS = WeakIdKeyDictionary()  # parameter -> weakref to the ZeroOptimizer that holds it
+
+
+def owner_of(param: torch.Tensor) -> ZeroOptimizer | None:
+    """The ZeroOptimizer whose parameter this is (its gradient is averaged only by step())."""
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
+
+
+class ZeroOptimizer:
+    """Wrap a torch optimizer so that its state is sharded across the ranks of `group`.
+
+    Build it right after the optimizer (and after `td.broadcast_parameters(model)`), on every
+    rank. An optimizer that has already stepped keeps its state: it is resharded.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Group | None = None, *,
+                 elementwise: bool | None = None) -> None:
+        from tandem.parallel.data_parallel.wrappers import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(
+                "ZeroOptimizer reduces gradients itself: wrap the plain torch optimizer, not a "
+                "DistributedOptimizer (pass the optimizer you gave DistributedOptimizer)"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if elementwise is not None:  # the user's word for an optimizer tandem cannot classify
+            optimizer.elementwise = elementwise
+        refuse_unless_elementwise(optimizer, "td.ZeroOptimizer", "Use td.DistributedOptimizer "
+                                  "(the optimizer state replicated, the one-process result)")
+        if any(splits.kind_of(p) == splits.FULLY_SHARD for g in optimizer.param_groups for p in g["params"]):
+            raise TypeError("these parameters are td.fully_shard shards (optimizer state already 1/N "
+                            "per rank): give them to the plain torch optimizer, unwrapped")
+        if group is not None and group.rank < 0:
+            raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
+        self.optimizer = optimizer
+        splits.accounted_elsewhere(optimizer)  # this class records its steps itself
+        for p in (q for g in optimizer.param_groups for q in g["params"]):
+            _OWNERS[p] = weakref.ref(self)  # td.clip_grad_norm_(model) clips through this
+            if p.requires_grad:  # torch's own clip_grad_norm_ is refused with the fix
+                mark_grads(p, splits.Split(splits.ZERO, group))
+        self.group = group
+        self._params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
+        flat = [p for params in self._params for p in params]
+        if not flat:
+            raise ValueError("ZeroOptimizer needs an optimizer with at least one parameter")
+        kinds = {(p.dtype, p.device) for p in flat}
+        if len(kinds) > 1:
+            found = ", ".join(f"{dtype} on {device}" for dtype, device in sorted(kinds, key=str))
+            raise ValueError(
+                f"ZeroOptimizer shards one flat space, so all parameters need one dtype and device; "
+                f"found {found}. Keep fp32 master parameters on one device (e.g. model.float())."
+            )
+        if len({id(p) for p in flat}) != len(flat):
+            raise ValueError("a parameter appears twice in the optimizer's param_groups")
+        if not runtime.joins_running_job():  # whose ranks are not building one with it
+            agree_layout("ZeroOptimizer", describe_tensors(
+                (f"group{g}.param{i}", p) for g, params in enumerate(self._params)
+                for i, p in enumerate(params)), group)
+        previous = optimizer.state_dict() if len(optimizer.state) else None
+        self._dtype, self._device = flat[0].dtype, flat[0].device
+        self._partition()
+        if previous is not None:
+            self.load_state_dict(previous)
+
+    def _partition(self) -> None:
+        """Cut the flat space into this group's shards and point the wrapped optimizer at this
+        rank's; its state starts empty (the caller loads it)."""
+        optimizer = self.optimizer
+        self._size, self._rank = group_size(self.group), group_rank(self.group)
+        self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
+        self._flat: torch.Tensor | None = None
+        self._offsets: list[list[int]] = []
+        self._group_ranges: list[tuple[int, int]] = []
+        offset = 0
+        for params in self._params:
+            start = offset
+            self._offsets.append([])
+            for p in params:
+                self._offsets[-1].append(offset)
+                offset += p.numel()
+            self._group_ranges.append((start, offset))
+        self.space = FlatShard(offset, self._size, self._rank)
+        self.numel = offset
+        self.shard_numel = self.space.shard_numel
+        self._lo = self.space.start
+        self._hi = self._lo + self.shard_numel
+        self._shard = torch.zeros(self.shard_numel, dtype=self._dtype, device=self._device)
+        self._shard_grad = torch.zeros_like(self._shard)
+        # One view of this rank's shard per param group: the tensors the wrapped optimizer
+        # now steps (and keys its state by). Views, so stepping them updates `_shard` in place.
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._view_starts: list[int] = []
+        for (start, end), group_dict in zip(self._group_ranges, optimizer.param_groups, strict=True):
+            a = min(max(start - self._lo, 0), self.shard_numel)
+            b = min(max(end - self._lo, 0), self.shard_numel)
+            view, grad = self._shard[a:b], self._shard_grad[a:b]
+            self._views.append((view, grad))
+            self._view_starts.append(a)
+            group_dict["params"] = [view]
+        optimizer.state = defaultdict(dict)  # keyed by the old parameters or views
+
+    def _tandem_rejoin(self) -> None:
+        """A new world (td.elastic): shards for its size; td.elastic.State then loads this
+        rank's new shard of the committed state, gathered from the ranks that held it."""
+        self._partition()
+
+    # -- the optimizer interface -----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The model parameters, in the flat space's order."""
+        return [p for params in self._params for p in params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
+        for p in self.parameters:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:  # as torch's Optimizer.zero_grad: a SplitGrad is an alias, which detach_() refuses
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    def _reduce_gradients(self) -> torch.Tensor:
+        """Reduce-scatter the local gradients: this rank's shard of their average. Returns the
+        flat buffer, free for the parameters' all-gather."""
+        flat = self._pack_gradients()
+        self._communicate("reducescatter", self._shard_grad, flat)
+        self._shard_grad.div_(self._size)
+        self._reduced = True
+        return flat
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the *averaged* gradient by its global norm, as `nn.utils.clip_grad_norm_` would
+        in one process; returns that norm. Call it between backward() and step().
+
+        The model's `.grad` is this rank's own gradient until `step()` (see the module
+        docstring), so `nn.utils.clip_grad_norm_(model.parameters())` would clip the wrong
+        thing. This reduce-scatters now (step() then does not again), and the norm is one
+        all-reduce of the shards' partial sums.
+        """
+        if not self._reduced:
+            self._flat = self._reduce_gradients()
+        grad = self._shard_grad
+        if norm_type == float("inf"):
+            local = grad.abs().max() if grad.numel() else grad.new_zeros(())
+            total = collectives.allreduce(local.reshape(1), op="max", group=self.group)[0]
+        else:
+            local = grad.abs().pow(norm_type).sum().reshape(1)
+            total = collectives.allreduce(local, op="sum", group=self.group)[0].pow(1.0 / norm_type)
+        grad.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Average gradients, step this rank's shard, and gather the new parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._reduced and self._flat is not None:
+            flat, self._flat = self._flat, None
+        else:
+            flat = self._reduce_gradients()
+        self._reduced = False
+        self._read_shard()
+        with torch.no_grad():
+            for view, grad in self._views:
+                view.grad = grad
+            self.optimizer.step()
+        self._communicate("allgather", flat, self._shard)
+        self._write_parameters(flat)
+        steps.step_done()  # what `tandem scale` and MetricLogger(timing=True) read
+        return loss
+
+    # -- the flat space ----------------------------------------------------------------------
+    def _pieces(self):
+        """(param, its flat offset) for every parameter, group by group."""
+        for params, offsets in zip(self._params, self._offsets, strict=True):
+            yield from zip(params, offsets, strict=True)
+
+    def _pack_gradients(self) -> torch.Tensor:
+        flat = torch.zeros(self.shard_numel * self._size, dtype=self._dtype, device=self._device)
+        for p, offset in self._pieces():
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise ValueError("ZeroOptimizer does not support sparse gradients")
+                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
+
+    def _mine(self, offset: int, n: int) -> tuple[int, int] | None:
+        """The part [a, b) of a parameter at `offset` (n elements) inside this rank's shard."""
+        a, b = max(offset, self._lo), min(offset + n, self._hi)
+        return (a, b) if a < b else None
+
+    def _read_shard(self) -> None:
+        with torch.no_grad():
+            for p, offset in self._pieces():
+                part = self._mine(offset, p.numel())
+                if part is not None:
+                    a, b = part
+                    self._shard[a - self._lo : b - self._lo].copy_(
+                        p.detach().reshape(-1)[a - offset : b - offset])
+
+    def _write_parameters(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, offset in self._pieces():
+                p.copy_(flat[offset : offset + p.numel()].view(p.shape))
+
+    def _communicate(self, kind: str, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Reduce-scatter (sum) or all-gather straight on the backend: layouts agreed at init."""
+        if self._size == 1:
+            output.copy_(input)
+            return
+        backend = runtime.get_backend()
+        out = on_wire(output, backend, keep_values=False)
+        inp = on_wire(input, backend)
+        if kind == "reducescatter":
+            work = backend.reducescatter_into(out, inp, "sum", self.group)
+        else:
+            work = backend.allgather_into(out, inp, self.group)
+        start = time.perf_counter()
+        work.wait(runtime.state().timeout)
+        steps.add_comm(time.perf_counter() - start)
+        if out is not output:
+            output.copy_(out)
+
+    # -- memory and checkpoints --------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (about 1/size of the unsharded state)."""
+        return sum(
+            v.numel() * v.element_size()
+            for state in self.optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state dict, as the unsharded optimizer would return it.
+
+        Collective: every rank must call it (each contributes its shard); every rank gets it.
+        """
+        inner = self.optimizer.state_dict()
+        # What each group's state holds on this rank: per-element tensors (gathered below)
+        # and everything else (scalars such as Adam's step, equal on every rank).
+        summary = []
+        for g, (view, _) in enumerate(self._views):
+            state = inner["state"].get(g, {})
+            elementwise = {k: str(v.dtype) for k, v in state.items()
+                           if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == view.shape
+                           and k != "step"}
+            others = {k: v for k, v in state.items() if k not in elementwise}
+            summary.append((elementwise, others))
+        everyone = collectives.allgather_object(summary, group=self.group)
+        full_state: dict[int, dict[str, Any]] = {}
+        index = 0
+        for g, (params, offsets) in enumerate(zip(self._params, self._offsets, strict=True)):
+            keys: dict[str, str] = {}
+            scalars: dict[str, Any] = {}
+            for elementwise, others in (ranks_summary[g] for ranks_summary in everyone):
+                keys.update(elementwise)
+                for k, v in others.items():
+                    scalars.setdefault(k, v)
+            gathered = {k: self._gather_state(g, k, getattr(torch, dtype.replace("torch.", "")))
+                        for k, dtype in sorted(keys.items())}
+            for p, offset in zip(params, offsets, strict=True):
+                if keys or scalars:
+                    entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+                    for k, full in gathered.items():
+                        entry[k] = full[offset : offset + p.numel()].view(p.shape).clone()
+                    full_state[index] = entry
+                index += 1
+        groups = []
+        index = 0
+        for group_dict, params in zip(inner["param_groups"], self._params, strict=True):
+            groups.append({**group_dict, "params": list(range(index, index + len(params)))})
+            index += len(params)
+        return {"state": full_state, "param_groups": groups}
+
+    def _gather_state(self, g: int, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """The per-element state `key` of group g over the whole flat space (zeros elsewhere)."""
+        view, _ = self._views[g]
+        mine = torch.zeros(self.shard_numel, dtype=dtype, device=self._device)
+        value = self.optimizer.state.get(view, {}).get(key)
+        if value is not None and view.numel():
+            a = self._view_starts[g]
+            mine[a : a + view.numel()].copy_(value)
+        full = torch.empty(self.shard_numel * self._size, dtype=dtype, device=self._device)
+        self._communicate("allgather", full, mine)
+        return full
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full optimizer state dict (from `state_dict()` or an unsharded optimizer)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._params) or any(
+            len(s["params"]) != len(p) for s, p in zip(saved_groups, self._params, strict=False)
+        ):
+            raise ValueError(
+                f"the state dict has param groups of sizes {[len(s['params']) for s in saved_groups]}, "
+                f"this optimizer has {[len(p) for p in self._params]}: it belongs to another model"
+            )
+        saved_state = state_dict["state"]
+        inner_state: dict[int, dict[str, Any]] = {}
+        for g, (saved, params, offsets) in enumerate(
+            zip(saved_groups, self._params, self._offsets, strict=True)
+        ):
+            view, _ = self._views[g]
+            entries = [(p, offset, saved_state.get(index, saved_state.get(str(index))))
+                       for p, offset, index in zip(params, offsets, saved["params"], strict=True)]
+            if not any(entry for _, _, entry in entries):
+                continue
+            state: dict[str, Any] = {}
+            elementwise: set[str] = set()
+            for p, _, entry in entries:
+                for k, v in (entry or {}).items():
+                    if per_element(k, v, p):
+                        elementwise.add(k)
+                    else:
+                        state.setdefault(k, v)
+            for k in elementwise:
+                pieces = []
+                for p, offset, entry in entries:
+                    part = self._mine(offset, p.numel())
+                    if part is None:
+                        continue
+                    a, b = part
+                    value = (entry or {}).get(k)
+                    if value is None:
+                        pieces.append(torch.zeros(b - a, dtype=self._dtype, device=self._device))
+                    else:
+                        pieces.append(value.detach().reshape(-1)[a - offset : b - offset])
+                dtype = next(e[k].dtype for _, _, e in entries if e and k in e)
+                state[k] = (torch.cat([x.to(dtype) for x in pieces]) if pieces
+                            else torch.zeros(0, dtype=dtype, device=self._device))
+            inner_state[g] = state
+        inner_groups = [{**saved, "params": [g]} for g, saved in enumerate(saved_groups)]
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})

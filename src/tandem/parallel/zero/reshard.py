@@ -1,0 +1,93 @@
+"""A ZeroOptimizer's state moved between world sizes in memory (td.elastic).
+
+A commit keeps this rank's shard only (`shard_state`: a copy, no communication). After a
+change of world the optimizer cuts its flat space for the new size (`_tandem_rejoin`), and
+every rank receives the shards of the newest commit from the ranks that hold them
+(`td.elastic.State` sends each rank the `cut` of every part that it `wanted`) and keeps its
+new part (`load_shards`). When no remaining rank holds some
+part of the flat space (its only holder left the job), `flat_shard.missing` says which: the
+state can then only come from a checkpoint on disk. (`fully_shard/resize.py` does the same
+for a fully sharded model's optimizer.)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from tandem.parallel.layout.flat_shard import FlatShard, missing
+from tandem.parallel.zero.optimizer import ZeroOptimizer
+
+
+def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
+    """This rank's part of the state, each group's as a slice of the flat space."""
+    inner = optimizer.optimizer.state_dict()
+    groups = []
+    for g, (view, _) in enumerate(optimizer._views):
+        start = optimizer._lo + optimizer._view_starts[g]
+        state = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                 for k, v in inner["state"].get(g, {}).items()}
+        groups.append((start, view.numel(), state))
+    return {"numel": optimizer.numel,
+            "range": (optimizer._lo, min(optimizer._hi, optimizer.numel)),
+            "groups": groups, "param_groups": copy.deepcopy(inner["param_groups"])}
+
+
+__all__ = ["cut", "load_shards", "missing", "shard_state", "wanted"]
+
+
+def _per_element(key: str, value: Any, n: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == n and key != "step"
+
+
+def wanted(optimizer: ZeroOptimizer, rank: int) -> tuple[int, int]:
+    """The flat elements [lo, hi) that `rank` holds in the optimizer's current cut."""
+    space = FlatShard(optimizer.numel, optimizer._size, rank)
+    return min(space.start, optimizer.numel), min(space.start + space.shard_numel,
+                                                   optimizer.numel)
+
+
+def cut(state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """`state` (a `shard_state`) cut to the flat elements [lo, hi): what one rank needs of it."""
+    groups = []
+    for start, n, held in state["groups"]:
+        x, y = max(start, lo), min(start + n, hi)
+        x, y = (x, y) if x < y else (start, start)
+        groups.append((x, y - x, {k: v[x - start: y - start] if _per_element(k, v, n) else v
+                                  for k, v in held.items()}))
+    return {**state, "groups": groups}
+
+
+def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
+    """Assemble the full state from `shards` (which cover the flat space) and keep this rank's
+    part of it, in the optimizer's current partition."""
+    state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for g, (params, offsets) in enumerate(zip(optimizer._params, optimizer._offsets,
+                                              strict=True)):
+        start, end = optimizer._group_ranges[g]
+        flats: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for shard in shards:
+            at, n, held = shard["groups"][g]
+            for k, v in held.items():
+                if _per_element(k, v, n):
+                    flat = flats.setdefault(k, torch.zeros(end - start, dtype=v.dtype,
+                                                           device=optimizer._device))
+                    flat[at - start: at - start + n].copy_(v)
+                else:
+                    scalars.setdefault(k, v)
+        for p, offset in zip(params, offsets, strict=True):
+            if flats or scalars:
+                entry = {k: copy.deepcopy(v) for k, v in scalars.items()}
+                entry.update({k: flat[offset - start: offset - start + p.numel()].view(p.shape)
+                              for k, flat in flats.items()})
+                state[index] = entry
+            index += 1
+    groups, index = [], 0
+    for group_dict, params in zip(shards[0]["param_groups"], optimizer._params, strict=True):
+        groups.append({**group_dict, "params": list(range(index, index + len(params)))})
+        index += len(params)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
