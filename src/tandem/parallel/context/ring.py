@@ -28,8 +28,8 @@ from tandem.parallel.context import wire
 
 
 def _plan(me: int, origin: int, causal: bool, half: int):
-    """(query rows, key rows, masked) for this rank's queries against `origin`'s block, or None
-    when the mask hides all of it."""
+    """(query rows, key rows, causal) for this rank's queries against `origin`'s block: only
+    the rows and keys the mask leaves anything of (in the head-tail layout, never nothing)."""
     every = slice(None)
     if not causal:
         return every, every, False
@@ -102,8 +102,7 @@ class RingAttention(torch.autograd.Function):
             origin = (me - step) % sp
             pending = (ring.start(wire.pack([block_k, block_v], header_at(ctx, step, header)))
                        if step < sp - 1 else None)
-            plan = _plan(me, origin, causal, half)
-            rows, keys, masked = plan
+            rows, keys, masked = _plan(me, origin, causal, half)
             o_b, lse_b = _block(q[..., rows, :], block_k[..., keys, :], block_v[..., keys, :],
                                 scale, masked)
             new = torch.logaddexp(lse[..., rows], lse_b)
