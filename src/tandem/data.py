@@ -29,6 +29,17 @@ Remainders (N samples, k ranks, global batch B):
 * `drop_last=True`: only the first `N - N % B` samples of each epoch's order are read, so
   every step is a full global batch on every rank (as `DataLoader(drop_last=True)` would do
   in one process). Different samples are dropped each epoch when shuffling.
+
+The position is state. `loader.state_dict()` says where the job is in its data: the epoch, the
+global position in that epoch's order (samples the job's steps have taken: batches handed to
+the script, not those a worker prefetched) and what fixes the order (seed, shuffle, length,
+global batch); the order's randomness is a function of `(seed, epoch)`, so that is its RNG
+state. `td.Checkpointer.save(step, ..., data=loader)` keeps it and `restore(..., data=loader)`
+puts it back: the next pass starts at that epoch and position, and the rest of the epoch is
+split over however many ranks the job now has (position p: step j of rank r reads positions
+p + j*B + r + k*m), so the global batches are the one-process batches and every sample of the
+epoch is read once, as if the job had never stopped. A state from another dataset length,
+global batch, seed or order is refused, named.
 """
 
 from __future__ import annotations
@@ -107,6 +118,9 @@ class ShardSampler(Sampler[int]):
         self.batch_size = batch_size
         self.pad = pad
         self._next_epoch = 0
+        self._start = 0  # the position in its epoch's order where the next pass starts
+        self._pass: tuple[int, int] | None = None  # (epoch, start) of the pass being read
+        self._taken = 0  # batches of that pass handed to the script
         if drop_last:
             self._used = length - length % batch_size
         elif pad:
@@ -120,38 +134,95 @@ class ShardSampler(Sampler[int]):
         return self._next_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Use `epoch`'s order for the next pass (then `epoch + 1`, and so on)."""
+        """Use `epoch`'s order for the next pass (then `epoch + 1`, and so on).
+
+        After `load_state_dict`, setting the restored epoch keeps the restored position (a
+        script that calls `set_epoch(epoch)` at the top of each epoch resumes mid-epoch)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._pass is not None or int(epoch) != self._next_epoch:
+            self._start = 0
+        self._pass = None
         self._next_epoch = int(epoch)
 
-    def indices(self, epoch: int) -> list[int]:
-        """This rank's indices in `epoch`, in the order they are read. Does not advance."""
+    def indices(self, epoch: int, start: int = 0) -> list[int]:
+        """This rank's indices in `epoch` from position `start` of its order, in the order they
+        are read. Does not advance."""
         order = epoch_order(self.length, epoch, self.seed, self.shuffle)
         if self._used > self.length:  # pad by wrapping around (np.resize repeats the array)
             order = np.resize(order, self._used)
         else:
             order = order[: self._used]
-        return order[self.rank :: self.size].tolist()
+        return order[start + self.rank :: self.size].tolist()
 
     def __iter__(self) -> Iterator[int]:
-        epoch = self._next_epoch
-        self._next_epoch += 1
-        return iter(self.indices(epoch))
+        epoch, start = self._next_epoch, self._start
+        self._next_epoch, self._start = epoch + 1, 0
+        self._pass, self._taken = (epoch, start), 0
+        return iter(self.indices(epoch, start))
 
     def __len__(self) -> int:
-        return len(range(self.rank, self._used, self.size))
+        """The samples of the next pass on this rank (fewer when it resumes mid-epoch)."""
+        return self._count(self._start)
+
+    def _count(self, start: int) -> int:
+        return len(range(start + self.rank, self._used, self.size))
 
     def step_samples(self, step: int) -> tuple[int, bool]:
-        """(this rank's samples at `step` of a pass, whether the ranks' counts differ there).
+        """(this rank's samples at `step` of the pass being read, whether the ranks' counts
+        differ there).
 
         The same for every epoch. The counts differ only where the step's global batch
-        (positions [step * B, (step + 1) * B) of the order) is not a multiple of `size`.
+        (positions [start + step * B, start + (step + 1) * B) of the order) is not a multiple
+        of `size`.
         """
+        start = self._pass[1] if self._pass is not None else self._start
         per_rank = self.batch_size // self.size
-        mine = max(0, min(per_rank, len(self) - step * per_rank))
-        globally = max(0, min(self.batch_size, self._used - step * self.batch_size))
+        mine = max(0, min(per_rank, self._count(start) - step * per_rank))
+        globally = max(0, min(self.batch_size, self._used - start - step * self.batch_size))
         return mine, globally % self.size != 0
+
+    def batch_taken(self) -> None:
+        """The loader handed one more batch of this pass to the script (one global batch of
+        the job's order: every rank takes its step together)."""
+        self._taken += 1
+
+    def pass_finished(self) -> None:
+        """The pass was read to its end: the state is the next epoch's start."""
+        self._pass = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the job is in its data: the epoch and the global position in that epoch's order
+        (samples taken by the job's steps, whatever its number of ranks), and what fixes the
+        order. The same on every rank."""
+        epoch, position = self._next_epoch, self._start
+        if self._pass is not None:
+            epoch, start = self._pass
+            position = start + self._taken * self.batch_size
+            if position >= self._used:  # the pass's last batch was taken: the next epoch
+                epoch, position = epoch + 1, 0
+        return {"epoch": epoch, "position": position, "length": self.length,
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "world_size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next pass where `state` (from `state_dict`, on any number of ranks) was."""
+        mine = {"length": self.length, "batch_size": self.batch_size, "seed": self.seed,
+                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if differ:
+            saved = ", ".join(f"{k}={was!r}" for k, (was, _) in differ.items())
+            now = ", ".join(f"{k}={v!r}" for k, (_, v) in differ.items())
+            raise ValueError(
+                f"rank {self.rank}: the saved data position is from a loader with {saved}, this "
+                f"one has {now} (length: the dataset's samples; batch_size: the global batch): "
+                f"the position in another order means other samples. Restore with the saved "
+                f"job's dataset and partition_dataset arguments, or leave data= out of restore "
+                f"to start this loader at its first epoch")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if position >= self._used:  # (pad=True on another world size pads another length)
+            epoch, position = epoch + 1, 0
+        self._next_epoch, self._start, self._pass, self._taken = epoch, position, None, 0
 
 
 class ShardedLoader(DataLoader):
@@ -167,6 +238,14 @@ class ShardedLoader(DataLoader):
     def epoch(self) -> int:
         """The epoch the next pass will use."""
         return self.sampler.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position (epoch, place in its order): see `ShardSampler.state_dict`."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved data position, on any number of ranks."""
+        self.sampler.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Any]:
         # The base iterator is made now (not at the first batch): iter() starts the epoch.
@@ -184,6 +263,7 @@ def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iter
         try:
             batch = next(batches)
         except StopIteration:
+            sampler.pass_finished()
             return
         end = time.perf_counter_ns()
         steps.add_batch((end - start) * 1e-9, per_rank)
@@ -192,6 +272,7 @@ def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iter
         if torch.is_grad_enabled():
             mine, uneven = sampler.step_samples(step)
             record_batch(mine / global_batch, uneven, global_batch)
+        sampler.batch_taken()
         yield batch
 
 

@@ -51,6 +51,12 @@ exactly as an uninterrupted one, everything random must come from the step: draw
 order from `(seed, epoch)` (`td.partition_dataset` does, with `loader.set_epoch`) and seed
 per-step randomness from the step number; `TANDEM_RESTART` (0, 1, ...) tells a script which
 attempt it is.
+
+The data position is state like the rest: `save(step, model=..., optimizer=..., data=loader)`
+with a `td.partition_dataset` loader keeps the epoch and the place in its order, and
+`restore(..., data=loader)` resumes at the exact sample, on any number of ranks
+(`tandem.data`). A loader without `state_dict()` (a plain `DataLoader`) is left out with one
+warning: it restarts at its epoch's start.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ import itertools
 import os
 import secrets
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -297,6 +304,7 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: give the 0-based index of the step just finished")
+        objects = _with_state(objects)
         if not objects:
             raise ValueError("nothing to save: pass the objects, e.g. save(step, model=model)")
         sharded.check_objects(objects)
@@ -342,6 +350,7 @@ class Checkpointer:
         the step to resume at (0: none). A checkpoint that cannot be read, or whose bytes fail
         their checksums, is an error that names it and the older ones (nothing is loaded),
         never skipped for an older one."""
+        objects = _with_state(objects)
         if not objects:
             raise ValueError("nothing to restore: pass the objects, e.g. restore(model=model)")
         sharded.check_objects(objects)
@@ -371,3 +380,23 @@ class Checkpointer:
 
 
 _holders = itertools.count()
+_warned_loaders: set[str] = set()
+
+
+def _with_state(objects: dict[str, Any]) -> dict[str, Any]:
+    """`objects` without data loaders that keep no position (warned once per name): they
+    restart at their epoch's start, which is what they would do anyway."""
+    kept = {}
+    for name, obj in objects.items():
+        stateless = not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+        if stateless and isinstance(obj, (torch.utils.data.DataLoader, torch.utils.data.Sampler)):
+            if name not in _warned_loaders:
+                _warned_loaders.add(name)
+                warnings.warn(
+                    f"{name}={type(obj).__name__} keeps no data position (no state_dict()): it is "
+                    f"not checkpointed, and a resumed job starts it at its epoch's start (samples "
+                    f"of the interrupted epoch are read again). Make it with td.partition_dataset, "
+                    f"or give it state_dict()/load_state_dict()", UserWarning, stacklevel=3)
+            continue
+        kept[name] = obj
+    return kept
