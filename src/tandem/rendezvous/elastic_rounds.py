@@ -75,6 +75,12 @@ def _arrived_key(number: int, worker: int) -> str:
     return f"tandem/elastic/{number}/arrived/{worker}"
 
 
+def arrived(store, number: int, worker: int) -> bool:
+    """Whether `worker` answered round `number`'s roll call (the launcher asks at the job's
+    end: a round that a finished worker never entered is one nobody else will enter)."""
+    return store.get(_arrived_key(number, worker)) is not None
+
+
 def arrive(store, joined: Round, worker: int, deadline: float) -> bool:
     """Answer round `joined`'s roll call and wait for every member: True once all are there,
     False as soon as the launcher has moved on to a later round (a member died meanwhile);

@@ -14,7 +14,10 @@ the life of its process. Who forms the world is a *round* on the store
   ranks move to it at their next `State.commit()`.
 
 Every transition is one line: the old and new world and why. A rank that exits 0 means the
-job is finishing: no round changes after that, and a failure then ends the job.
+job is finishing: no round changes after that, and a failure then ends the job. The end is an
+event like the others: once every worker that trained to the end has exited, workers that
+came too late (still starting, or in a round the finished ones never entered) are stopped,
+and the job ends with the finished workers' code (`_ElasticWatch.late`).
 
 Across machines (`--nnodes`), this agent is node 0: the workers of the other nodes' agents
 (`elastic_nodes`) are in its rounds too, their exits come as messages, a lost node takes its
@@ -42,7 +45,7 @@ from tandem.launch.local.output import block_agent_signals, signals_blocked
 from tandem.launch.local.processes import describe
 from tandem.launch.local.ranks import MASTER_ADDR
 from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
-from tandem.rendezvous.elastic_rounds import Round, publish, ready_key, report_death
+from tandem.rendezvous.elastic_rounds import Round, arrived, publish, ready_key, report_death
 
 DISCOVERY_S = 1.0  # how often --host-discovery-script runs
 DISCOVERY_TIMEOUT_S = 10.0  # a discovery script that takes longer is killed and reported
@@ -66,6 +69,7 @@ class ElasticJob(Agent):
         self.round: Round | None = None
         self.next_worker = 0
         self.pending: set[int] = set()  # started, not yet in a round (`grow`, `admit`)
+        self.first_round: dict[int, int] = {}  # worker -> the first round that included it
         self._stop_discovery = threading.Event()
 
     def close(self) -> None:
@@ -124,6 +128,8 @@ class ElasticJob(Agent):
         number = 0 if self.round is None else self.round.number + 1
         old = 0 if self.round is None else self.round.size
         self.round = Round(number, tuple(workers), why, since)
+        for worker in workers:
+            self.first_round.setdefault(worker, number)
         publish(self.store, self.round)
         if number:
             self.output.message(f"tandem run: elastic: world {old} -> {len(workers)} "
@@ -236,6 +242,7 @@ class _ElasticWatch(Supervisor):
         super().__init__(job.ranks, job.events, job.output)
         self.job = job
         self.finished: set[int] = set()  # workers that exited 0
+        self.dismissed: set[int] = set()  # late workers stopped at the job's end (`late`)
         if job.nodes.several:
             self.kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
 
@@ -254,6 +261,34 @@ class _ElasticWatch(Supervisor):
     def rank_finished(self, worker: int) -> None:
         self.job.nodes.gone(worker)
         self.finished.add(worker)
+        self._end_without_late()
+
+    def late(self) -> set[int]:
+        """Once the job is finishing: the live workers that will never train with the finished
+        ones. Those still starting (no round will include them now), and the newcomers of a
+        round that a finished worker never entered (they wait for it in the roll call)."""
+        live = self.job.nodes.live()
+        late = live & self.job.pending
+        newest = self.job.round
+        if newest is not None and any(w in newest.workers and not arrived(
+                self.job.store, newest.number, w) for w in self.finished):
+            late |= {w for w in newest.workers if w in live
+                     and self.job.first_round.get(w) == newest.number}
+        return late
+
+    def _end_without_late(self) -> None:
+        """The job is over when only late workers are left: stop them, end with code 0."""
+        if self.stopping or not self.finishing():
+            return
+        live = self.job.nodes.live()
+        late = self.late()
+        if not live or live - late:
+            return
+        self.dismissed |= late
+        names = ", ".join(map(str, sorted(late)))
+        self.output.message(f"tandem run: elastic: the job's ranks finished before worker(s) "
+                            f"{names} could join them; stopping {names}")
+        self.stop(None)
 
     def rank_exited(self, worker: int, returncode: int) -> None:
         self.job.nodes.gone(worker)
@@ -261,7 +296,7 @@ class _ElasticWatch(Supervisor):
 
     def failed(self, worker: int, returncode: int, failure: Failure) -> None:
         """Worker `worker` (here or on another node) exited `returncode` != 0."""
-        if self.failure is not None:
+        if self.failure is not None or worker in self.dismissed:
             return
         if worker in self.job.pending:  # never joined a round: the others did not miss it
             self.job.pending.discard(worker)
@@ -298,6 +333,7 @@ class _ElasticWatch(Supervisor):
         elif kind == "rejected":
             self.output.message(f"tandem run: rejected an agent from {event[1]}: {event[2]}")
         elif self.stopping or self.finishing():
+            self._end_without_late()  # a newcomer got ready after the others finished
             return
         elif kind == "ready":
             self.job.admit(event[1], f"{len(event[1])} worker(s) joined")
@@ -331,6 +367,7 @@ class _ElasticWatch(Supervisor):
         node = self.job.nodes.gone(worker)
         if returncode == 0:
             self.finished.add(worker)
+            self._end_without_late()
             return
         host = node.host if node is not None else "?"
         self.failed(worker, returncode, Failure(
