@@ -79,10 +79,12 @@ from tandem import runtime
 from tandem.checkpoint import dcp_files as files
 from tandem.checkpoint import dir_owner, steps_on_disk
 from tandem.checkpoint import exit as checkpoint_exit
+from tandem.checkpoint import preemption as agreed_stop
 from tandem.checkpoint import sharded as sharded
 from tandem.checkpoint.durable import CheckpointError, CorruptCheckpointError, no_space
 from tandem.checkpoint.durable import fsync_directory as _fsync_directory
 from tandem.comm.collectives import user as collectives
+from tandem.job import preemption
 
 PathLike = str | os.PathLike
 
@@ -263,6 +265,7 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._owned = self.directory.resolve()
         self._holder = next(_holders)
+        preemption.arm()  # SIGTERM/SIGUSR1 from now on: an agreed save and exit (see save)
         weakref.finalize(self, dir_owner.release, self._owned, self._holder)
 
     def path(self, completed: int) -> Path:
@@ -299,7 +302,10 @@ class Checkpointer:
         """After step `step` (0-based): write a checkpoint if it completes `every` steps.
 
         Returns True when a checkpoint was written (or, with `async_save`, started). Every rank
-        must call it. Refused before anything is written when another running job saves into
+        must call it. When a preemption signal reached any rank (`tandem.job.preemption`), every
+        rank saves at this same step whatever `every` says, waits for the files, and raises
+        `td.Preempted` (a SystemExit with status 75: resume me; under SLURM rank 0 requeues).
+        Refused before anything is written when another running job saves into
         the same directory, or when the file system cannot hold the checkpoint.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -309,7 +315,8 @@ class Checkpointer:
             raise ValueError("nothing to save: pass the objects, e.g. save(step, model=model)")
         sharded.check_objects(objects)
         completed = step + 1
-        if completed % self.every:
+        stopping = agreed_stop.preempted()  # a preemption signal on any rank: save now, then exit
+        if completed % self.every and not stopping:
             return False
         self.wait()  # a second save waits for the first
         if not self._checked:  # refuses a directory without metadata before writing beside it
@@ -319,8 +326,11 @@ class Checkpointer:
                                      background=self.async_save, staging=self._staging,
                                      admit=self._claim, **objects)
         self._pending = pending
-        if not self.async_save:
+        if not self.async_save or stopping:
             self.wait()
+            if stopping:
+                rank = runtime.rank() if _distributed() else 0
+                raise preemption.stop(step, rank, f"checkpoint {self.path(completed)} saved")
         else:
             checkpoint_exit.track(pending, completed, functools.partial(
                 steps_on_disk.prune, self.directory, self.keep, pending.path))

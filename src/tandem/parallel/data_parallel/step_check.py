@@ -8,7 +8,8 @@ default), the reducer opens every round with the same fixed-size agreement messa
 checked collective sends (`tandem.comm.agreement.agree`), carrying what the round is:
 
     (gradient reduction, the reducer's layout, rounds, training forwards, optimizer steps,
-     what the round's gradients are weighted by: 0 (1/size) or a sample count's unit, samples.py)
+     what the round's gradients are weighted by: 0 (1/size) or a sample count's unit, samples.py;
+     whether this rank heard a preemption signal: tandem.job.preemption)
 
 Ranks in the same round agree and the buckets follow. A rank elsewhere (another collective,
 another reducer, another step) disagrees, and every rank raises one `DivergedError` naming
@@ -33,9 +34,11 @@ from tandem.comm.agreement import agree as agreement
 from tandem.comm.agreement import fingerprints
 from tandem.comm.agreement.agree import DivergedError
 from tandem.comm.groups import Group, group_rank, group_size
+from tandem.job import preemption
 
 _KIND = agreement.checksum("gradient reduction")
 _WEIGHTS = 5  # the code that may differ: a warning, not an error
+_STOP = 7  # a rank heard a preemption signal (`tandem.job.preemption`): may differ, read as MAX
 
 
 class ReplicaStartWarning(UserWarning):
@@ -77,7 +80,8 @@ class StepCheck:
     def _codes(self, rounds: int) -> list[int]:
         rounds, forwards, steps = self._counts(rounds)
         weights = self._weights() if self._params else 0
-        return [_KIND, self._layout, rounds, forwards, steps, weights, self._weighting]
+        return [_KIND, self._layout, rounds, forwards, steps, weights, self._weighting,
+                preemption.requested()]
 
     def post(self, rounds: int, weighting: int = 0) -> agreement.Posted:
         """At the round's first gradient: send the agreement, to be finished by `agree`."""
@@ -106,9 +110,12 @@ class StepCheck:
             text += ", weighted by its samples (uneven batches)" if self._weighting else ""
             return text + (f" at {site}" if site else "")
 
+        codes = posted.codes if posted else self._codes(rounds)
         differ = agreement.agree(mine, self._group, error=DivergedError, explain=_explain,
-                                 codes=None if posted else self._codes(rounds),
-                                 tolerated=(_WEIGHTS,), engine=engine, posted=posted)
+                                 codes=None if posted else codes,
+                                 tolerated=(_WEIGHTS, _STOP), engine=engine, posted=posted)
+        # The flags' MAX: set on some rank (they differ) or on all (this rank's is set).
+        preemption.carried(_STOP in differ or bool(codes[_STOP]))
         if _WEIGHTS in differ and group_rank(self._group) == 0:
             warnings.warn(
                 f"{self._owner}: the replicas start from different weights (the parameters' "
