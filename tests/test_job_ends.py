@@ -69,3 +69,20 @@ def test_a_rank_killed_at_the_last_step_with_its_slot_offered_again_the_job_stil
     result = torch.load(out)
     assert result["sizes"][:11] == [3] * 11
     assert_same_model(result, one_process)
+
+
+def test_a_stopped_rank_is_the_one_dropped_the_job_goes_on_with_the_two_others(
+        tmp_path, one_process):
+    """Worker 2 stops itself (SIGSTOP) in step 5. The two healthy ranks' wait for it times out
+    (TANDEM_TIMEOUT=10); their watchdog names it as the rank that did not answer, the launcher
+    kills it (not them) and the job goes on with two ranks to the one-process result."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out),
+                      "--stop", "2:5", TANDEM_TIMEOUT="10")
+    assert done.returncode == 0, done.stderr
+    assert "tandem run: elastic: rank 2 (worker 2) did not answer rank " in done.stderr
+    assert "world 3 -> 2 (round 1): rank 2 (worker 2) stopped answering" in done.stderr
+    assert "rank 0 (worker 0)" not in done.stderr and "rank 1 (worker 1)" not in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 7
+    assert_same_model(result, one_process)

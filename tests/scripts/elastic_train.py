@@ -9,6 +9,7 @@ Rank 0 writes the final parameters (and the world size of each step) to OUT.
 
 Faults and events, by worker id (a worker keeps its id whatever its rank):
   --die W:S          worker W exits with code 9 in the middle of step S (after its forward)
+  --stop W:S         worker W stops itself (SIGSTOP) in the middle of step S: a hung rank
   --die-in-resize W  worker W exits with code 9 in its first reset callback (during a resize)
   --wait-size N:S    at step S, commit until the world has N ranks (a worker is joining);
                      several, comma-separated (2:5,3:8)
@@ -29,6 +30,7 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -41,6 +43,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--die", default=None)
+parser.add_argument("--stop", default=None)
 parser.add_argument("--die-in-resize", type=int, default=None)
 parser.add_argument("--wait-size", default=None)
 parser.add_argument("--offer", default=None)
@@ -92,6 +95,7 @@ state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, st
                    **extras)
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
+stop = tuple(map(int, args.stop.split(":"))) if args.stop else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
 skip = tuple(map(int, args.skip_commit.split(":"))) if args.skip_commit else None
 waits = dict(tuple(map(int, w.split(":")))[::-1] for w in args.wait_size.split(",")) \
@@ -130,6 +134,8 @@ def train(state):
         loss = torch.nn.functional.cross_entropy(net(x[rows]), y[rows])
         if die is not None and (worker, state.step) == die:
             os._exit(9)
+        if stop is not None and (worker, state.step) == stop:
+            os.kill(os.getpid(), signal.SIGSTOP)
         loss.backward()
         optimizer.step()
         if args.scheduler:

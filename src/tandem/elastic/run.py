@@ -64,6 +64,7 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
                 rollback = False
             except FAILURES as error:
                 rollback = True
+                _name_the_silent(state, error)
                 if state.commits == 0:
                     state.warn_no_commit()
                 _await_next_round(state, error)
@@ -98,6 +99,15 @@ def _resizable() -> bool:
         f"{job.source} with a fixed world of {runtime.size()} (an MPI world cannot change once "
         f"started). Start it with `tandem run --min-np A --max-np B script.py` (Gloo), or use "
         f"a fixed -np with --max-restarts and td.Checkpointer")
+
+
+def _name_the_silent(state: State, error: Exception) -> None:
+    """A timeout whose peers did not even answer the watchdog: those are stuck (stopped, hung,
+    deadlocked), not this rank; the launcher drops them and forms the round without them."""
+    silent = getattr(error, "silent", ())
+    if isinstance(error, WatchdogTimeout) and silent:
+        elastic_rounds.report_silent(state._store, state._round, silent, runtime.rank(),
+                                     runtime.state().timeout)
 
 
 def _await_next_round(state: State, error: Exception) -> None:

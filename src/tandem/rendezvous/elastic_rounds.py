@@ -114,6 +114,18 @@ def report_death(store, number: int, rank: int, how: str) -> None:
          "stack": f"(it {how})"}))
 
 
+def silent_key(number: int) -> str:
+    """Where a rank of round `number` names the ranks that did not answer its watchdog."""
+    return f"tandem/elastic/{number}/silent"
+
+
+def report_silent(store, number: int, ranks: tuple[int, ...], by: int, waited: float) -> None:
+    """A rank's wait timed out and `ranks` did not even answer the watchdog's question (a
+    stopped or hung process): tell the launcher, which drops them rather than the ranks that
+    waited (`launch/agents/elastic.py`)."""
+    store.set(silent_key(number), json.dumps({"ranks": list(ranks), "by": by, "waited": waited}))
+
+
 def ready_key(worker: int) -> str:
     """Set by a new worker once it reached `td.init()`: the launcher then forms the round that
     adds it, so the others never wait while it starts Python and imports torch."""

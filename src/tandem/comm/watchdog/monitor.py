@@ -266,7 +266,10 @@ class Watchdog(Ledger):
             self._await_report(reporter)
         if self.board is None:
             report += "\n(no rendezvous store: the other ranks could not be asked where they are)"
-        return WatchdogTimeout(f"{error}\n{report}")
+        members = set(mine["op"]["members"])
+        silent = tuple(sorted(r for r, a in answers.items()
+                              if a is None and r != self.rank and r in members))
+        return WatchdogTimeout(f"{error}\n{report}", silent)
 
     def _await_report(self, reporter: int) -> None:
         """Let the reporting rank print before this one exits (and its launcher stops the job)."""

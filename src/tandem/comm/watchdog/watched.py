@@ -28,7 +28,16 @@ _get_ident = threading.get_ident
 
 
 class WatchdogTimeout(TimeoutError):
-    """A wait passed the timeout; the message says who arrived and holds every rank's stack."""
+    """A wait passed the timeout; the message says who arrived and holds every rank's stack.
+
+    `silent`: the ranks of the wait that did not answer the watchdog's question at all (a
+    stopped or hung process, not one computing): the ones to blame, and, in an elastic job,
+    the ones the launcher drops (`tandem.elastic.run`).
+    """
+
+    def __init__(self, message: str = "", silent: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.silent = tuple(silent)
 
 
 class PeerUnreachableError(RuntimeError):

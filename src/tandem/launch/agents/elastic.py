@@ -27,6 +27,7 @@ workers with it in one round, and a node that joins grows the job like a discove
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import subprocess
 import sys
@@ -45,10 +46,18 @@ from tandem.launch.local.output import block_agent_signals, signals_blocked
 from tandem.launch.local.processes import describe
 from tandem.launch.local.ranks import MASTER_ADDR
 from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
-from tandem.rendezvous.elastic_rounds import Round, arrived, publish, ready_key, report_death
+from tandem.rendezvous.elastic_rounds import (
+    Round,
+    arrived,
+    publish,
+    ready_key,
+    report_death,
+    silent_key,
+)
 
 DISCOVERY_S = 1.0  # how often --host-discovery-script runs
 DISCOVERY_TIMEOUT_S = 10.0  # a discovery script that takes longer is killed and reported
+SILENT_POLL_S = 0.25  # how often the agent looks whether a rank named a silent peer
 
 
 class ElasticJob(Agent):
@@ -107,6 +116,9 @@ class ElasticJob(Agent):
                     with signals_blocked():
                         threading.Thread(target=self._discover, name="tandem-discovery",
                                          daemon=True).start()
+                with signals_blocked():
+                    threading.Thread(target=self._watch_silent, name="tandem-elastic-silent",
+                                     daemon=True).start()
                 failure = _ElasticWatch(self).run()
         finally:
             self._stop_discovery.set()
@@ -203,6 +215,20 @@ class ElasticJob(Agent):
             return None
         return self.publish(staying, why, time.time())
 
+    def _watch_silent(self) -> None:
+        """Ranks whose wait timed out name the peers that did not answer their watchdog
+        (`elastic_rounds.report_silent`): one ("silent", round, report) event per round."""
+        told = -1
+        while not self._stop_discovery.is_set():
+            number = self.round.number
+            if number == told or not self.store.wait_for([silent_key(number)], SILENT_POLL_S):
+                self._stop_discovery.wait(SILENT_POLL_S if number == told else 0)
+                continue
+            text = self.store.get(silent_key(number))
+            if text is not None:
+                self.events.put(("silent", number, json.loads(text)))
+            told = number
+
     # -- discovery -------------------------------------------------------------------------
     def _discover(self) -> None:
         said = None
@@ -243,6 +269,7 @@ class _ElasticWatch(Supervisor):
         self.job = job
         self.finished: set[int] = set()  # workers that exited 0
         self.dismissed: set[int] = set()  # late workers stopped at the job's end (`late`)
+        self.silenced: dict[int, str] = {}  # stuck workers killed (`_silent`) -> why
         if job.nodes.several:
             self.kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
 
@@ -304,8 +331,9 @@ class _ElasticWatch(Supervisor):
                                 f"{describe(returncode)} before it joined; the job goes on")
             return
         rank = self.job.round.rank_of(worker)
-        why = f"rank {rank} (worker {worker}{self._where(failure)}) {describe(returncode)}"
-        if not self.finishing() and self.job.shrink({worker: describe(returncode)}, why):
+        how = self.silenced.get(worker, describe(returncode))
+        why = f"rank {rank} (worker {worker}{self._where(failure)}) {how}"
+        if not self.finishing() and self.job.shrink({worker: how}, why):
             return
         self.end(f"worker {worker} {describe(returncode)}", failure)
 
@@ -335,10 +363,39 @@ class _ElasticWatch(Supervisor):
         elif self.stopping or self.finishing():
             self._end_without_late()  # a newcomer got ready after the others finished
             return
+        elif kind == "silent":
+            self._silent(event[1], event[2])
         elif kind == "ready":
             self.job.admit(event[1], f"{len(event[1])} worker(s) joined")
         elif kind == "slots" and not self.job.pending:
             self._discovered(event[1])
+
+    def _silent(self, number: int, report: dict) -> None:
+        """A rank's wait in round `number` timed out and these ranks never answered its
+        watchdog: they are the stuck ones (SIGSTOP, a hung kernel, a deadlock). Kill them; their
+        exits form the round without them, and the ranks that waited go on."""
+        if number != self.job.round.number:
+            return
+        live = self.job.nodes.live()
+        for rank in report["ranks"]:
+            if not 0 <= rank < self.job.round.size:
+                continue
+            worker = self.job.round.workers[rank]
+            node = self.job.nodes.node_of(worker)
+            if worker not in live or worker in self.silenced or node is None:
+                continue
+            self.silenced[worker] = (
+                f"stopped answering (rank {report['by']}'s wait for it timed out after "
+                f"{report['waited']:g} s and it did not answer the watchdog: stopped, hung or "
+                f"deadlocked); killed")
+            self.output.message(f"tandem run: elastic: rank {rank} (worker {worker}"
+                                f"{f' on node {node.number}' if node.number else ''}) did not "
+                                f"answer rank {report['by']}'s watchdog after a "
+                                f"{report['waited']:g} s wait: killing it (SIGKILL)")
+            if node.peer is None:
+                self.ranks.signal(signal.SIGKILL, {worker})
+            else:
+                self.job.nodes.send(node, ("kill", {"workers": [worker]}))
 
     def _discovered(self, offered: dict[str, int]) -> None:
         """The discovery script's hosts: on one machine, all its slots are this machine's;

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -308,6 +309,8 @@ class _MemberWatch(Supervisor):
                                      self.member.interface)
         elif kind == "stop":
             self._stop_workers()
+        elif kind == "kill":  # a stuck worker (`elastic._ElasticWatch._silent`)
+            self.ranks.signal(signal.SIGKILL, set(body["workers"]))
         elif kind == "finish":
             self.ended = ("finish", body)
             self._stop_workers()
