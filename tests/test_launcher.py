@@ -341,14 +341,15 @@ def test_each_impossible_job_is_refused_with_the_fix(fields, message):
     assert str(raised.value) == message
 
 
-def test_the_smallest_valid_values_are_accepted():
+def test_the_smallest_valid_values_are_accepted(monkeypatch):
     config = LaunchConfig(np=1, program="t.py", threads_per_rank=1, timeout=0.5, max_restarts=0,
                           nnodes=2, node_rank=1, master=("h", 1))
     assert (config.np, config.node_rank) == (1, 1)
     assert LaunchConfig(np=3, program="t.py", hosts=(Host("a", 1), Host("b", 2))).np == 3
     assert LaunchConfig(np=1, program="t.py", hosts=(Host("localhost", 1), Host("b", 1))
                         ).remote_hosts == (Host("b", 1),)
-    with pytest.raises(LaunchError, match="^how many processes. give -np N .or set TANDEM_NP.$"):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no -np: one rank per visible GPU, none here
+    with pytest.raises(LaunchError, match="^how many processes. give -np N .or set TANDEM_NP.: "):
         _config("t.py")
     with pytest.raises(LaunchError, match=r"^-H: cannot read 'a:x' as host:slots \(slots must"):
         _config("-H", "a:x", "t.py")

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.job.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
+from tandem.launch import gpus, torchrun_flags
 from tandem.launch.agents.elastic_options import elastic_problem
 from tandem.launch.agents.hosts import Host, check_unique, parse_hosts, read_hostfile, total_slots
+from tandem.launch.local.processes import cores
 from tandem.launch.programs import file_problem, is_command, shape_problem
 
 
@@ -45,6 +48,11 @@ def _processes(text: str) -> int | tuple[int, int]:
     if not sep:
         return _integer(text)
     return _integer(low), _integer(high)
+
+
+def _nodes(text: str) -> int | tuple[int, int]:
+    """--nnodes N, or torchrun's MIN:MAX (an elastic job of MIN to MAX machines)."""
+    return _processes(text)
 
 
 def _seconds(text: str) -> float:
@@ -133,13 +141,14 @@ OPTIONS: tuple[Option, ...] = (
            "hosts and their slots, horovodrun style; remote hosts get an agent over ssh"),
     Option("hostfile", ("--hostfile",), str, "FILE",
            "file with one `host slots=N` per line"),
-    Option("max_restarts", ("--max-restarts",), _integer, "K",
+    Option("max_restarts", ("--max-restarts", "--max_restarts"), _integer, "K",
            "when a rank fails or a node is lost, stop every rank and restart the whole job, "
            "up to K times (a lost node's place goes to a host of -H without ranks, or to an "
            "agent started with its --node-rank)"),
-    Option("nnodes", ("--nnodes",), _integer, "N",
-           "machines in the job, each running its own `tandem run` (an agent); default 1"),
-    Option("node_rank", ("--node-rank",), _integer, "R",
+    Option("nnodes", ("--nnodes",), _nodes, "N",
+           "machines in the job, each running its own `tandem run` (an agent); default 1. "
+           "MIN:MAX (torchrun's): an elastic job of MIN to MAX machines"),
+    Option("node_rank", ("--node-rank", "--node_rank"), _integer, "R",
            "this machine's place in 0..N-1; node R runs ranks R*np .. R*np+np-1"),
     Option("master", ("--master",), _address, "ADDR:PORT",
            "where node 0 hosts the rendezvous store (every node gives the same)"),
@@ -268,6 +277,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, help="arguments passed to every rank unchanged"
     )
+    torchrun_flags.add_arguments(parser)
 
 
 def _from_environment(option: Option, environ: Mapping[str, str] | None) -> object:
@@ -289,6 +299,14 @@ def config_from_args(
         value = getattr(args, option.dest, None)
         values[option.dest] = value if value is not None else _from_environment(option, environ)
 
+    try:  # torchrun's flags, in tandem's terms
+        torchrun = torchrun_flags.translate(args, values)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    if torchrun.notes:
+        print(f"tandem run: note: ignored torchrun flag(s): {'; '.join(torchrun.notes)}",
+              file=sys.stderr, flush=True)
+
     if values["hosts"] and values["hostfile"]:
         raise LaunchError("received both -H and --hostfile: choose one")
     try:
@@ -302,7 +320,20 @@ def config_from_args(
         raise LaunchError(str(error)) from None
 
     np, min_np, max_np = values["np"], values["min_np"], values["max_np"]
-    if (values["nnodes"] or 1) > 1 and (isinstance(np, tuple) or np is None) \
+    nnodes = values["nnodes"]
+    if isinstance(nnodes, tuple):  # torchrun's --nnodes MIN:MAX
+        if isinstance(np, tuple) or min_np is not None or max_np is not None:
+            raise LaunchError(f"--nnodes {nnodes[0]}:{nnodes[1]} gives the job's range of "
+                              "machines already: drop --min-np/--max-np (or -np A:B) and give "
+                              "each machine's ranks with -np N (--nproc-per-node N)")
+        if np is None:
+            np = 1 if torchrun.used else ranks_per_gpu()
+        try:
+            nnodes, min_np, max_np = torchrun_flags.elastic_nodes(nnodes, np,
+                                                                  values["max_restarts"])
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
+    if (nnodes or 1) > 1 and (isinstance(np, tuple) or np is None) \
             and (min_np is not None or max_np is not None or isinstance(np, tuple)):
         raise LaunchError("an elastic job across nodes: give each node's ranks with -np N and "
                           "the job's range of ranks with --min-np A --max-np B")
@@ -313,23 +344,24 @@ def config_from_args(
         (min_np, max_np), np = np, np[1]
     if np is None and max_np is not None:
         np = max_np  # an elastic job starts as large as it may be
-    if np is None:
-        if not hosts:
-            raise LaunchError("how many processes? give -np N (or set TANDEM_NP)")
+    if np is None and hosts:
         np = total_slots(hosts)
+    if np is None:  # torchrun's default is one rank a machine; tandem's one a visible GPU
+        np = 1 if torchrun.used else ranks_per_gpu()
 
+    executable = not args.module and is_command(args.program)
     return LaunchConfig(
         np=np,
         program=args.program,
         args=tuple(args.args),
         module=bool(args.module),
-        executable=not args.module and is_command(args.program),
+        executable=executable if torchrun.executable is None else torchrun.executable,
         backend=values["backend"],
         threads_per_rank=values["threads_per_rank"],
         timeout=values["timeout"],
         hosts=hosts,
         max_restarts=values["max_restarts"] or 0,
-        nnodes=values["nnodes"] or 1,
+        nnodes=nnodes or 1,
         node_rank=values["node_rank"] or 0,
         master=values["master"],
         secret=values["secret"],
@@ -339,6 +371,20 @@ def config_from_args(
         max_np=max_np,
         discovery=os.path.abspath(values["discovery"]) if values["discovery"] else None,
     )
+
+
+def ranks_per_gpu() -> int:
+    """-np when none is given: one rank per GPU the ranks will see (said on stderr); without
+    one, a LaunchError that says what to give."""
+    variable = os.environ.get("CUDA_VISIBLE_DEVICES")
+    machine = gpus.machine_gpus()
+    try:
+        ranks = gpus.ranks_without_np(len(machine), gpus.visible_count(variable, machine),
+                                      variable, cores())
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    print(gpus.started_note(ranks, variable), file=sys.stderr, flush=True)
+    return ranks
 
 
 def _check_writable(path: str) -> None:
