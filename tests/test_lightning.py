@@ -1,7 +1,7 @@
 """Lightning on tandem: `Trainer(strategy="tandem")` and `Fabric(strategy="tandem")`.
 
-Real jobs (`python -m tandem run -np 2`, on Gloo and on the MPI default) against the same
-script in one process with Lightning alone on the full batch: parameters equal to 1e-5 in
+The training script on the harness's shared worlds of two ranks (Gloo and MPI) against the
+same script in one process with Lightning alone on the full batch: parameters equal to 1e-5 in
 float32 (with gradient clipping, accumulation, sync_dist logging, validation, TensorBoard and
 checkpoints), on strategy="tandem" and "tandem_fsdp", and within bf16's rounding under
 precision="bf16-mixed". Then the failures, each
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tandem.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -55,21 +57,36 @@ def reference(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     return torch.load(out)
 
 
+def train_on_this_rank(out: str) -> str:
+    """lightning_train.py's `tandem` mode on this rank of a shared world (the script's runs are
+    about Lightning on tandem, not about starting a job): what it printed."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("lightning_train", SCRIPTS / "lightning_train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        script.run("tandem", out)
+    return printed.getvalue()
+
+
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_trainer_and_fabric_at_two_ranks_equal_one_process(backend, reference, tmp_path):
     if backend == "mpi" and not HAVE_MPI:
-        pytest.skip("the MPI launch needs mpi4py")
+        pytest.skip("the MPI world needs mpi4py")
     out = tmp_path / "params.pt"
-    done = tandem_run("-np", "2", "--backend", backend, "--require-join",
-                      str(SCRIPTS / "lightning_train.py"), "tandem", str(out))
-    assert done.returncode == 0, done.stdout + done.stderr
+    printed = run_distributed(train_on_this_rank, 2, backend=backend, args=(str(out),),
+                              timeout=2 * JOB_TIMEOUT_S - 30)
     for rank in (0, 1):
-        assert f"[{rank}] rank {rank} of 2 on {backend} done" in done.stdout, done.stdout
+        assert f"rank {rank} of 2 on {backend} done" in printed[rank], printed[rank]
         # the checkpoint went through td.save/td.load and every rank read rank 0's
-        assert f"[{rank}] rank {rank}: checkpoint step 4" in done.stdout, done.stdout
+        assert f"rank {rank}: checkpoint step 4" in printed[rank], printed[rank]
         for strategy in ("tandem", "tandem_fsdp"):
-            assert f"[{rank}] rank {rank}: {strategy} fabric checkpoint loaded" in done.stdout
+            assert f"rank {rank}: {strategy} fabric checkpoint loaded" in printed[rank]
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*")), "no TensorBoard events"
     mine = torch.load(out)
     for run, same in (("trainer", "trainer"), ("fabric", "fabric"), ("trainer_fsdp", "trainer"),
@@ -77,9 +94,9 @@ def test_trainer_and_fabric_at_two_ranks_equal_one_process(backend, reference, t
         for name, value in reference[same].items():
             assert torch.allclose(mine[run][name], value, rtol=0, atol=1e-5), (run, name)
     # strategy="tandem_fsdp" really sharded: each rank held a part of the parameters
-    assert "[0] rank 0: fsdp holds 89 of 178 parameters" in done.stdout, done.stdout
+    assert "rank 0: fsdp holds 89 of 178 parameters" in printed[0], printed[0]
     # ... saved its shards (no gather) and resumed from them: the same shards and momenta
-    assert "[1] rank 1: fsdp resumed from its shards" in done.stdout, done.stdout
+    assert "rank 1: fsdp resumed from its shards" in printed[1], printed[1]
     # bf16 autocast rounds differently on a half batch: equal to bf16's precision (2^-8)
     bf16 = torch.finfo(torch.bfloat16).eps
     for name, value in reference["trainer_bf16"].items():

@@ -2,6 +2,7 @@
 
     python lightning_train.py reference OUT [--precision P]   # one process, Lightning alone, full batch
     tandem run -np 2 lightning_train.py tandem OUT [...]      # strategy="tandem", batch split over ranks
+    run("tandem", OUT)                                        # the same, on a world already running
 
 The global batch is BATCH whatever the world: each rank gets BATCH // world samples of it, in
 DistributedSampler's order (rank r: samples r, r + world, ... of its permutation; Lightning
@@ -156,6 +157,26 @@ def train_fabric(strategy: str, world: int, precision: str, out_dir: str) -> dic
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def run(mode: str, out: str, precision: str = "32-true") -> None:
+    """Every run of `mode`; rank 0 (or the one process) saves their parameters to `out`."""
+    strategy = "auto" if mode == "reference" else "tandem"
+    # the launcher's world (tandem run, mpiexec...), read as td.init() will; the strategy joins
+    world = detect().size if mode == "tandem" else 1
+    out_dir = os.path.dirname(os.path.abspath(out))
+    result = {"trainer": train_trainer(strategy, world, precision, out_dir)}
+    result["fabric"] = train_fabric(strategy, world, precision, out_dir)
+    # bf16 autocast, same data: equal within bf16's rounding, not to float32's
+    result["trainer_bf16"] = train_trainer(strategy, world, "bf16-mixed", out_dir, checkpoint=False)
+    if mode == "tandem":  # fully sharded: the same numbers as the first runs'
+        result["trainer_fsdp"] = train_trainer("tandem_fsdp", world, precision, out_dir)
+        result["fabric_fsdp"] = train_fabric("tandem_fsdp", world, precision, out_dir)
+    if mode == "tandem":
+        assert td.size() == world, (td.size(), world)
+        print(f"rank {td.rank()} of {td.size()} on {td.init().backend} done", flush=True)
+    if mode == "reference" or td.rank() == 0:
+        torch.save(result, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["reference", "tandem"])
@@ -163,22 +184,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")  # of the first two runs
     args = parser.parse_args()
     torch.set_num_threads(1)
-    strategy = "auto" if args.mode == "reference" else "tandem"
-    # the launcher's world (tandem run, mpiexec...), read as td.init() will; the strategy joins
-    world = detect().size if args.mode == "tandem" else 1
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    result = {"trainer": train_trainer(strategy, world, args.precision, out_dir)}
-    result["fabric"] = train_fabric(strategy, world, args.precision, out_dir)
-    # bf16 autocast, same data: equal within bf16's rounding, not to float32's
-    result["trainer_bf16"] = train_trainer(strategy, world, "bf16-mixed", out_dir, checkpoint=False)
-    if args.mode == "tandem":  # fully sharded: the same numbers as the first runs'
-        result["trainer_fsdp"] = train_trainer("tandem_fsdp", world, args.precision, out_dir)
-        result["fabric_fsdp"] = train_fabric("tandem_fsdp", world, args.precision, out_dir)
-    if args.mode == "tandem":
-        assert td.size() == world, (td.size(), world)
-        print(f"rank {td.rank()} of {td.size()} on {td.init().backend} done", flush=True)
-    if args.mode == "reference" or td.rank() == 0:
-        torch.save(result, args.out)
+    run(args.mode, args.out, args.precision)
     sys.exit(0)
 
 
