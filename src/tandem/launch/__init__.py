@@ -15,6 +15,17 @@ Usage
     tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 2 train.py   # one agent a node
     tandem run -np 8 -H node1:4,node2:4 train.py        # remote agents started over ssh
     python -m tandem run ...                  # the same command
+    tandem run train.py                       # no -np: one rank per visible GPU (it says how many)
+    tandem run --standalone --nproc_per_node=4 train.py   # torchrun's flags, torchrun's meaning
+    python -m tandem.run --nproc-per-node 2 train.py      # as `python -m torch.distributed.run`
+
+Without -np (or TANDEM_NP, -H, --max-np) a job has one rank per GPU the ranks will see
+(launch/gpus.py: the driver's list, CUDA_VISIBLE_DEVICES respected; torch is not imported),
+and a machine without one is told what to give. torchrun's flags are taken with torchrun's
+meaning (launch/torchrun_flags.py says what each becomes), so a command from a README runs with
+`torchrun` replaced by `tandem run`; a command with torchrun's flags and no --nproc-per-node
+starts one rank a machine, as torchrun does. What tandem cannot honour (--redirects/--tee files,
+an etcd rendezvous, --role) is refused with what to use.
 
 Everything after the script (or module) is passed to every rank unchanged. A program that
 is not a `.py` file and is an executable (a path, or a name on PATH: `python`, `./a.out`) is
