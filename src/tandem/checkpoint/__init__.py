@@ -1,6 +1,6 @@
 """State on disk: where a checkpoint is written and read, in one file (`td.save`/`td.load`,
-`td.Checkpointer`) or in PyTorch's DCP format (`td.save_sharded`/`td.load_sharded`), published
-atomically.
+`td.Checkpointer`) or in PyTorch's DCP format (`td.checkpoint.save_sharded`/`load_sharded`),
+published atomically. `td.checkpoint` is tandem 1.0's namespace for these names.
 
 What is where:
 
@@ -21,23 +21,21 @@ What is where:
   say when the newest is damaged (the older ones a user can fall back...
 """
 
-# `tandem.checkpoint` was one module before issue 39's restructuring; what users imported from it keeps
-# working, loaded on first use (nothing is imported with the package).
-_MOVED = "tandem.checkpoint.checkpointer"
-_NAMES = (
-    'CheckpointError',
-    'Checkpointer',
-    'CorruptCheckpointError',
-    'PathLike',
-    'load',
-    'no_space',
-    'save',
-)
+# `td.checkpoint` (tandem 1.0's namespace for state on disk) and what users imported from the one
+# module `tandem.checkpoint` was before issue 39's restructuring, loaded on first use (nothing is
+# imported with the package).
+_HOME = {
+    **dict.fromkeys(("CheckpointError", "Checkpointer", "CorruptCheckpointError", "PathLike", "load",
+                     "no_space", "save"), "tandem.checkpoint.checkpointer"),
+    **dict.fromkeys(("load_sharded", "save_sharded"), "tandem.checkpoint.sharded"),
+}
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "load", "load_sharded", "save",
+           "save_sharded"]
 
 
 def __getattr__(name: str):
-    if name in _NAMES:
+    if name in _HOME:
         import importlib
 
-        return getattr(importlib.import_module(_MOVED), name)
+        return getattr(importlib.import_module(_HOME[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

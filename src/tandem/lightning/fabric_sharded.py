@@ -71,7 +71,7 @@ class TandemFabricFSDPStrategy(TandemFabricStrategy):
         objects, rest = _split(state)
         if td.rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
-        td.save_sharded(path / SHARDS, **objects)
+        td.checkpoint.save_sharded(path / SHARDS, **objects)
         td.save(rest, path / REST)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
@@ -80,7 +80,7 @@ class TandemFabricFSDPStrategy(TandemFabricStrategy):
         if not sharded or not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         objects, _ = _split(state)
-        td.load_sharded(path / SHARDS, **objects)  # in place, whatever the layout now
+        td.checkpoint.load_sharded(path / SHARDS, **objects)  # in place, whatever the layout now
         rest = td.load(path / REST, weights_only=bool(weights_only))
         for name in list(rest):
             if name in state and name not in objects:

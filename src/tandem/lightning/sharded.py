@@ -109,7 +109,7 @@ class TandemFSDPStrategy(TandemStrategy):
         path = Path(os.fspath(filepath))
         if td.rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
-        td.save_sharded(path / SHARDS, **self._objects())
+        td.checkpoint.save_sharded(path / SHARDS, **self._objects())
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         rest["optimizer_states"] = [IN_SHARDS] * len(self.optimizers)
         td.save(rest, path / REST)
@@ -119,7 +119,7 @@ class TandemFSDPStrategy(TandemStrategy):
         sharded = td.broadcast_object((path / SHARDS).is_dir() if td.rank() == 0 else None)
         if not sharded or not common.own_checkpoints(self._checkpoint_io):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        td.load_sharded(path / SHARDS, **self._objects())  # in place: model and optimizers
+        td.checkpoint.load_sharded(path / SHARDS, **self._objects())  # in place: model and optimizers
         return td.load(path / REST, weights_only=bool(weights_only))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

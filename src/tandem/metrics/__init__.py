@@ -1,5 +1,7 @@
-"""Metrics: values averaged over the ranks (`td.Average`, `td.progress`), and `td.MetricLogger`
-writing them from rank 0.
+"""Metrics: values averaged over the ranks (`td.metrics.Average`, `td.metrics.progress`), and
+`td.metrics.MetricLogger` writing them from rank 0; `td.metrics.report(samples=N)` tells `tandem
+scale` a step's samples.
+`td.metrics` is tandem 1.0's namespace for these names.
 
 What is where:
 
@@ -11,22 +13,22 @@ What is where:
   `td.MetricLogger`.
 """
 
-# `tandem.metrics` was one module before issue 39's restructuring; what users imported from it keeps
-# working, loaded on first use (nothing is imported with the package).
-_MOVED = "tandem.metrics.average"
-_NAMES = (
-    'Average',
-    'Group',
-    'T',
-    'group_rank',
-    'progress',
-    'reduce_means',
-)
+# `td.metrics` (tandem 1.0's namespace for metrics) and what users imported from the one module
+# `tandem.metrics` was before issue 39's restructuring, loaded on first use (nothing is imported
+# with the package).
+_HOME = {
+    **dict.fromkeys(("Average", "Group", "T", "group_rank", "progress", "reduce_means"),
+                    "tandem.metrics.average"),
+    "MetricLogger": "tandem.metrics.logger",
+    "MetricMismatchError": "tandem.metrics.means",
+    "report": "tandem.diagnostics.steps",
+}
+__all__ = ["Average", "MetricLogger", "MetricMismatchError", "progress", "report"]
 
 
 def __getattr__(name: str):
-    if name in _NAMES:
+    if name in _HOME:
         import importlib
 
-        return getattr(importlib.import_module(_MOVED), name)
+        return getattr(importlib.import_module(_HOME[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,28 @@
+"""`td.fsdp`: fully sharded data parallelism (ZeRO-3, FSDP2's spellings), the front door (the code
+lives in `tandem.parallel.fully_shard`).
+
+    for block in model.blocks:
+        td.fully_shard(block, mp_policy=td.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    td.fully_shard(model)
+    td.fsdp.set_requires_gradient_sync(model, False)    # accumulate over micro-batches
+
+`fully_shard` (also `td.fully_shard`) and its policies, `materialize` for a model built on the
+meta device, and the unsharded state: `full_state_dict`, `full_optimizer_state_dict`,
+`load_full_state_dict` (`td.get_state_dict` / `td.set_state_dict` do the same for any split).
+"""
+
+from tandem.parallel.fully_shard import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    clip_grad_norm_,
+    full_optimizer_state_dict,
+    full_state_dict,
+    fully_shard,
+    load_full_state_dict,
+    materialize,
+)
+from tandem.parallel.gradient_sync import set_requires_gradient_sync
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "clip_grad_norm_", "full_optimizer_state_dict",
+           "full_state_dict", "fully_shard", "load_full_state_dict", "materialize",
+           "set_requires_gradient_sync"]
