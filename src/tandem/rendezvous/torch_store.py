@@ -14,11 +14,16 @@ import torch.distributed as dist
 
 from tandem.rendezvous.client import StoreClient, StoreTimeout
 
+# The longest wait a store call takes: `poll` takes milliseconds in a C int (24.8 days), and
+# torch's callers ask for "infinite" waits (Lightning's barrier group: 10,000 days).
+LONGEST_WAIT_S = 20 * 24 * 3600.0
+
 
 def _seconds(timeout) -> float | None:
     if timeout is None:
         return None
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return min(seconds, LONGEST_WAIT_S)
 
 
 class AuthenticatedStore(dist.Store):

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import constants
 
 from tandem.comm import context, groups
 from tandem.comm.agreement import checks
@@ -38,8 +39,9 @@ from tandem.comm.engines.backend import Backend, Group, Work, on_wire
 from tandem.comm.torch_pg import order as torch_order
 from tandem.comm.torch_pg import p2p as torch_p2p
 from tandem.comm.torch_pg.order import InOrder, Rounds
-from tandem.comm.torch_pg.work import TandemWork, UnsupportedOperation, reduce_op
+from tandem.comm.torch_pg.work import TandemWork, UnsupportedOperation, reduce_op, seconds
 from tandem.job import settings
+from tandem.rendezvous.torch_store import LONGEST_WAIT_S
 
 
 class Place:
@@ -101,6 +103,14 @@ class TandemProcessGroup(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
         return getattr(self, "_group_desc", "")
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices torch asks this group about (`_get_pg_default_device`, DCP's
+        `broadcast_from_rank0`, `_device_capability`): the device of its engine, as Gloo
+        answers [cpu] and NCCL [cuda]. torch reads it from the C++ backends a group registered;
+        this group registers none, it is its own backend."""
+        return [torch.device(self._device.type)]
 
     def __repr__(self) -> str:
         return f"TandemProcessGroup({self._name}, ranks={list(self.members)}, engine={self.engine.name})"
@@ -379,6 +389,14 @@ class TandemProcessGroup(dist.ProcessGroup):
         self._check(opts, "barrier")
         return self._work([self.engine.barrier(self.group)], [], opts=opts)
 
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """torch's `monitored_barrier` (Lightning's `rank_zero_first` waits in one): a barrier
+        that waits `timeout` (else the group's); a rank that does not come is named by the
+        watchdog, as in every wait, so `wait_all_ranks` changes nothing."""
+        limit = seconds(timeout, self._timeout)
+        self._in_order.finish_all(limit)
+        self.engine.barrier(self.group).wait(limit)
+
     # -- groups and lifetime --------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], timeout: Any = None, pg_options: Any = None,
                   group_name: str | None = None, group_desc: str | None = None):
@@ -391,7 +409,22 @@ class TandemProcessGroup(dist.ProcessGroup):
         if me not in members:
             return None
         group = Group(members, handle, members.index(me))
-        return TandemProcessGroup(self.engine, group, self._name, self._timeout, self._device)
+        made = TandemProcessGroup(self.engine, group, self._name, self._wait_limit(timeout),
+                                  self._device)
+        # torch finds a group by this name in its registry (DeviceMesh's `_resolve_process_group`
+        # for every dimension of a mesh): Gloo's groups carry it from their options.
+        made.setGroupName(group_name or "")
+        made.setGroupDesc(group_desc or "")
+        return made
+
+    def _wait_limit(self, timeout: Any) -> float:
+        """A sub-group's timeout: the one `new_group` was given, up to `LONGEST_WAIT_S` (20 days:
+        Lightning's barrier group asks for 10,000), else this group's. torch fills in its default
+        (30 minutes) when none was given: that stays tandem's (TANDEM_TIMEOUT)."""
+        if timeout is None or timeout in (constants.default_pg_timeout,
+                                          constants.default_pg_nccl_timeout):
+            return self._timeout
+        return min(seconds(timeout, self._timeout), LONGEST_WAIT_S)
 
     def shutdown(self) -> None:
         owner, self._owner = self._owner, None
