@@ -113,7 +113,25 @@ def test_the_new_spellings_warn_nothing_and_import_tandem_stays_light():
 
 # Public callables whose docstrings still lack a Google-style section they need (issue 39, item 3:
 # delete an entry when its docstring is written; the test fails on a stale entry too).
-UNDOCUMENTED: set[str] = set()
+UNDOCUMENTED: set[str] = {
+    "td.Checkpointer", "td.DistributedDataParallel", "td.DistributedOptimizer", "td.Group",
+    "td.Handle", "td.LocalSGD", "td.Mesh", "td.Pipeline", "td.SyncBatchNorm", "td.World",
+    "td.ZeroOptimizer", "td.all_finite", "td.allgather", "td.allgather_object", "td.alltoall",
+    "td.barrier", "td.broadcast_buffers", "td.broadcast_object", "td.broadcast_optimizer_state",
+    "td.broadcast_parameters", "td.check_replicas", "td.checkpoint.load_sharded",
+    "td.checkpoint.save_sharded", "td.clip_grad_norm_", "td.context.gather", "td.elastic.State",
+    "td.elastic.local_rows", "td.elastic.run", "td.fsdp.CPUOffloadPolicy",
+    "td.fsdp.MixedPrecisionPolicy", "td.fsdp.full_optimizer_state_dict", "td.fsdp.full_state_dict",
+    "td.fsdp.load_full_state_dict", "td.fsdp.materialize", "td.fsdp.set_requires_gradient_sync",
+    "td.fully_shard", "td.gather", "td.init", "td.join", "td.load", "td.memory.MemoryEstimate",
+    "td.memory.checkpoint_wrapper", "td.memory.compare_memory", "td.memory.estimate_memory",
+    "td.mesh", "td.metrics.Average", "td.metrics.MetricLogger", "td.metrics.progress",
+    "td.metrics.report", "td.new_group", "td.no_sync", "td.parallelize", "td.partition_dataset",
+    "td.pipeline.PipelineStats", "td.recv", "td.reducescatter", "td.save", "td.scatter", "td.send",
+    "td.shutdown", "td.spawn", "td.tensor.Branches", "td.tensor.ColumnParallelLinear",
+    "td.tensor.RowParallelLinear", "td.tensor.VocabParallelEmbedding",
+    "td.tensor.vocab_parallel_cross_entropy",
+}
 
 
 def _public_callables() -> dict[str, object]:
@@ -122,7 +140,13 @@ def _public_callables() -> dict[str, object]:
         module = getattr(td, namespace)
         for name in getattr(module, "__all__", ()):
             found[f"td.{namespace}.{name}"] = getattr(module, name)
-    return {k: v for k, v in found.items() if callable(v)}
+    seen: set[int] = set()  # one object, one entry: under its top-level spelling when it has one
+    out = {}
+    for name, value in found.items():
+        if callable(value) and id(value) not in seen:
+            seen.add(id(value))
+            out[name] = value
+    return out
 
 
 def _missing_sections(obj: object) -> list[str]:
@@ -143,7 +167,8 @@ def _missing_sections(obj: object) -> list[str]:
     if params and "Args:" not in doc:
         missing.append("Args:")
     if not inspect.isclass(obj):
-        if "Returns:" not in doc and "Yields:" not in doc:
+        returns_none = inspect.signature(obj).return_annotation in (None, "None")
+        if "Returns:" not in doc and "Yields:" not in doc and not returns_none:
             missing.append("Returns:")
         if "Raises:" not in doc:
             missing.append("Raises:")

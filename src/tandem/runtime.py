@@ -239,6 +239,14 @@ def rejoin() -> World:
 
 
 def is_initialized() -> bool:
+    """Whether `td.init()` has joined this process to a job (and `td.shutdown()` not yet left it).
+
+    Returns:
+        True between `td.init()` and `td.shutdown()`.
+
+    Raises:
+        Nothing: safe to call at any time.
+    """
     return _state is not None
 
 
@@ -258,22 +266,62 @@ def world() -> World:
 
 
 def rank() -> int:
+    """This process's rank in the job, 0 to `td.size() - 1`.
+
+    Returns:
+        The global rank.
+
+    Raises:
+        RuntimeError: `td.init()` has not been called (or `td.shutdown()` was).
+    """
     return state().world.rank
 
 
 def size() -> int:
+    """The number of ranks (processes) in the job.
+
+    Returns:
+        The world size.
+
+    Raises:
+        RuntimeError: `td.init()` has not been called (or `td.shutdown()` was).
+    """
     return state().world.size
 
 
 def local_rank() -> int:
+    """This process's rank among the ranks on its machine (its GPU index under one rank per GPU).
+
+    Returns:
+        The local rank, 0 to `td.local_size() - 1`.
+
+    Raises:
+        RuntimeError: `td.init()` has not been called (or `td.shutdown()` was).
+    """
     return state().world.local_rank
 
 
 def local_size() -> int:
+    """The number of ranks on this machine.
+
+    Returns:
+        The local world size.
+
+    Raises:
+        RuntimeError: `td.init()` has not been called (or `td.shutdown()` was).
+    """
     return state().world.local_size
 
 
 def device() -> torch.device:
+    """The device this rank computes on: its GPU (`cuda:<local rank>`) when it has one, else the CPU.
+
+    Returns:
+        A `torch.device` to move the model and batches to.
+
+    Raises:
+        RuntimeError: `td.init()` has not been called (or `td.shutdown()` was).
+    """
     return state().world.device
 
 
