@@ -44,6 +44,10 @@ class StoreClient:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def another(self) -> StoreClient:
+        """A client of its own to the same store, with the same key."""
+        return StoreClient(self.host, self.port, self._key, self.timeout)
+
     # -- requests ---------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
         self._request(("set", key, value))

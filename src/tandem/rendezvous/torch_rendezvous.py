@@ -2,12 +2,15 @@
 
 Two things torch cannot do alone, both set up by `comm.torch_pg.register.register`:
 
-- `bound_c10d_store(module, TCPStore)` wraps `torch.distributed.rendezvous._create_c10d_store`, the one
-  place where rank 0 creates its `TCPStore`. Left to itself that store listens on every
-  interface of the machine at MASTER_PORT, with no key: anyone who reaches the port reads and
-  writes the job's keys. Wrapped, rank 0 binds the socket itself on the address the ranks were
-  given (MASTER_ADDR, when it is an IP address of this machine: 127.0.0.1 for a one-node
-  `tandem run` job, node 0's address for a multi-node one) and hands it to the store, as
+- `bound_c10d_store(module, TCPStore, job_store)` wraps
+  `torch.distributed.rendezvous._create_c10d_store`, the one place where rank 0 creates its
+  `TCPStore`. Left to itself that store listens on every interface of the machine at
+  MASTER_PORT, with no key: anyone who reaches the port reads and writes the job's keys. The
+  ranks of a `tandem run` job that rendezvous at the MASTER_ADDR/MASTER_PORT it gave them meet
+  on the launcher's store instead, which answers only clients holding the job's key (one node
+  or several); nothing listens at MASTER_PORT. For any other address (a script that sets its
+  own MASTER_PORT), rank 0 binds the socket itself on the address the ranks were given
+  (MASTER_ADDR, when it is an IP address of this machine) and hands it to the store, as
   `rendezvous.host_store` does. A name, an address this machine lacks or a port already bound
   in this process (torch's multi-tenant store) leaves torch to do as it always did.
 - `report_joined(job)`: after `init_process_group` returned, a rank of a `tandem run` job tells
@@ -52,9 +55,12 @@ def listener_on(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-def bound_c10d_store(module: Any, tcp_store: Callable[..., Any]) -> None:
-    """Wrap `module._create_c10d_store` (`module`: torch.distributed.rendezvous) so that its
-    rank-0 store, a `tcp_store` (torch's TCPStore), listens on its MASTER_ADDR only; idempotent.
+def bound_c10d_store(module: Any, tcp_store: Callable[..., Any],
+                     job_store: Callable[[str, int, Any], Any] | None = None) -> None:
+    """Wrap `module._create_c10d_store` (`module`: torch.distributed.rendezvous) so that the
+    ranks of a `tandem run` job meet on the launcher's authenticated store (`job_store(host,
+    port, timeout)`: a store, or None when the address is not the job's), and any other rank-0
+    store, a `tcp_store` (torch's TCPStore), listens on its MASTER_ADDR only; idempotent.
     torch comes from the caller: the store's package itself starts without it."""
     original = module._create_c10d_store
     if getattr(original, "_tandem_bound", False):
@@ -62,6 +68,9 @@ def bound_c10d_store(module: Any, tcp_store: Callable[..., Any]) -> None:
 
     @functools.wraps(original)
     def create(hostname, port, rank, world_size, timeout, use_libuv=True):
+        store = job_store(hostname, port, timeout) if job_store is not None else None
+        if store is not None:  # nothing listens at MASTER_PORT: no door without a key
+            return store
         listener = None
         if rank == 0 and not module._torchelastic_use_agent_store():
             listener = listener_on(hostname, port)

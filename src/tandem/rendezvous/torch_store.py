@@ -38,6 +38,10 @@ class AuthenticatedStore(dist.Store):
     def port(self) -> int:
         return self._client.port
 
+    def clone(self) -> AuthenticatedStore:
+        """A store of its own connection (torch's Gloo asks one per process group)."""
+        return AuthenticatedStore(self._client.another())
+
     def _wait_s(self) -> float:
         # set_timeout() on this store (init_process_group's timeout) sets the C++ side's value.
         seconds = _seconds(self.timeout)

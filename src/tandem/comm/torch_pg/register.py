@@ -235,6 +235,29 @@ def _tell_the_launcher() -> None:
 _original_init = dist.init_process_group
 
 
+def _job_store(hostname: str, port: int, timeout: Any) -> dist.Store | None:
+    """The launcher's authenticated store, for torch's env:// or tcp:// rendezvous at the
+    MASTER_ADDR/MASTER_PORT `tandem run` gave this rank; None for any other address (a
+    script's own, or no tandem job: torch's TCPStore as usual)."""
+    job = environments.detect_tandem(os.environ)
+    if job is None or not job.store_key or not job.store_hosted or job.master_port is None \
+            or f"{hostname}:{port}" != os.environ.get("TANDEM_TORCH_RENDEZVOUS"):
+        return None
+    from tandem.comm.engines.torch_backend import rendezvous_store
+
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    store = rendezvous_store(job, seconds)
+    # torch keeps the C++ half of a Python store only: its methods are looked up on the Python
+    # object, which must outlive every group made on it (the process, here).
+    _JOB_STORES.append(store)
+    # Keys of their own beside tandem's, per port: a second world after destroy_process_group
+    # meets on the same keys torch's own store would have given it.
+    return dist.PrefixStore(f"torch-rendezvous/{port}/", store)
+
+
+_JOB_STORES: list[dist.Store] = []
+
+
 def register() -> None:
     """Add "tandem" (and "mpi" where torch has none) to torch.distributed; idempotent."""
     global _registered
@@ -252,7 +275,7 @@ def register() -> None:
     torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
     from tandem.rendezvous.torch_rendezvous import bound_c10d_store
 
-    bound_c10d_store(torch_rendezvous, dist.TCPStore)
+    bound_c10d_store(torch_rendezvous, dist.TCPStore, _job_store)
     wrapped = functools.wraps(_original_init)(guarded_init)
     dist.init_process_group = wrapped
     c10d.init_process_group = wrapped

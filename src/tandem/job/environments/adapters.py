@@ -367,10 +367,12 @@ def torchrun_variables(*, rank: int, size: int, local_rank: int, local_size: int
 
     torch's `env://` rendezvous reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
     TORCHELASTIC_USE_AGENT_STORE; `dist.is_torchelastic_launched()` reads TORCHELASTIC_RUN_ID;
-    Lightning and Accelerate read the rest. MASTER_PORT is a port of its own, where rank 0's
-    torch `TCPStore` listens (no agent store: TORCHELASTIC_USE_AGENT_STORE=False), never the
-    port of tandem's store: that one speaks tandem's authenticated protocol, which a TCPStore
-    client cannot, and its key must not reach code that only needs a rendezvous.
+    Lightning and Accelerate read the rest. MASTER_PORT is a port of its own, never the port of
+    tandem's store: that one speaks tandem's authenticated protocol, which a TCPStore client
+    cannot. A rank with tandem imported (every rank of `tandem run`, through its sitecustomize)
+    meets the others at MASTER_ADDR:MASTER_PORT on the launcher's store instead, under a prefix
+    of its own, and nothing listens there (`comm/torch_pg/register._job_store`);
+    TANDEM_TORCH_RENDEZVOUS says which address that is, should the script change MASTER_PORT.
     """
     return {
         "RANK": str(rank),
@@ -388,6 +390,7 @@ def torchrun_variables(*, rank: int, size: int, local_rank: int, local_size: int
         "TORCHELASTIC_RESTART_COUNT": str(restart),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TANDEM_TORCH_RENDEZVOUS": f"{master_addr}:{master_port}",
     }
 
 
