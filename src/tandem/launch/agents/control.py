@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, Listener
 
 from tandem.rendezvous.auth import HANDSHAKE_S, AuthenticationFailed, authenticate, new_secret
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5  # a lost peer is named after `lost_after` (4 s) of silence: 8 missed beats
 CONNECT_RETRY_S = 0.25
 _SIOCGIFADDR = 0x8915
 

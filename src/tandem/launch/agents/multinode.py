@@ -15,7 +15,7 @@ Then each attempt: node 0 says "start" with the placement, every agent runs its 
 reports their failures at once; the first failure anywhere stops every rank on every node; each
 agent says when its ranks are all down; node 0 then restarts the job (`--max-restarts`) or
 sends "finish" with the summary, which every agent prints before exiting with the job's code.
-An agent that goes silent for the timeout (`--timeout`, at most 30 s) is unreachable: the
+An agent that goes silent for the timeout (`--timeout`, at most 4 s) is unreachable: the
 others stop their ranks and say so. `tandem run --max-restarts K` on one machine is the same
 coordinator with no other nodes and a store on 127.0.0.1 only.
 
