@@ -1,4 +1,11 @@
-"""Suite-wide fixtures: shared process worlds, and tests that leave nothing behind."""
+"""Suite-wide fixtures: shared process worlds, tests that leave nothing behind, and the tiers.
+
+Two tiers, one suite. The full tier is every test (`pytest`, scripts/test.sh, CI). The fast
+tier, `pytest -m "not slow"` (scripts/test-fast.sh), leaves out the tests listed in `SLOW`
+below, each with the reason it is there, and keeps at least one test of every module: launch,
+the engines, the checks, every wrapper, checkpoints, elastic, the front ends. A test is marked
+here, not in its file, so that the tiers read as one list.
+"""
 
 import os
 
@@ -27,3 +34,213 @@ def _leaves_nothing_behind():
     settings.reload()  # a test that changed TANDEM_* read them again; the next reads what is
     assert after == before, f"test leaked environment variables: {set(after) ^ set(before)}"
     assert not leaked_runtime, "test left tandem initialised in the test process"
+
+
+# --- tiers -------------------------------------------------------------------------------------
+# A key is a test file ("tests/test_x.py": every test in it), a test ("tests/test_x.py::test_y":
+# every parametrization) or one parametrization ("tests/test_x.py::test_y[gloo]"); the value
+# says why it is left to the full tier. What stays fast is named in the comment of each block.
+# tests/test_tiers.py checks that every key still names a test.
+SLOW: dict[str, str] = {
+    # Whole files: real clusters, real faults, whole programs. Fast: the launch options and
+    # one job per backend (test_launcher.py), faults by the jobs below' unit tests.
+    "tests/test_cluster.py": "hosts in network namespaces over ssh: a real cluster per test",
+    "tests/test_multinode.py": "two agents as two nodes, lost nodes and cut links: real faults",
+    "tests/test_faults.py": "a killed or stuck rank in a fresh job per fault and backend",
+    "tests/test_job_ends.py": "elastic jobs whose ranks are killed or stopped: real faults",
+    "tests/test_slurm.py": "an sbatch job on a local Slurm stand-in",
+    "tests/test_hf_integration.py": "Accelerate and the HF Trainer under tandem run and torchrun",
+    "tests/test_examples.py": "the examples trained to their accuracy as fresh jobs",
+    "tests/test_notebook.py": "a Jupyter kernel that spawns ranks",
+    "tests/test_compile_tensor_parallel.py": "torch.compile of tensor-parallel models: 10-110 s each "
+                                             "(fast: test_compile.py::test_compiling_twice_is_one_graph)",
+    "tests/test_compile_fully_shard.py": "torch.compile of fully sharded models: 5-10 s each",
+    # torch.compile: fast keeps test_compiling_twice_is_one_graph and the wrappers' checks
+    "tests/test_compile.py::test_compiled_backward_is_one_node_per_bucket": "torch.compile, 30 s",
+    "tests/test_compile.py::test_checkpointing_matches_one_process": "torch.compile, 20 s",
+    "tests/test_compile.py::test_compiled_wrappers_match_eager": "torch.compile, 13 s",
+    # launch: fast keeps the option parsing and test_two_ranks_are_prefixed_and_exit_zero (MPI
+    # and Gloo jobs)
+    "tests/test_launcher.py::test_an_exception_on_one_rank_stops_the_job": "a failing job per backend",
+    "tests/test_launcher.py::test_a_rank_that_ignores_sigterm_is_killed": "a job, a signal, a kill",
+    "tests/test_launcher.py::test_a_rank_killed_by_a_signal_is_named_in_the_summary": "a failing job",
+    "tests/test_launcher.py::test_the_first_failing_ranks_exit_code_is_the_jobs": "a failing job",
+    "tests/test_launcher.py::test_two_jobs_at_once_get_their_own_ports": "two jobs",
+    "tests/test_launcher.py::test_a_signal_to_the_launcher_stops_every_rank": "a job per signal",
+    "tests/test_launcher.py::test_a_missing_script_is_a_usage_error": "a tandem run",
+    "tests/test_launcher.py::test_local_hosts_run_locally": "a job",
+    "tests/test_launcher.py::test_modules_run_with_dash_m": "a job",
+    "tests/test_launcher_edges.py::test_idle_and_junk_connections_neither_delay_nor_fail_the_job":
+        "a job per backend",
+    "tests/test_launcher_edges.py::test_a_program_the_system_refuses_is_named_without_the_usage":
+        "a tandem run per case",
+    "tests/test_launcher_edges.py::test_ctrl_c_during_start_up_prints_one_line_and_exits_130":
+        "a job and a signal per backend",
+    "tests/test_launcher_edges.py::test_ctrl_c_reaches_started_ranks_and_spares_importing_ones_a_traceback":
+        "a job and a signal per backend",
+    "tests/test_launcher_edges.py::test_a_killed_launchers_shared_memory_goes_with_the_next_run_and_doctor_clean":
+        "a killed job, another job, tandem doctor",
+    "tests/test_launch_store.py::test_a_one_node_jobs_torch_store_is_on_loopback_only_and_the_ranks_join":
+        "four jobs",
+    "tests/test_launch_store.py::test_a_script_with_its_own_master_port_is_seen_joining": "a job",
+    "tests/test_launch_store.py::test_a_taken_master_port_is_named_with_the_fix": "a job",
+    "tests/test_launch_versions.py::test_a_node_with_another_tandem_is_refused_at_admission":
+        "two agents, one of another version",
+    "tests/test_loopback.py::test_a_single_node_job_listens_on_loopback_only": "a job per backend",
+    "tests/test_leaks.py::test_a_local_mpi_jobs_ranks_listen_on_loopback_only": "an MPI job",
+    "tests/test_leaks.py::test_a_failed_mpi_job_leaves_no_shared_memory": "a failing MPI job",
+    "tests/test_lazy_import.py::test_tandem_runs_a_whole_job_without_torch_in_its_parent":
+        "a job per backend (fast: the import checks without one)",
+    "tests/test_mpi.py::test_mpiexec_script_picks_mpi_by_default": "a job under plain mpiexec",
+    "tests/test_mpi.py::test_tandem_run_mpi_prefixes_each_ranks_output": "an MPI job",
+    "tests/test_mpi.py::test_tandem_run_mpi_stops_the_job_when_a_rank_fails": "failing MPI jobs",
+    "tests/test_environments.py::test_an_mpi_rank_of_tandem_run_is_a_tandem_rank_under_mpi": "an MPI job",
+    "tests/test_rendezvous.py::test_a_real_jobs_store_refuses_strangers": "a job",
+    "tests/test_rendezvous.py::test_a_job_no_launcher_started_keys_its_store_with_tandem_store_key":
+        "processes started by hand",
+    "tests/test_torchrun_cli.py::test_without_np_a_machine_without_gpus_is_told_what_to_give":
+        "a tandem run",
+    "tests/test_torchrun_cli.py::test_a_readme_command_runs_under_python_m_tandem_run": "a job",
+    "tests/test_torchrun_env.py::test_an_mpi_rank_gets_torchruns_variables_from_mpi": "an MPI job",
+    "tests/test_torchrun_env.py::test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun":
+        "a torchrun job and four tandem jobs",
+    "tests/test_torchrun_env.py::test_the_torchrun_script_on_two_agents_trains_as_under_torchrun":
+        "two agents",
+    "tests/test_torchrun_env.py::test_a_job_no_rank_joined_is_named_at_its_end": "three jobs per backend",
+    "tests/test_torchrun_env.py::test_td_init_on_mpi_joins_even_without_the_watchdog": "an MPI job",
+    "tests/test_torchrun_env.py::test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo":
+        "a job per launcher and backend",
+    # starting a world by hand: fast keeps the template at two ranks and td.spawn's results
+    "tests/test_manual_init.py::test_the_manual_template_joins_a_gloo_job[3]": "processes by hand",
+    "tests/test_manual_init.py::test_init_method_tcp_instead_of_master_variables": "processes by hand",
+    "tests/test_manual_init.py::test_the_template_as_a_script": "processes by hand",
+    "tests/test_manual_init.py::test_a_rank_outside_the_world_is_an_error_before_any_communication":
+        "processes by hand",
+    "tests/test_manual_init.py::test_a_rendezvous_without_a_rank_is_an_error_not_a_world_of_one":
+        "processes by hand",
+    "tests/test_manual_init.py::test_two_processes_given_rank_0_are_named": "processes by hand",
+    "tests/test_manual_init.py::test_a_missing_rank_is_named_on_every_rank_that_came": "processes by hand",
+    "tests/test_manual_init.py::test_different_world_sizes_are_named_per_rank": "processes by hand",
+    "tests/test_manual_init.py::test_a_rank_given_twice_is_named": "processes by hand",
+    "tests/test_manual_init.py::test_a_job_without_rank_0_is_named": "processes by hand",
+    "tests/test_runtime.py::test_script_without_launcher_is_a_world_of_one": "a fresh process",
+    "tests/test_runtime.py::test_rendezvous_port_taken_by_another_program_is_a_clear_error":
+        "fresh processes",
+    "tests/test_runtime.py::test_multi_rank_job_without_a_port_says_how_to_fix_it": "a fresh process",
+    "tests/test_runtime.py::test_unknown_backend_and_bad_timeout": "fresh processes",
+    "tests/test_runtime.py::test_spawn_reraises_child_exception_with_rank_and_traceback": "td.spawn",
+    "tests/test_runtime.py::test_spawn_reports_a_killed_child": "td.spawn and a kill",
+    "tests/test_runtime.py::test_a_script_started_by_torchrun_joins_its_job": "a torchrun job",
+    # faults and hangs: the watchdog's reports wait for TANDEM_TIMEOUT. Fast keeps the watchdog's
+    # unit tests, and the agreement's checks in the shared worlds.
+    "tests/test_watchdog.py::test_a_hang_is_reported_with_who_arrived_and_every_stack":
+        "a hung job per backend",
+    "tests/test_watchdog.py::test_a_lost_peer_is_named": "a job per way of losing a peer",
+    "tests/test_groups.py::test_a_rank_that_never_creates_the_group_is_named_by_the_watchdog":
+        "a hung job per backend",
+    "tests/test_divergence.py::test_a_stage_in_a_collective_while_the_others_train_is_named_by_the_step_agreement":
+        "a diverged pipeline job per backend",
+    "tests/test_divergence.py::test_pipeline_stages_out_of_step_are_named_long_before_the_timeout":
+        "a desynchronised pipeline job per backend",
+    "tests/test_divergence.py::test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error":
+        "a diverged pipeline job per check setting",
+    "tests/test_call_sites.py::test_torch_all_reduce_on_backend_tandem_over_gloo_names_the_skip":
+        "a Gloo job",
+    # checkpoints: fast keeps every save and restore in the shared worlds; a crash needs a job
+    "tests/test_checkpoint.py::test_crash_between_write_and_rename_keeps_the_previous_checkpoint":
+        "a job killed mid-save",
+    "tests/test_checkpoint_integrity.py::test_a_dead_jobs_directory_is_taken_over": "a killed job",
+    "tests/test_checkpoint_integrity.py::test_a_job_that_ends_without_wait_publishes_its_last_checkpoint":
+        "a job",
+    "tests/test_sharded_checkpoint.py::test_crash_during_a_sharded_save_keeps_the_previous_checkpoint":
+        "a job killed mid-save",
+    "tests/test_sharded_checkpoint.py::test_tandem_run_max_restarts_resumes_a_fully_sharded_job":
+        "a restarted job",
+    "tests/test_layout_checkpoints.py::test_a_kill_during_an_async_write_leaves_the_previous_checkpoint":
+        "a job killed mid-write",
+    "tests/test_restart.py::test_a_killed_job_restarts_from_its_checkpoint_and_ends_identical":
+        "killed and restarted jobs",
+    "tests/test_restart.py::test_a_crash_inside_save_keeps_the_previous_checkpoint": "a restarted job",
+    "tests/test_restart.py::test_restarts_stop_when_exhausted": "restarted jobs",
+    # elastic: fast keeps the options, td.elastic's state (test_elastic_extras.py) and the
+    # refusal on a fixed world; every resize is a job of several agents
+    **{f"tests/test_elastic.py::{name}": "an elastic job that loses or gains ranks" for name in (
+        "test_a_rank_killed_at_step_5_of_3_the_job_goes_on_with_2_and_equals_one_process",
+        "test_3_to_2_to_3_a_worker_joins_when_discovery_offers_a_slot_adam_equals_one_process",
+        "test_a_rank_that_dies_during_the_resize_shrinks_the_job_again_horovod_api",
+        "test_below_min_np_the_job_ends_with_the_usual_report",
+        "test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly_ddp",
+        "test_zero_optimizer_state_is_resharded_in_memory_when_the_job_grows_2_to_3",
+        "test_zero_optimizer_state_lost_with_a_rank_comes_from_the_checkpointer",
+        "test_zero_optimizer_state_lost_without_a_checkpointer_is_named",
+        "test_a_fully_sharded_model_and_its_adam_state_are_cut_again_when_the_job_grows",
+        "test_a_fully_sharded_models_optimizer_state_lost_with_a_rank",
+        "test_with_a_peer_backup_sharded_state_lost_with_a_rank_is_restored_from_memory",
+        "test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size",
+        "test_ranks_that_commit_different_states_are_named",
+        "test_a_rank_that_skips_a_commit_is_named_not_averaged",
+        "test_a_node_that_vanishes_leaves_the_job_on_the_other_and_equals_one_process",
+        "test_a_node_that_joins_mid_job_grows_it_to_3_adam_equals_one_process",
+        "test_an_agent_of_a_fixed_job_is_refused_by_an_elastic_node_0",
+        "test_an_h_job_loses_a_host_and_grows_back_when_discovery_lists_it_again",
+    )},
+    # front ends: fast keeps Lightning's Trainer in the shared worlds (test_lightning_names.py),
+    # Horovod's API, torch's calls on the MPI engine, the metrics and the doctor's checks
+    "tests/test_lightning.py::test_trainer_and_fabric_at_two_ranks_equal_one_process":
+        "five Lightning trainings per backend, and the one-process reference",
+    "tests/test_lightning.py::test_a_rank_that_raises_in_validation_step_ends_the_job_naming_it":
+        "a failing job per backend",
+    "tests/test_lightning.py::test_devices_that_disagree_with_the_launcher_are_refused_naming_both":
+        "an MPI job",
+    "tests/test_lightning.py::test_configure_model_that_replaces_the_world_is_refused": "a fresh process",
+    "tests/test_lightning.py::test_the_lightning_digits_example_learns_on_two_ranks":
+        "an example trained as a job",
+    "tests/test_horovod.py::test_tandem_run_takes_horovodrun_command_forms": "a job per command form",
+    "tests/test_torch_backend.py::test_every_torch_call_on_the_gloo_engine": "a Gloo job",
+    "tests/test_torch_backend.py::test_backend_mpi_under_plain_mpiexec": "a job under plain mpiexec",
+    "tests/test_torch_backend.py::test_the_tutorials_programs_run_on_backend_mpi": "a job per launcher",
+    "tests/test_torch_backend.py::test_td_init_joins_the_group_the_script_made": "four jobs",
+    "tests/test_torch_backend.py::test_td_init_asked_for_another_backend_than_the_scripts_group_is_named":
+        "a job",
+    "tests/test_torch_backend.py::test_after_td_init_torch_libraries_find_the_job": "a job per backend",
+    "tests/test_torch_backend.py::test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for":
+        "a diverged job per ending",
+    "tests/test_torch_backend.py::test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named":
+        "a diverged job",
+    "tests/test_torch_backend.py::test_a_skipped_all_reduce_on_gloo_stops_the_job": "a diverged job",
+    "tests/test_torch_backend.py::test_torch_calls_with_different_arguments_are_named_never_garbage":
+        "a job per engine",
+    "tests/test_metrics.py::test_rank0_bar_redraws_in_place_under_tandem_run_on_a_terminal":
+        "a job on a pseudo-terminal per backend",
+    "tests/test_timeline.py::test_two_rank_job_writes_one_trace_with_every_bucket_every_step":
+        "a job (fast: the timeline's parts merged in one process)",
+    "tests/test_doctor.py::test_doctor_prints_every_check_and_exits_zero":
+        "tandem doctor as a command (fast: each check)",
+    "tests/test_lazy_import.py::test_doctor_imports_torch_only_for_torchs_own_lines": "tandem doctor",
+    "tests/test_recipes_doc.py::test_snippet_runs": "each recipe of the docs as a job",
+    "tests/test_gpu_check.py::test_the_quick_run_skips_the_cuda_steps_and_passes_the_cpu_ones":
+        "scripts/gpu-check.sh's CPU steps",
+    "tests/test_gpu_check.py::test_a_failed_or_overrunning_step_does_not_stop_the_others":
+        "scripts/gpu-check.sh with steps that fail",
+    "tests/test_gpu_check.py::test_vendor_brings_pytest_and_cloudpickle_for_a_machine_without_them":
+        "a venv without them",
+    "tests/test_architecture.py::test_the_layers_contract_fails_on_a_planted_upward_import":
+        "import-linter on a copy of the tree (fast: the contract on the tree itself)",
+}
+
+
+def slow_reason(nodeid: str) -> str | None:
+    """Why the test `nodeid` runs in the full tier only, or None when it is in the fast tier."""
+    function = nodeid.split("[", 1)[0]
+    for key in (nodeid, function, function.split("::", 1)[0]):
+        if key in SLOW:
+            return SLOW[key]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        reason = slow_reason(item.nodeid)
+        if reason is not None:
+            item.add_marker(pytest.mark.slow(reason=reason))
