@@ -1,5 +1,5 @@
 """torch.compile against eager at 2 ranks: step time and exposed communication; and the
-activation memory that `td.checkpoint_wrapper` saves.
+activation memory that `td.memory.checkpoint_wrapper` saves.
 
     python benchmarks/compile_overlap.py                     # MLP and ResNet-9, Gloo, CPU
     python benchmarks/compile_overlap.py --steps 10 --models mlp --out /tmp/co.json
@@ -21,7 +21,7 @@ for gradient reductions that backward did not hide (`last_step_stats.comm_wait_s
 the measured steps, averaged over the ranks); the target is compiled <= 1.1 x eager.
 
 Part 2, one process: activation memory with and without checkpointing each block
-(`td.checkpoint_wrapper(model, policy=Block)`) for ResNet-9 (residual and conv-BN blocks) and
+(`td.memory.checkpoint_wrapper(model, policy=Block)`) for ResNet-9 (residual and conv-BN blocks) and
 a small GPT (its transformer blocks). Memory is the heap in use right after forward (loss
 computed, autograd graph alive) minus before it, from glibc's `mallinfo2()` (torch's CPU
 tensors are malloc'd; CPU torch has no allocator statistics of its own); also the step time.
@@ -189,7 +189,7 @@ def activation_memory(steps: int) -> dict:
             torch.manual_seed(0)
             nets[kind] = make()
             if kind == "checkpointed":
-                td.checkpoint_wrapper(nets[kind], policy=policy)
+                td.memory.checkpoint_wrapper(nets[kind], policy=policy)
         held = {kind: [] for kind in nets}
         times = {kind: [] for kind in nets}
         for _ in range(steps + 1):

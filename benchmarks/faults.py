@@ -22,7 +22,7 @@ small data-parallel job) with TANDEM_TIMEOUT=5, the rank and step drawn at rando
 and on split models (`tests/scripts/fault_split.py`; with and without debug mode):
 
   shard_skip_step   fully_shard: the rank skips backward and step after its forward
-  shard_state_dict  fully_shard: rank 0 alone calls td.full_state_dict
+  shard_state_dict  fully_shard: rank 0 alone calls td.fsdp.full_state_dict
   tp_skip_step      td.parallelize: the rank skips backward and step after its forward
   pipe_skip_opt     td.Pipeline: the rank's stage skips its optimizer step
   pipe_skip_step    td.Pipeline: the rank's stage skips a whole iteration (named at the end)

@@ -7,7 +7,7 @@ The model: `--blocks` MLP blocks (Linear(w, 4w), GELU, Linear(4w, w)), each one 
 unit, the root a container; fp32. Its size M is 4x the budget a rank is given (budget = M/4).
 Three ways to get the same sharded model, each in a world of its own (`td.spawn`, Gloo):
 - `materialize`: built under `torch.device("meta")`, `td.fully_shard` per block and the root,
-  `td.materialize(model, seed=0)`: each rank keeps its shards of the one-process init;
+  `td.fsdp.materialize(model, seed=0)`: each rank keeps its shards of the one-process init;
 - `eager`: `torch.manual_seed(0)`, built on the CPU, then `td.fully_shard` (every rank holds
   the whole model first);
 - `fsdp2_meta`: torch's FSDP2 recipe, `fully_shard` on the meta model, `model.to_empty(...)`,
@@ -62,7 +62,7 @@ def _materialize(config: dict) -> nn.Module:
     for block in model:
         td.fully_shard(block)
     td.fully_shard(model)
-    return td.materialize(model, seed=0)
+    return td.fsdp.materialize(model, seed=0)
 
 
 def _eager(config: dict) -> nn.Module:
@@ -96,7 +96,7 @@ def _full(model: nn.Module, method: str) -> dict[str, torch.Tensor]:
     if method == "fsdp2_meta":
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
                 for k, v in model.state_dict().items()}
-    return td.full_state_dict(model)
+    return td.fsdp.full_state_dict(model)
 
 
 def worker(method: str, config: dict) -> dict:

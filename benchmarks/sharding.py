@@ -24,7 +24,7 @@ beyond them: ZeroOptimizer's flat gradient buffer in `step()`, and for `td.fully
 gathered units plus the padded gradients whose reduce-scatter is in flight (sampled around
 every module's forward and backward, at each unit's gradient, and at the end of backward).
 torch's DDP runs with `gradient_as_bucket_view=True`, so its gradients are its buckets.
-Each is compared with `td.estimate_memory` (measured / estimated, target within 10 %):
+Each is compared with `td.memory.estimate_memory` (measured / estimated, target within 10 %):
 the benchmark holds no formula of its own. Step time: the methods alternate step by step,
 median over `--steps` after warm-up. Ratios are to DDP and, for fully_shard, to FSDP2. JSON
 goes to `results/sharding.json`.
@@ -81,16 +81,16 @@ def state_bytes(net: nn.Module, optimizer) -> dict[str, int]:
                                getattr(optimizer, "_shard_grad", None)])}
 
 
-def estimates(config: dict, n: int) -> dict[str, td.MemoryEstimate]:
-    """What `td.estimate_memory` says for each method (FSDP2 as td.fully_shard)."""
+def estimates(config: dict, n: int) -> dict[str, td.memory.MemoryEstimate]:
+    """What `td.memory.estimate_memory` says for each method (FSDP2 as td.fully_shard)."""
     with torch.device("meta"):
         net = model(config)
     blocks = list(net)[:-1]
-    out = {"ddp": td.estimate_memory(net, world_size=n, layout="ddp"),
-           "zero": td.estimate_memory(net, world_size=n, layout="zero"),
-           "fully_shard": td.estimate_memory(net, world_size=n, layout="fully_shard", units=blocks),
-           "pipeline": td.estimate_memory(net, world_size=n, layout="pipeline", balance="params"),
-           "tp": td.estimate_memory(net, world_size=n, layout="tp", plan=tp_plan(config))}
+    out = {"ddp": td.memory.estimate_memory(net, world_size=n, layout="ddp"),
+           "zero": td.memory.estimate_memory(net, world_size=n, layout="zero"),
+           "fully_shard": td.memory.estimate_memory(net, world_size=n, layout="fully_shard", units=blocks),
+           "pipeline": td.memory.estimate_memory(net, world_size=n, layout="pipeline", balance="params"),
+           "tp": td.memory.estimate_memory(net, world_size=n, layout="tp", plan=tp_plan(config))}
     out["fsdp2"] = out["fully_shard"]
     return out
 

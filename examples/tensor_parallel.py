@@ -6,7 +6,7 @@
 The model is written for one process (embedding, one transformer block with
 `nn.MultiheadAttention`, a vocabulary head). `td.parallelize` splits it by layer name: the
 embedding and the head by vocabulary, attention by heads, the MLP column- then row-wise. The
-loss is computed on the split logits (`td.vocab_parallel_cross_entropy`), never gathered. The
+loss is computed on the split logits (`td.tensor.vocab_parallel_cross_entropy`), never gathered. The
 task: predict the next token of sequences that count up modulo the vocabulary.
 """
 
@@ -80,7 +80,7 @@ def main() -> None:
         ids, target = batch(step, args.batch, args.seq, args.vocab)
         ids = ids[mesh.dp_rank * per_replica:(mesh.dp_rank + 1) * per_replica]
         target = target[mesh.dp_rank * per_replica:(mesh.dp_rank + 1) * per_replica]
-        loss = td.vocab_parallel_cross_entropy(model(ids), target, group=mesh.tp_group)
+        loss = td.tensor.vocab_parallel_cross_entropy(model(ids), target, group=mesh.tp_group)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem as td
-from tandem import Average, progress
+from tandem.metrics import Average, progress
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=10)
@@ -61,7 +61,7 @@ if td.rank() == 0:
           f"{len(train)} training images, {len(loader)} steps per epoch")
 
 # -- training ----------------------------------------------------------------------------------
-logger = td.MetricLogger(args.log_dir) if args.log_dir else None  # rank 0 writes, averaged over ranks
+logger = td.metrics.MetricLogger(args.log_dir) if args.log_dir else None  # rank 0 writes, averaged over ranks
 for epoch in range(1, args.epochs + 1):
     model.train()
     metrics = Average()                               # sample-weighted means over all ranks
