@@ -1,10 +1,11 @@
 """Every torch optimizer under every way of splitting equals one process, or is refused with
 the reason and the alternative (issue 40). One world per engine steps every optimizer in turn.
 
-ZeroOptimizer and fully_shard hand the optimizer flat 1-D shards, tensor parallelism slices of
-each matrix: exact for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor,
-Muon or LAMB, which are refused (`parallel/layout/elementwise.py`). DistributedOptimizer and the DDP
-wrapper keep the whole parameters on every rank: any optimizer is exact there.
+fully_shard hands the optimizer flat 1-D shards, tensor parallelism slices of each matrix: exact
+for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor, Muon or LAMB, which
+are refused there (`parallel/layout/elementwise.py`). ZeroOptimizer shards those by whole
+parameters (each stepped whole by one rank): exact too. DistributedOptimizer and the DDP wrapper
+keep the whole parameters on every rank: any optimizer is exact there.
 """
 
 import pytest
@@ -133,7 +134,7 @@ def check_matrix(wrapper: str):
     return outcome
 
 
-SHARDED = {"ZeroOptimizer": "td.DistributedOptimizer", "fully_shard": "td.DistributedDataParallel",
+SHARDED = {"fully_shard": "td.DistributedDataParallel",  # ZeroOptimizer: whole parameters
            "tensor parallel": "element-wise optimizer"}
 
 
@@ -150,8 +151,7 @@ def test_every_optimizer_equals_one_process_or_is_refused_with_the_reason(wrappe
                 assert "Muon only supports 2D parameters" in value  # torch's, at construction
                 continue
             short = name.split(" ")[0]
-            split = "td.ZeroOptimizer" if wrapper == "ZeroOptimizer" else \
-                "td.fully_shard" if wrapper == "fully_shard" else "tensor parallelism"
+            split = "td.fully_shard" if wrapper == "fully_shard" else "tensor parallelism"
             assert f"{short} under {split}" in value and SHARDED[wrapper] in value, value
             assert "optimizer.elementwise = True" in value
         else:

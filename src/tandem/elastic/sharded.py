@@ -40,7 +40,8 @@ def reshard(state, newest: int) -> bool:
         holes = resize.lost(held, state.model)
         lost = "state of fully_shard's " + ", ".join(holes)
     else:
-        holes = zero_reshard.missing(held, state.optimizer.numel)
+        holes = zero_reshard.missing([r for where in held for r in where],
+                                     state.optimizer.numel)
         lost = "ZeroOptimizer state of flat elements " + ", ".join(f"[{a}, {b})"
                                                                      for a, b in holes)
     if not holes:  # each rank gets the pieces of every part that its new cut holds
@@ -73,17 +74,16 @@ def parts(state, snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 def ranges(state, part: dict[str, Any]) -> Any:
-    """What a part holds: each unit's flat range, or ZeroOptimizer's."""
+    """What a part holds: each unit's flat range, or ZeroOptimizer's ranges."""
     return (resize.ranges(part["model"]) if state._fsdp
-            else tuple(part["optimizer"]["range"]))
+            else [tuple(r) for r in part["optimizer"]["ranges"]])
 
 
 def cut(state, part: dict[str, Any], rank: int) -> dict[str, Any]:
     """What `rank` needs of `part` in the current cut."""
     if state._fsdp:
         return {**resize.cut(part, state.model, rank), "worker": part["worker"]}
-    lo, hi = zero_reshard.wanted(state.optimizer, rank)
-    return {**part, "optimizer": zero_reshard.cut(part["optimizer"], lo, hi)}
+    return {**part, "optimizer": zero_reshard.cut_for(state.optimizer, part["optimizer"], rank)}
 
 
 def round_workers(state) -> set[int]:

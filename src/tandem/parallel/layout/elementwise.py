@@ -13,6 +13,13 @@ numbers cut into two flat pieces (11 and 13 elements); element-wise means both g
 numbers. An optimizer the probe cannot run (its constructor wants more than parameters and
 hyper-parameters, its step wants a closure) is refused with the flag that settles it:
 `optimizer.elementwise = True` (or False) set by the user, who knows.
+
+`td.ZeroOptimizer` can do better than refuse: an optimizer that is not element-wise but
+updates each tensor on its own (Adafactor, Muon, LAMB) is sharded by *whole parameters*
+(`sharding`: "whole"), each stepped by one rank. Only an optimizer that couples tensors (LBFGS's
+history over all parameters, SparseAdam's sparse steps) is refused there. An unknown one is
+probed a second time: two matrices stepped by one optimizer, and each by its own; per-tensor
+means both give the same numbers. `elementwise=False` from the user means per-tensor.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ _WHY_NOT = {  # torch's optimizers that look at more than one element, and how
     torch.optim.LBFGS: "keeps a history over all parameters and needs a closure",
     torch.optim.SparseAdam: "steps sparse gradients",
 }
+_PER_TENSOR = {torch.optim.Adafactor, torch.optim.Muon}  # not element-wise, but tensor by tensor
 _PROBED: dict[tuple[type, str], bool | str] = {}
+_PROBED_PER_TENSOR: dict[tuple[type, str], bool | str] = {}
 
 
 def why_not_elementwise(optimizer: torch.optim.Optimizer) -> str | None:
@@ -46,13 +55,58 @@ def why_not_elementwise(optimizer: torch.optim.Optimizer) -> str | None:
         return None
     if cls in _WHY_NOT:
         return _WHY_NOT[cls]
-    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} \
-        if optimizer.param_groups else dict(optimizer.defaults)
-    key = (cls, repr(sorted(hyper.items(), key=lambda kv: kv[0])))
+    hyper, key = _hyper(optimizer)
     if key not in _PROBED:
         _PROBED[key] = _probe(cls, hyper)
     verdict = _PROBED[key]
     return None if verdict is True else str(verdict)
+
+
+def _hyper(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], tuple[type, str]]:
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} \
+        if optimizer.param_groups else dict(optimizer.defaults)
+    return hyper, (type(optimizer), repr(sorted(hyper.items(), key=lambda kv: kv[0])))
+
+
+def why_not_per_tensor(optimizer: torch.optim.Optimizer) -> str | None:
+    """None when `optimizer` updates each tensor from that tensor alone (element-wise ones
+    included), so one rank may step some whole parameters; else the reason, in words."""
+    flag = getattr(optimizer, "elementwise", None)
+    if flag is not None:  # True: element-wise; False: the user's word for per-tensor
+        return None
+    cls = type(optimizer)
+    if cls in _ELEMENTWISE or cls in _PER_TENSOR:
+        return None
+    if cls in _WHY_NOT:
+        return _WHY_NOT[cls]
+    why = why_not_elementwise(optimizer)
+    if why is None:
+        return None
+    if why.startswith("could not be checked"):
+        return why
+    hyper, key = _hyper(optimizer)
+    if key not in _PROBED_PER_TENSOR:
+        _PROBED_PER_TENSOR[key] = _probe_per_tensor(cls, hyper)
+    verdict = _PROBED_PER_TENSOR[key]
+    return None if verdict is True else str(verdict)
+
+
+def sharding(optimizer: torch.optim.Optimizer, split: str, alternative: str) -> str:
+    """How `split` (td.ZeroOptimizer) may shard `optimizer`'s state: "flat" (any cut of the
+    flat space: element-wise), "whole" (whole parameters per rank: per-tensor); else raise,
+    naming the optimizer, why, `alternative` and the flag."""
+    if why_not_elementwise(optimizer) is None:
+        return "flat"
+    why = why_not_per_tensor(optimizer)
+    if why is None:
+        return "whole"
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"{name} under {split}: {name} {why}, so no rank can step its own share of the "
+        f"parameters (not even whole ones) to the result of one process. {alternative}. If "
+        f"{name}'s update does treat each element on its own, say so: "
+        f"`optimizer.elementwise = True` before wrapping (or `elementwise=False` when it "
+        f"treats each tensor on its own: {split} then gives each rank whole parameters)")
 
 
 def refuse_unless_elementwise(optimizer: torch.optim.Optimizer, split: str,
@@ -94,6 +148,32 @@ def _probe(cls: type, hyper: dict[str, Any]) -> bool | str:
     same = torch.equal(whole.detach().flatten(), torch.cat([p.detach() for p in pieces]))
     return True if same else ("updates a tensor as a whole (a probe matrix stepped whole and in "
                               "two flat pieces came out different)")
+
+
+def _probe_per_tensor(cls: type, hyper: dict[str, Any]) -> bool | str:
+    """Step two matrices with one fresh optimizer of `cls` and each with its own: True when
+    the numbers agree (each tensor's update depends on that tensor alone), else the reason."""
+    hyper = _constructor_arguments(cls, hyper)
+    generator = torch.Generator().manual_seed(1)
+    starts = [torch.randn(4, 6, generator=generator), torch.randn(3, 5, generator=generator)]
+    together = [t.clone().requires_grad_() for t in starts]
+    alone = [t.clone().requires_grad_() for t in starts]
+    try:
+        one = cls(together, **hyper)
+        each = [cls([p], **hyper) for p in alone]
+        for _ in range(3):
+            grads = [torch.randn(t.shape, generator=generator) for t in starts]
+            for p, q, g in zip(together, alone, grads, strict=True):
+                p.grad, q.grad = g.clone(), g.clone()
+            one.step()
+            for optimizer in each:
+                optimizer.step()
+    except Exception as error:  # any failure means: cannot tell
+        return (f"could not be checked for a per-tensor update (stepping a probe raised "
+                f"{type(error).__name__}: {error})")
+    same = all(torch.equal(p.detach(), q.detach()) for p, q in zip(together, alone, strict=True))
+    return True if same else ("couples its parameters (two probe matrices stepped by one "
+                              "optimizer and each by its own came out different)")
 
 
 def _constructor_arguments(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:

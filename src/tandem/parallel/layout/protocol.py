@@ -19,7 +19,8 @@ Each module that tandem splits implements the protocol of `parallel/layout/piece
 unit through `UnitPieces`; `split_of_module` finds it, and a `td.Pipeline` is its stage under
 the whole model's names. `held(model)` lists a model's local tensors with their placements,
 whatever wraps it; `optimizer_params(optimizer, models)` does the same for per-element
-optimizer state, which follows its parameter's layout (ZeroOptimizer's flat shards too).
+optimizer state, which follows its parameter's layout (ZeroOptimizer's flat shards or whole
+parameters too, as `ZeroOptimizer.state_placements` describes them).
 `parallel/layout/splits.py` records, per tensor, how it is split and over which group, for the calls
 that reduce or broadcast (clipping, `broadcast_parameters`, the reducer).
 
@@ -159,7 +160,7 @@ def optimizer_params(optimizer: Any, models: Iterable[Any]) -> tuple[Any, Params
             "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}, "
             "f'ckpt-rank{td.rank()}.pt'), and load it on the same number of ranks")
     if isinstance(optimizer, ZeroOptimizer):
-        return optimizer.optimizer, _zero_params(optimizer, placements)
+        return optimizer.optimizer, optimizer.state_placements(placements)
     inner = innermost_optimizer(optimizer)
     if inner is None:
         raise TypeError(f"expected a torch optimizer or one of tandem's wrappers, got "
@@ -173,26 +174,6 @@ def optimizer_params(optimizer: Any, models: Iterable[Any]) -> tuple[Any, Params
                 f"td.parallelize, build the optimizer over model.parameters() again)")
         out.append((p, placements[id(p)]))
     return inner, out
-
-
-def _zero_params(zero: Any, placements: dict[int, tuple[Placement, ...]]) -> list:
-    """ZeroOptimizer steps one view of its flat shard per param group: each view holds a range
-    of the flat space (`zero.space`) in which the model's parameters lie end to end."""
-    out = []
-    for index, (views, params, (start, _)) in enumerate(
-            zip(zero._views, zero._params, zero._group_ranges, strict=True)):
-        view = views[0]
-        names, shapes = [], []
-        for p in params:
-            piece = placements.get(id(p))
-            if piece is None or len(piece) != 1 or piece[0].chunks[0].numel != p.numel():
-                raise ValueError("ZeroOptimizer over parameters that are themselves split (a "
-                                 "shard or a tensor-parallel slice) cannot be checkpointed")
-            names.append(piece[0].name)
-            shapes.append(piece[0].shape)
-        lo = zero.space.start + zero._view_starts[index]
-        out.append((view, zero.space.placements(names, shapes, lo, lo + view.numel(), base=start)))
-    return out
 
 
 def iter_chunks(h: Held) -> Iterator[tuple[Placement, Chunk]]:

@@ -15,11 +15,28 @@ order), padded to a multiple of the group size k and cut into k equal shards. A 
 3. all-gathers the updated shards and copies them into the model's parameters.
 
 Communication equals one all-reduce (a reduce-scatter plus an all-gather), as in plain data
-parallelism; optimizer memory per rank drops to ~1/k. The result equals unsharded training for
-optimizers that update each element on its own; others (Adafactor, Muon, LAMB) are refused
-with the reason (`parallel/layout/elementwise.py`). A parameter that got no gradient on any rank is
-stepped with a zero gradient (so
-weight decay and momentum still move it), where torch would skip it.
+parallelism; optimizer memory per rank drops to ~1/k. A parameter that got no gradient on any
+rank is stepped with a zero gradient (so weight decay and momentum still move it), where torch
+would skip it.
+
+**Shape-aware sharding.** Flat shards are exact for an optimizer that updates each element on
+its own (SGD, Adam, ...). One that looks at a whole tensor but at one tensor at a time
+(Adafactor's factored moments, Muon's orthogonalization, LAMB's trust ratio) gets *whole
+parameters* instead (`parallel/layout/elementwise.py` decides): each parameter is owned whole by
+one rank, balanced by size (largest first, onto the least loaded rank), and the flat space is
+laid out by owner, rank r's parameters end to end in its shard, padded to the largest rank's
+share. The same reduce-scatter then hands each owner the averaged gradient of its whole
+parameters, the wrapped optimizer steps them in their own shapes (its param groups hold views
+of this rank's shard shaped as the parameters), and the same all-gather sends the new values,
+as torch's ZeroRedundancyOptimizer, DeepSpeed's ZeRO Muon and torchtitan's DistMuon do. Exact,
+for a little padding on the wire (the largest share against the mean). An optimizer that
+couples parameters (LBFGS) is refused with the reason.
+
+**Uneven batches.** Each rank's shard carries one more element: this rank's weight in the
+step (1, or its samples when `td.partition_dataset(pad=False)` or `td.samples(n)` reported an
+uneven batch; see `parallel/data_parallel/samples.py`), summed by the same reduce-scatter. The
+averaged gradient is the weighted sum divided by the summed weights: the one-process mean over
+all samples, with no extra message.
 
 **Where it differs from `DistributedOptimizer`:** the model's `.grad` stays this rank's own
 gradient after backward() (the average exists only as shards, made in `step()`), so recipes
@@ -39,6 +56,7 @@ every rank); `td.broadcast_optimizer_state` is not needed.
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from collections import defaultdict
@@ -54,10 +72,11 @@ from tandem.comm.collectives import user as collectives
 from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps
+from tandem.parallel.data_parallel.samples import RoundSamples
 from tandem.parallel.layout import splits
-from tandem.parallel.layout.elementwise import refuse_unless_elementwise
+from tandem.parallel.layout.elementwise import sharding
 from tandem.parallel.layout.flat_shard import FlatShard
-from tandem.parallel.layout.pieces import per_element
+from tandem.parallel.layout.pieces import Placement, per_element, whole
 from tandem.parallel.layout.split_grads import mark_grads
 
 _OWNERS = WeakIdKeyDictionary()  # parameter -> weakref to the ZeroOptimizer that holds it
@@ -89,8 +108,9 @@ class ZeroOptimizer:
             raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if elementwise is not None:  # the user's word for an optimizer tandem cannot classify
             optimizer.elementwise = elementwise
-        refuse_unless_elementwise(optimizer, "td.ZeroOptimizer", "Use td.DistributedOptimizer "
-                                  "(the optimizer state replicated, the one-process result)")
+        # "flat": any cut of the flat space; "whole": whole parameters per rank (shape-aware)
+        self.sharding = sharding(optimizer, "td.ZeroOptimizer", "Use td.DistributedOptimizer "
+                                 "(the optimizer state replicated, the one-process result)")
         if any(splits.kind_of(p) == splits.FULLY_SHARD for g in optimizer.param_groups for p in g["params"]):
             raise TypeError("these parameters are td.fully_shard shards (optimizer state already 1/N "
                             "per rank): give them to the plain torch optimizer, unwrapped")
@@ -103,6 +123,7 @@ class ZeroOptimizer:
             if p.requires_grad:  # torch's own clip_grad_norm_ is refused with the fix
                 mark_grads(p, splits.Split(splits.ZERO, group))
         self.group = group
+        self._samples = RoundSamples(enabled=True)  # uneven batches: each rank by its samples
         self._params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         flat = [p for params in self._params for p in params]
         if not flat:
@@ -133,34 +154,76 @@ class ZeroOptimizer:
         self._size, self._rank = group_size(self.group), group_rank(self.group)
         self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
         self._flat: torch.Tensor | None = None
-        self._offsets: list[list[int]] = []
+        # Natural offsets: the parameters end to end, group by group (the one-process order).
+        self._natural: list[list[int]] = []
         self._group_ranges: list[tuple[int, int]] = []
         offset = 0
         for params in self._params:
             start = offset
-            self._offsets.append([])
+            self._natural.append([])
             for p in params:
-                self._offsets[-1].append(offset)
+                self._natural[-1].append(offset)
                 offset += p.numel()
             self._group_ranges.append((start, offset))
-        self.space = FlatShard(offset, self._size, self._rank)
         self.numel = offset
-        self.shard_numel = self.space.shard_numel
-        self._lo = self.space.start
+        sizes = [p.numel() for p in self.parameters]
+        if self.sharding == "whole":
+            # Each parameter whole on one rank (largest first, onto the least loaded); the flat
+            # space laid out by owner, padded to the largest share.
+            self.owners, loads = balance(sizes, self._size)
+            self.shard_numel = max(max(loads), 1)
+            self.space = None
+            filled = [0] * self._size
+            layout = []
+            for i, n in enumerate(sizes):
+                r = self.owners[i]
+                layout.append(r * self.shard_numel + filled[r])
+                filled[r] += n
+        else:
+            self.owners = None
+            self.space = FlatShard(offset, self._size, self._rank)
+            self.shard_numel = self.space.shard_numel
+            layout = [o for offsets in self._natural for o in offsets]
+        at = iter(layout)  # where each parameter lies in the (padded) flat space on the wire
+        self._offsets: list[list[int]] = [[next(at) for _ in params] for params in self._params]
+        self._lo = self._rank * self.shard_numel
         self._hi = self._lo + self.shard_numel
         self._shard = torch.zeros(self.shard_numel, dtype=self._dtype, device=self._device)
-        self._shard_grad = torch.zeros_like(self._shard)
-        # One view of this rank's shard per param group: the tensors the wrapped optimizer
-        # now steps (and keys its state by). Views, so stepping them updates `_shard` in place.
+        # The reduce-scatter's output: this rank's shard of the summed gradients, and one more
+        # element, the summed weights of the ranks (their number, or their samples: uneven).
+        self._wire_grad = torch.zeros(self.shard_numel + 1, dtype=self._dtype, device=self._device)
+        self._shard_grad = self._wire_grad[: self.shard_numel]
+        # The tensors the wrapped optimizer now steps (and keys its state by): one view of this
+        # rank's shard per param group (flat), or one per parameter it owns, in its shape
+        # (whole). Views, so stepping them updates `_shard` in place.
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._view_starts: list[int] = []
-        for (start, end), group_dict in zip(self._group_ranges, optimizer.param_groups, strict=True):
-            a = min(max(start - self._lo, 0), self.shard_numel)
-            b = min(max(end - self._lo, 0), self.shard_numel)
-            view, grad = self._shard[a:b], self._shard_grad[a:b]
-            self._views.append((view, grad))
-            self._view_starts.append(a)
-            group_dict["params"] = [view]
+        self.owned: list[int] = []  # whole: the indices of the parameters this rank steps
+        if self.sharding == "whole":
+            index = 0
+            for params, offsets, group_dict in zip(self._params, self._offsets,
+                                                   optimizer.param_groups, strict=True):
+                mine = []
+                for p, o in zip(params, offsets, strict=True):
+                    if self.owners[index] == self._rank:
+                        a = o - self._lo
+                        view = self._shard[a : a + p.numel()].view(p.shape)
+                        grad = self._shard_grad[a : a + p.numel()].view(p.shape)
+                        self._views.append((view, grad))
+                        self._view_starts.append(a)
+                        self.owned.append(index)
+                        mine.append(view)
+                    index += 1
+                group_dict["params"] = mine
+        else:
+            for (start, end), group_dict in zip(self._group_ranges, optimizer.param_groups,
+                                                strict=True):
+                a = min(max(start - self._lo, 0), self.shard_numel)
+                b = min(max(end - self._lo, 0), self.shard_numel)
+                view, grad = self._shard[a:b], self._shard_grad[a:b]
+                self._views.append((view, grad))
+                self._view_starts.append(a)
+                group_dict["params"] = [view]
         optimizer.state = defaultdict(dict)  # keyed by the old parameters or views
 
     def _tandem_rejoin(self) -> None:
@@ -195,9 +258,16 @@ class ZeroOptimizer:
     def _reduce_gradients(self) -> torch.Tensor:
         """Reduce-scatter the local gradients: this rank's shard of their average. Returns the
         flat buffer, free for the parameters' all-gather."""
+        self._samples.update()  # the batch reported since the last step, if any
         flat = self._pack_gradients()
-        self._communicate("reducescatter", self._shard_grad, flat)
-        self._shard_grad.div_(self._size)
+        wire = flat.view(self._size, self.shard_numel + 1)
+        if self._samples.weighted:  # an uneven batch: this rank's gradient by its samples
+            wire.mul_(self._samples.weight)
+        wire[:, self.shard_numel] = self._samples.scale(1.0)
+        self._samples.reset()
+        self._communicate("reducescatter", self._wire_grad, flat)
+        # The summed weights (the group's size on an even step): no host read.
+        self._shard_grad.div_(self._wire_grad[self.shard_numel:])
         self._reduced = True
         return flat
 
@@ -238,8 +308,9 @@ class ZeroOptimizer:
             for view, grad in self._views:
                 view.grad = grad
             self.optimizer.step()
-        self._communicate("allgather", flat, self._shard)
-        self._write_parameters(flat)
+        gathered = flat[: self.shard_numel * self._size]  # the packed buffer, free again
+        self._communicate("allgather", gathered, self._shard)
+        self._write_parameters(gathered)
         steps.step_done()  # what `tandem scale` and MetricLogger(timing=True) read
         return loss
 
@@ -250,12 +321,22 @@ class ZeroOptimizer:
             yield from zip(params, offsets, strict=True)
 
     def _pack_gradients(self) -> torch.Tensor:
-        flat = torch.zeros(self.shard_numel * self._size, dtype=self._dtype, device=self._device)
+        """The local gradients in the reduce-scatter's layout: each rank's shard followed by
+        one element (its weight, set by the caller)."""
+        stride = self.shard_numel + 1
+        flat = torch.zeros(stride * self._size, dtype=self._dtype, device=self._device)
         for p, offset in self._pieces():
             if p.grad is not None:
                 if p.grad.is_sparse:
                     raise ValueError("ZeroOptimizer does not support sparse gradients")
-                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+                grad = p.grad.reshape(-1)
+                at, end = offset, offset + p.numel()
+                while at < end:  # a parameter may span shards (flat): one copy per shard
+                    r, within = divmod(at, self.shard_numel)
+                    take = min(end - at, self.shard_numel - within)
+                    flat[r * stride + within : r * stride + within + take].copy_(
+                        grad[at - offset : at - offset + take])
+                    at += take
         return flat
 
     def _mine(self, offset: int, n: int) -> tuple[int, int] | None:
@@ -309,6 +390,8 @@ class ZeroOptimizer:
 
         Collective: every rank must call it (each contributes its shard); every rank gets it.
         """
+        if self.sharding == "whole":
+            return self._whole_state_dict()
         inner = self.optimizer.state_dict()
         # What each group's state holds on this rank: per-element tensors (gathered below)
         # and everything else (scalars such as Adam's step, equal on every rank).
@@ -346,6 +429,30 @@ class ZeroOptimizer:
             index += len(params)
         return {"state": full_state, "param_groups": groups}
 
+    def owned_state(self) -> dict[int, dict[str, Any]]:
+        """Whole sharding: the state of each parameter this rank steps, by its index in the
+        optimizer's order (copies, on the CPU)."""
+        out = {}
+        for index, (view, _) in zip(self.owned, self._views, strict=True):
+            entry = self.optimizer.state.get(view)
+            if entry:
+                out[index] = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v)
+                              else copy.deepcopy(v) for k, v in entry.items()}
+        return out
+
+    def _whole_state_dict(self) -> dict[str, Any]:
+        full_state: dict[int, dict[str, Any]] = {}
+        for part in collectives.allgather_object(self.owned_state(), group=self.group):
+            full_state.update(part)
+        state = {i: {k: v.to(self._device) if torch.is_tensor(v) and v.dim() else v
+                     for k, v in full_state[i].items()} for i in sorted(full_state)}
+        groups, index = [], 0
+        for group_dict, params in zip(self.optimizer.state_dict()["param_groups"], self._params,
+                                      strict=True):
+            groups.append({**group_dict, "params": list(range(index, index + len(params)))})
+            index += len(params)
+        return {"state": state, "param_groups": groups}
+
     def _gather_state(self, g: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         """The per-element state `key` of group g over the whole flat space (zeros elsewhere)."""
         view, _ = self._views[g]
@@ -369,6 +476,9 @@ class ZeroOptimizer:
                 f"this optimizer has {[len(p) for p in self._params]}: it belongs to another model"
             )
         saved_state = state_dict["state"]
+        if self.sharding == "whole":
+            self._load_whole(saved_groups, saved_state)
+            return
         inner_state: dict[int, dict[str, Any]] = {}
         for g, (saved, params, offsets) in enumerate(
             zip(saved_groups, self._params, self._offsets, strict=True)
@@ -404,3 +514,64 @@ class ZeroOptimizer:
             inner_state[g] = state
         inner_groups = [{**saved, "params": [g]} for g, saved in enumerate(saved_groups)]
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+    def _load_whole(self, saved_groups: list[dict[str, Any]], saved_state: dict) -> None:
+        """Whole sharding: keep the state of the parameters this rank steps."""
+        inner_state: dict[int, dict[str, Any]] = {}
+        inner_groups = []
+        index = n = 0
+        for saved, params in zip(saved_groups, self._params, strict=True):
+            ids = []
+            for key in saved["params"][: len(params)]:
+                if self.owners[index] == self._rank:
+                    entry = saved_state.get(key, saved_state.get(str(key)))
+                    if entry:
+                        inner_state[n] = entry
+                    ids.append(n)
+                    n += 1
+                index += 1
+            inner_groups.append({**saved, "params": ids})
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+    # -- the layout protocol (checkpoints) ----------------------------------------------------
+    def state_placements(self, placements: dict[int, tuple[Placement, ...]]
+                         ) -> list[tuple[torch.Tensor, tuple[Placement, ...]]]:
+        """What each tensor the wrapped optimizer steps holds of the one-process tensors, in
+        its order, given the model parameters' placements (by id): per-element state follows.
+
+        Flat: one view per param group, a range of the flat space in which the group's
+        parameters lie end to end. Whole: one view per parameter this rank owns, all of it
+        (the other ranks hold nothing of it, as a pipeline stage's parameters)."""
+        names: list[list[str]] = []
+        for params in self._params:
+            names.append([])
+            for p in params:
+                piece = placements.get(id(p))
+                if piece is None or len(piece) != 1 or piece[0].chunks[0].numel != p.numel():
+                    raise ValueError("ZeroOptimizer over parameters that are themselves split "
+                                     "(a shard or a tensor-parallel slice) cannot be "
+                                     "checkpointed")
+                names[-1].append(piece[0].name)
+        if self.sharding == "whole":
+            flat_names = [n for group in names for n in group]
+            return [(view, (whole(flat_names[i], view),))
+                    for i, (view, _) in zip(self.owned, self._views, strict=True)]
+        out = []
+        for index, ((view, _), params, (start, _)) in enumerate(
+                zip(self._views, self._params, self._group_ranges, strict=True)):
+            lo = self.space.start + self._view_starts[index]
+            out.append((view, self.space.placements(
+                names[index], [tuple(p.shape) for p in params], lo, lo + view.numel(),
+                base=start)))
+        return out
+
+
+def balance(sizes: list[int], size: int) -> tuple[list[int], list[int]]:
+    """(the owner rank of each tensor, each rank's load): the largest first, each onto the
+    least loaded rank (the lowest on a tie). Deterministic: every rank computes the same."""
+    owners, loads = [0] * len(sizes), [0] * size
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(size), key=lambda r: (loads[r], r))
+        owners[i] = r
+        loads[r] += sizes[i]
+    return owners, loads

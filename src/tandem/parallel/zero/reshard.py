@@ -8,6 +8,10 @@ new part (`load_shards`). When no remaining rank holds some
 part of the flat space (its only holder left the job), `flat_shard.missing` says which: the
 state can then only come from a checkpoint on disk. (`fully_shard/resize.py` does the same
 for a fully sharded model's optimizer.)
+
+Under whole sharding (Adafactor, Muon, LAMB: each parameter owned whole by one rank) a part is
+the state of the parameters a rank owns, by index; the ranges it covers are those parameters'
+places in the natural flat space (end to end, group by group), so `missing` names holes alike.
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ from tandem.parallel.zero.optimizer import ZeroOptimizer
 
 
 def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
-    """This rank's part of the state, each group's as a slice of the flat space."""
+    """This rank's part of the state, each group's as a slice of the flat space (whole: each
+    owned parameter's state by its index)."""
     inner = optimizer.optimizer.state_dict()
+    if optimizer.sharding == "whole":
+        starts = [o for offsets in optimizer._natural for o in offsets]
+        sizes = [p.numel() for p in optimizer.parameters]
+        return {"numel": optimizer.numel, "entries": optimizer.owned_state(),
+                "ranges": [(starts[i], starts[i] + sizes[i]) for i in optimizer.owned],
+                "param_groups": copy.deepcopy(inner["param_groups"])}
     groups = []
     for g, (view, _) in enumerate(optimizer._views):
         start = optimizer._lo + optimizer._view_starts[g]
@@ -31,11 +42,11 @@ def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
                  for k, v in inner["state"].get(g, {}).items()}
         groups.append((start, view.numel(), state))
     return {"numel": optimizer.numel,
-            "range": (optimizer._lo, min(optimizer._hi, optimizer.numel)),
+            "ranges": [(min(optimizer._lo, optimizer.numel), min(optimizer._hi, optimizer.numel))],
             "groups": groups, "param_groups": copy.deepcopy(inner["param_groups"])}
 
 
-__all__ = ["cut", "load_shards", "missing", "shard_state", "wanted"]
+__all__ = ["cut", "cut_for", "load_shards", "missing", "shard_state", "wanted"]
 
 
 def _per_element(key: str, value: Any, n: int) -> bool:
@@ -47,6 +58,14 @@ def wanted(optimizer: ZeroOptimizer, rank: int) -> tuple[int, int]:
     space = FlatShard(optimizer.numel, optimizer._size, rank)
     return min(space.start, optimizer.numel), min(space.start + space.shard_numel,
                                                    optimizer.numel)
+
+
+def cut_for(optimizer: ZeroOptimizer, state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What `rank` needs of `state` (a `shard_state`) in the optimizer's current cut."""
+    if "entries" in state:  # whole: the parameters `rank` now owns
+        return {**state, "entries": {i: entry for i, entry in state["entries"].items()
+                                     if optimizer.owners[i] == rank}}
+    return cut(state, *wanted(optimizer, rank))
 
 
 def cut(state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
@@ -63,6 +82,16 @@ def cut(state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
 def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
     """Assemble the full state from `shards` (which cover the flat space) and keep this rank's
     part of it, in the optimizer's current partition."""
+    if optimizer.sharding == "whole":
+        entries: dict[int, dict[str, Any]] = {}
+        for shard in shards:
+            entries.update(shard["entries"])
+        groups, index = [], 0
+        for group_dict, params in zip(shards[0]["param_groups"], optimizer._params, strict=True):
+            groups.append({**group_dict, "params": list(range(index, index + len(params)))})
+            index += len(params)
+        optimizer.load_state_dict({"state": entries, "param_groups": groups})
+        return
     state: dict[int, dict[str, Any]] = {}
     index = 0
     for g, (params, offsets) in enumerate(zip(optimizer._params, optimizer._offsets,
