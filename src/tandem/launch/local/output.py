@@ -26,7 +26,9 @@ MAX_LINE_BYTES = 1 << 16  # a longer line is split into several prefixed pieces
 
 # Signals the agent handles itself; its helper threads block them so the kernel delivers
 # them to the main thread, which is the one waiting for events.
-AGENT_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+# SIGUSR1/SIGUSR2 too: a scheduler's warning before a kill (`--signal=B:USR1@120`), passed on.
+AGENT_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
+                           signal.SIGUSR2})
 
 
 def block_agent_signals() -> None:

@@ -20,6 +20,7 @@ kinds of job share: the event queue, the prefixed output, the ranks, the signal 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import re
 import signal
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from tandem import rendezvous
+from tandem.job import preemption
+from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig
 from tandem.launch.local.joined import JoinWatch
 from tandem.launch.local.output import AGENT_SIGNALS, RankOutput, signals_blocked
@@ -118,9 +121,20 @@ def port_taken(rank: int, tail: tuple[str, ...]) -> str | None:
             "is set for every rank); or set MASTER_PORT to a port that nothing else uses.")
 
 
+def _grace(failure: Failure | None) -> float:
+    """How long the ranks get between the signal and SIGKILL: a preemption signal passed on
+    (TANDEM_PREEMPT_SIGNALS) lets them finish their step and save, the lead a scheduler gives
+    (TANDEM_PREEMPT_LEAD); anything else, a moment."""
+    if failure is not None and failure.interrupt in preemption.signal_numbers(
+            os.environ.get("TANDEM_PREEMPT_SIGNALS")):
+        return float(os.environ.get("TANDEM_PREEMPT_LEAD") or preemption.DEFAULT_LEAD_S)
+    return STOP_GRACE_S
+
+
 @contextmanager
 def signals_to(events: queue.SimpleQueue):
-    """While inside, SIGINT/SIGTERM/SIGHUP to the agent become ("signal", signum) events.
+    """While inside, SIGINT/SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 to the agent become ("signal",
+    signum) events.
 
     `nohup tandem run` ignores SIGHUP (a background job, SIGINT): so do the ranks. Handlers can
     only be set from the main thread; elsewhere (a test calling `launch`) nothing changes.
@@ -154,6 +168,7 @@ class Supervisor:
         self.failure: Failure | None = None
         self.deadline: float | None = None  # when stopping: the moment to escalate
         self.killed = False
+        self.preempted: set[int] = set()  # ranks that saved and exited EXIT_PREEMPTED
 
     @property
     def stopping(self) -> bool:
@@ -199,7 +214,7 @@ class Supervisor:
             starting = self.ranks.starting() if signum == signal.SIGINT else set()
             self.ranks.signal(signal.SIGTERM, starting)
             self.ranks.signal(signum, self.ranks.live - starting)
-            self.deadline = time.monotonic() + STOP_GRACE_S
+            self.deadline = time.monotonic() + _grace(failure)
 
     def kill(self) -> None:
         self.ranks.signal(signal.SIGKILL)
@@ -211,7 +226,11 @@ class Supervisor:
 
     # -- hooks ---------------------------------------------------------------------------
     def rank_exited(self, rank: int, returncode: int) -> None:
-        """A rank exited non-zero; the first one stops the others."""
+        """A rank exited non-zero; the first one stops the others. A rank that exits
+        EXIT_PREEMPTED saved at the step every rank agreed on: the others are saving too."""
+        if returncode == EXIT_PREEMPTED:
+            self.preempted.add(rank)
+            return
         if self.failure is None:
             if self.ranks.live:
                 self.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
@@ -308,17 +327,25 @@ class LocalJob(Agent):
             store = rendezvous.StoreServer(MASTER_ADDR, 0)  # lives until the ranks are gone
         placement = Placement.single(self.config.np, store.port, store.key)
         watch = JoinWatch(store)
+        preempted: set[int] = set()
         try:
             try:
                 self.ranks.start(placement)
             except StartInterrupted as interrupt:  # ranks not all started: nothing to wait for
                 failure = Failure(interrupt=interrupt.signum, startup=True)
             else:
-                failure = Supervisor(self.ranks, self.events, self.output).run()
+                supervisor = Supervisor(self.ranks, self.events, self.output)
+                failure = supervisor.run()
+                preempted = supervisor.preempted
         finally:
             self.ranks.reap()
             store.close()
         self.output.join(DRAIN_S)  # the last lines, before we exit and they are lost
+        if preempted and (failure is None or failure.interrupt is not None):
+            self.output.message(f"tandem run: preempted: rank(s) {sorted(preempted)} saved at "
+                                f"the step they agreed on; exit {EXIT_PREEMPTED} (resume me: "
+                                f"the next run restores the checkpoint)")
+            return EXIT_PREEMPTED
         if failure is not None and failure.startup:
             self.output.message(f"tandem run: interrupted during start-up "
                                 f"({signal.Signals(failure.interrupt).name}); stopped "

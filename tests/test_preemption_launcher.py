@@ -1,0 +1,69 @@
+"""`tandem run` passes a scheduler's preemption signal on and says "resume me" (issue 44).
+
+SIGUSR1 to the launcher (what `#SBATCH --signal=B:USR1@120` sends the batch shell) reaches every
+rank; the ranks agree on a step, save there and exit 75; the launcher waits for the save (the
+preemption lead, not the 2 s of a Ctrl-C) and exits 75 too. The next run, on another number of
+ranks, resumes at the exact sample and ends with the one-process parameters.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.job.preemption import EXIT_PREEMPTED
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "scripts" / "preemptible_train.py")
+JOB_S = 120
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _until_step(job: subprocess.Popen, step: int) -> None:
+    """Read the job's output until rank 0 printed `step N` (or fail at the deadline)."""
+    deadline = time.monotonic() + JOB_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([job.stdout], [], [], deadline - time.monotonic())
+        line = job.stdout.readline() if ready else ""
+        if line.strip() == f"[0] step {step}":
+            return
+        assert line or job.poll() is None, f"the job ended before step {step}"
+    raise AssertionError(f"no step {step} within {JOB_S} s")
+
+
+def test_sigusr1_to_tandem_run_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path):
+    directory, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    reference = tmp_path / "reference.pt"
+    subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one"), str(reference)], env=_env(),
+                   check=True, timeout=JOB_S, capture_output=True)
+    job = subprocess.Popen([sys.executable, "-m", "tandem", "run", "-np", "2", SCRIPT,
+                            str(directory), str(out)], env=_env(), cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _until_step(job, 3)
+        job.send_signal(signal.SIGUSR1)
+        _, stderr = job.communicate(timeout=JOB_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == EXIT_PREEMPTED, stderr
+    assert "tandem run: preempted" in stderr and "resume me" in stderr, stderr
+    assert not out.exists()  # it stopped mid-training
+    resumed = subprocess.run([sys.executable, "-m", "tandem", "run", "-np", "3", SCRIPT,
+                              str(directory), str(out)], env=_env(), cwd=ROOT, text=True,
+                             capture_output=True, timeout=JOB_S)
+    assert resumed.returncode == 0, resumed.stderr
+    first = int(resumed.stdout.split("step ", 1)[1].split()[0])
+    assert first > 3  # resumed where it stopped, not from the start
+    for name, expected in torch.load(reference).items():
+        torch.testing.assert_close(torch.load(out)[name], expected, rtol=0, atol=1e-6)
