@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.testing import run_distributed
+from tandem.testing import mpiexec_command, run_distributed
 
 HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
 BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
     not HAVE_MPI, reason="the MPI engine needs mpi4py"))]
 STEPS = 3
+JOB_TIMEOUT_S = 150
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -200,3 +204,61 @@ def test_dcp_full_state_dicts_broadcast_from_rank0_round_trip_as_on_gloo():
 def test_fabric_rank_zero_first_lets_rank_0_go_first(backend, tmp_path):
     marker = str(tmp_path / "rank0")
     assert run_distributed(fabric_rank_zero_first, 2, args=(marker,), backend=backend) == [0, 1]
+
+
+# --- init_process_group("mpi") / ("tandem") with no `import tandem`: torch's autoloading ----------
+
+NO_IMPORT = """
+import sys
+import torch
+import torch.distributed as dist
+loaded = sorted(m for m in sys.modules if m.startswith("tandem.") and not m.startswith("tandem.hooks"))
+assert not loaded, f"import torch loaded tandem's {loaded} before any use"
+dist.init_process_group(sys.argv[1])
+t = torch.ones(2) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("rank", dist.get_rank(), dist.get_backend(), type(dist.group.WORLD).__name__, t.tolist())
+dist.destroy_process_group()
+"""
+
+
+def _no_tandem_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("TANDEM_", "PMI_", "OMPI_")) and k not in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}
+
+
+def test_import_torch_alone_names_the_backends_and_loads_nothing_else():
+    code = ("import sys, torch, torch.distributed as dist\n"
+            "print('tandem' in dist.Backend.backend_list, dist.is_mpi_available(),\n"
+            "      sorted(m for m in sys.modules if m.startswith('tandem.comm')))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_no_tandem_env(), capture_output=True,
+                          text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "[]"], done.stdout
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**_no_tandem_env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                         timeout=JOB_TIMEOUT_S)
+    assert off.stdout.split()[0] == "False", off.stdout + off.stderr
+
+
+@pytest.mark.skipif(not HAVE_MPI, reason="the MPI engine needs mpi4py")
+def test_init_process_group_mpi_without_import_tandem_under_mpiexec(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(NO_IMPORT)
+    done = subprocess.run([*mpiexec_command(2), sys.executable, str(script), "mpi"],
+                          env=_no_tandem_env(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} mpi TandemProcessGroup [3.0, 3.0]" for r in (0, 1)], done.stdout
+
+
+def test_init_process_group_tandem_without_import_tandem_under_tandem_run(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(NO_IMPORT)
+    done = subprocess.run([sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", "gloo",
+                           str(script), "tandem"], env=_no_tandem_env(), capture_output=True,
+                          text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("tandem TandemProcessGroup [3.0, 3.0]") == 2, done.stdout

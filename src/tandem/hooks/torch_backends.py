@@ -1,37 +1,99 @@
-"""tandem's torch.distributed backends, registered once torch is there, without importing it.
+"""tandem's torch.distributed backends, named to torch as soon as torch is there, without
+importing torch ourselves and without loading tandem's engines before they are used.
 
-`import tandem` must not import torch (the `tandem` command starts without it), yet a script
-that imports tandem before torch expects `dist.init_process_group("tandem")` (and "mpi") to
-work. So `import tandem` calls `install()`: with torch already imported it registers the
-backends now (`torch_register.register`); otherwise `import_hooks.after_import` registers
-right after torch's module has run (torch imports torch.distributed itself). That finder is
-the one thing `import tandem` does besides defining names: STYLE.md's "no import-time side
-effects", with the exception issue 27 asks for. Standard library only.
+Two ways in:
+
+- **`import torch` alone** (no `import tandem`): torch >= 2.5 calls every entry point of the
+  group "torch.backends" at the end of its own import (`torch._import_device_backends`);
+  tandem's (pyproject.toml) is `autoload` below, so `dist.init_process_group("mpi")` and
+  `init_process_group("tandem")` work in any interpreter of an environment where tandem is
+  installed. `TORCH_DEVICE_BACKEND_AUTOLOAD=0` turns torch's autoloading off (tandem's too).
+- **`import tandem`** calls `install()`: with torch already imported it names the backends now;
+  otherwise `after_import` does it right after torch's module has run.
+
+Either way `name_backends()` only tells torch the names: "tandem" through
+`Backend.register_backend`, "mpi" through the two names torch reads for its own MPI build
+(`_MPI_AVAILABLE`, `ProcessGroupMPI`, where torch has none), and a first-call wrapper on
+`init_process_group`. Each of these loads `comm.torch_pg.register` (the engines, the watchdog,
+the agreement) on its first use and hands over to it; an interpreter that never starts a group
+pays a few microseconds and three small modules. Nothing here may raise: an error in an entry
+point makes `import torch` itself fail, so it is a warning. Standard library only at import
+(STYLE.md's "no import-time side effects", with the exception issue 27 asks for).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
+from typing import Any
 
 from tandem.hooks.after_import import after_import
 
 TARGET = "torch"
+UNWRAPPED = "tandem_unwrapped"  # torch's own init_process_group, on the first-call wrapper
+
+
+def _full() -> Any:
+    """Load tandem's backends proper (idempotent) and return their module."""
+    from tandem.comm.torch_pg import register
+
+    register.register()
+    return register
+
+
+def _create_tandem(options: Any, backend_options: Any = None) -> Any:
+    return _full().create_tandem(options, backend_options)
+
+
+class FirstUseMPI:
+    """Stands in for torch's `ProcessGroupMPI` until tandem's is loaded (`TandemMPI`)."""
+
+    @staticmethod
+    def create(ranks: list[int]) -> Any:
+        return _full().TandemMPI.create(ranks)
+
+
+def name_backends() -> None:
+    """Tell torch.distributed the names "tandem" and "mpi"; their code loads on first use."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return  # a torch built without distributed support: nothing to register with
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    if "tandem" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("tandem", _create_tandem, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    if not dist.is_mpi_available():
+        c10d.ProcessGroupMPI = FirstUseMPI
+        c10d._MPI_AVAILABLE = True
+    loaded = sys.modules.get("tandem.comm.torch_pg.register")
+    if not hasattr(dist.init_process_group, UNWRAPPED) \
+            and not (loaded is not None and loaded.is_registered()):
+        original = dist.init_process_group
+
+        @functools.wraps(original)
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            _full()  # replaces this wrapper with tandem's (`register.guarded_init`)
+            return dist.init_process_group(*args, **kwargs)
+
+        setattr(init_process_group, UNWRAPPED, original)
+        dist.init_process_group = c10d.init_process_group = init_process_group
 
 
 def register() -> None:
-    """Register now; a torch without torch.distributed (or another than expected) is a warning."""
+    """Name the backends now; a torch without torch.distributed (or another than expected) is
+    a warning, never an error."""
     try:
-        import torch.distributed
-
-        if not torch.distributed.is_available():
-            return  # a torch built without distributed support: nothing to register with
-        from tandem.comm.torch_pg.register import register as add_backends
-
-        add_backends()
+        name_backends()
     except Exception as error:  # noqa: BLE001 - importing torch must never fail because of us
         warnings.warn(f"tandem could not register its torch.distributed backends: {error!r}",
                       stacklevel=2)
+
+
+def autoload() -> None:
+    """torch's "torch.backends" entry point: called at the end of `import torch`."""
+    install()
 
 
 def install() -> None:

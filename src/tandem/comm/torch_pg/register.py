@@ -232,7 +232,8 @@ def _tell_the_launcher() -> None:
                   dist.get_rank(), dist.get_world_size())
 
 
-_original_init = dist.init_process_group
+# torch's own: under the first-call wrapper of `hooks/torch_backends.py`, which keeps it there.
+_original_init = getattr(dist.init_process_group, "tandem_unwrapped", dist.init_process_group)
 
 
 def _job_store(hostname: str, port: int, timeout: Any) -> dist.Store | None:
@@ -256,6 +257,11 @@ def _job_store(hostname: str, port: int, timeout: Any) -> dist.Store | None:
 
 
 _JOB_STORES: list[dist.Store] = []
+
+
+def is_registered() -> bool:
+    """Whether `register()` has run (`init_process_group` is tandem's)."""
+    return _registered
 
 
 def register() -> None:
