@@ -50,7 +50,7 @@ def _train(model, optimizer, step: int) -> None:
 
 
 def _state(model, optimizer) -> dict:
-    tensors = {k: t.clone() for k, t in td.full_state_dict(model).items()}
+    tensors = {k: t.clone() for k, t in td.fsdp.full_state_dict(model).items()}
     for i, state in optimizer.state_dict()["state"].items():
         tensors.update({(i, k): torch.as_tensor(v).clone() for k, v in state.items()})
     return tensors

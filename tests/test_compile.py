@@ -149,7 +149,7 @@ def _fully_shard(compiled: bool):
     td.fully_shard(model)
     run = torch.compile(model) if compiled else model
     _train(model, lambda x, y: _loss(run(_mine(x)), _mine(y)).backward(), _adam(model.parameters()))
-    return td.full_state_dict(model)
+    return td.fsdp.full_state_dict(model)
 
 
 class _TwoLayer(nn.Module):
@@ -166,13 +166,13 @@ def _parallelize(compiled: bool):
     model = td.parallelize(_TwoLayer(), {"up": "colwise", "down": "rowwise"})
     run = torch.compile(model) if compiled else model
     _train(model, lambda x, y: _loss(run(x), y).backward(), _adam(model.parameters()))
-    return td.full_state_dict(model)
+    return td.fsdp.full_state_dict(model)
 
 
 def _pipeline(compiled: bool, checkpointed: bool = False):
     pipe = td.Pipeline(_mlp(), chunks=2)
     if checkpointed:
-        td.checkpoint_wrapper(pipe.stage, policy=nn.Linear)
+        td.memory.checkpoint_wrapper(pipe.stage, policy=nn.Linear)
     if compiled:
         pipe.compile()
     _train(pipe, lambda x, y: pipe.train_step(x, y, _loss), _adam(pipe.parameters()))
@@ -305,7 +305,7 @@ def check_checkpointing():
     # DistributedOptimizer, eager and compiled.
     for compiled in (False, True):
         _fresh()
-        model = td.checkpoint_wrapper(_blocks(counting=not compiled), policy=Block)
+        model = td.memory.checkpoint_wrapper(_blocks(counting=not compiled), policy=Block)
         run = torch.compile(model) if compiled else model
         opt = td.DistributedOptimizer(_adam(model.parameters()), named_parameters=model.named_parameters())
         _train(model, lambda x, y, run=run: _loss(run(_mine(x)), _mine(y)).backward(), opt)
@@ -320,22 +320,22 @@ def check_checkpointing():
     for checkpoint_first in (True, False):
         model = _blocks()
         if checkpoint_first:
-            td.checkpoint_wrapper(model, policy=Block)
+            td.memory.checkpoint_wrapper(model, policy=Block)
         for block in (model[1], model[2]):
             td.fully_shard(block)
         td.fully_shard(model)
         if not checkpoint_first:
-            td.checkpoint_wrapper(model, policy=Block)
+            td.memory.checkpoint_wrapper(model, policy=Block)
         opt = _adam(model.parameters())
         _train(model, lambda x, y, model=model: _loss(model(_mine(x)), _mine(y)).backward(), opt)
         freed = [unit.freed() for name, unit in units(model) if name in ("1", "2")]
         key = "fully_shard" if checkpoint_first else "fully_shard, then checkpoint_wrapper"
-        results[key] = {"difference": _difference(reference, td.full_state_dict(model)),
+        results[key] = {"difference": _difference(reference, td.fsdp.full_state_dict(model)),
                         "forwards per step": model[1].calls / STEPS, "freed": freed}
 
     # Pipeline: each rank checkpoints the blocks of its stage.
     pipe = td.Pipeline(_blocks(), chunks=2)
-    td.checkpoint_wrapper(pipe.stage, policy=Block)
+    td.memory.checkpoint_wrapper(pipe.stage, policy=Block)
     block = next(m for m in pipe.stage if isinstance(m, Block))
     _train(pipe, lambda x, y: pipe.train_step(x, y, _loss), _adam(pipe.parameters()))
     results["Pipeline"] = {"difference": _difference(reference, pipe.state_dict()),
@@ -347,7 +347,7 @@ def check_checkpointing():
     whole = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     sliced = copy.deepcopy(whole)
     td.parallelize(sliced, {"0": "colwise", "2": "rowwise"})
-    td.checkpoint_wrapper(sliced)
+    td.memory.checkpoint_wrapper(sliced)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     whole(x).square().sum().backward()
     sliced(x).square().sum().backward()
@@ -401,7 +401,7 @@ def test_checkpoint_wrapper_keeps_names_and_saves_less():
     reference = copy.deepcopy(model)
     x = torch.randn(32, 64)
     plain = _saved_bytes(reference, x)
-    assert td.checkpoint_wrapper(model, policy=Block) is model
+    assert td.memory.checkpoint_wrapper(model, policy=Block) is model
     assert list(model.state_dict()) == list(reference.state_dict())
     assert [is_checkpointed(m) for m in model] == [True] * 4
     assert not is_checkpointed(model) and not is_checkpointed(model[0].body)
@@ -417,14 +417,14 @@ def test_checkpoint_wrapper_keeps_names_and_saves_less():
 def test_checkpoint_wrapper_bad_inputs():
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     with pytest.raises(TypeError, match="takes an nn.Module"):
-        td.checkpoint_wrapper(lambda x: x)
+        td.memory.checkpoint_wrapper(lambda x: x)
     with pytest.raises(TypeError, match="policy must be a module class"):
-        td.checkpoint_wrapper(model, policy="Linear")
+        td.memory.checkpoint_wrapper(model, policy="Linear")
     with pytest.raises(ValueError, match="picked no module of Sequential"):
-        td.checkpoint_wrapper(model, policy=nn.Conv2d)
-    td.checkpoint_wrapper(model, policy=lambda m: isinstance(m, nn.Linear))
+        td.memory.checkpoint_wrapper(model, policy=nn.Conv2d)
+    td.memory.checkpoint_wrapper(model, policy=lambda m: isinstance(m, nn.Linear))
     with pytest.raises(ValueError, match="0 is already checkpointed"):
-        td.checkpoint_wrapper(model, policy=nn.Linear)
+        td.memory.checkpoint_wrapper(model, policy=nn.Linear)
 
 
 def check_compile_pipeline_twice():

@@ -82,7 +82,7 @@ def _train(recipe: str, device: str = "cpu") -> tuple[dict, dict]:
         opt.step()
         graphs_after.append(counters["stats"]["unique_graphs"])
     # Compiled names carry `_orig_mod.` (torchtitan's order): compare by the model's own names.
-    state = {k.replace("_orig_mod.", ""): v.clone() for k, v in td.full_state_dict(model).items()}
+    state = {k.replace("_orig_mod.", ""): v.clone() for k, v in td.fsdp.full_state_dict(model).items()}
     return state, {"breaks": sum(counters["graph_break"].values()),
                    "graphs": counters["stats"]["unique_graphs"],
                    "recompiled": graphs_after[-1] - graphs_after[1]}

@@ -66,8 +66,8 @@ class HandBuilt(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.up = td.ColumnParallelLinear(EMBED, HIDDEN, gather_output=True)
-        self.down = td.RowParallelLinear(HIDDEN, EMBED, input_is_parallel=False)
+        self.up = td.tensor.ColumnParallelLinear(EMBED, HIDDEN, gather_output=True)
+        self.down = td.tensor.RowParallelLinear(HIDDEN, EMBED, input_is_parallel=False)
 
     def forward(self, x):
         return self.down(torch.relu(self.up(x)))
@@ -127,7 +127,7 @@ def _train(build, compiled: bool, device: str = "cpu") -> tuple[dict, list[int]]
         run(_batch(step).to(device)).square().mean().backward()
         opt.step()
         graphs.append(counters["stats"]["unique_graphs"])
-    return td.full_state_dict(model), graphs
+    return td.fsdp.full_state_dict(model), graphs
 
 
 def check_compiled_matches_eager(device: str = "cpu") -> dict:
@@ -171,7 +171,7 @@ def _train_on_a_mesh(compiled: bool) -> tuple[dict, dict]:
         opt.zero_grad()
         run(_batch(10 * step + mesh.dp_rank)).square().mean().backward()  # a batch per replica
         opt.step()
-    return td.full_state_dict(model), {"breaks": sum(counters["graph_break"].values()),
+    return td.fsdp.full_state_dict(model), {"breaks": sum(counters["graph_break"].values()),
                                        "graphs": counters["stats"]["unique_graphs"]}
 
 

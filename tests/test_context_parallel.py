@@ -281,7 +281,7 @@ def check_checkpointed_matches_one_process(style: str):
     torch.manual_seed(0)
     model = TinyLM(True)
     reference = copy.deepcopy(model)
-    td.checkpoint_wrapper(model, policy=(MhaBlock, SdpaBlock))
+    td.memory.checkpoint_wrapper(model, policy=(MhaBlock, SdpaBlock))
     cp.parallelize(model, style=style)
     ids, positions, labels = _batch(0)
     _loss(model, *cp.split(ids, positions, labels)).backward()

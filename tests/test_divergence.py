@@ -87,7 +87,7 @@ def _start(broadcast: bool):
             opt.zero_grad()
             model(torch.ones(1, 4)).sum().backward()
             opt.step()
-    return [str(w.message) for w in caught if w.category is td.ReplicaStartWarning]
+    return [str(w.message) for w in caught if w.category is td.errors.ReplicaStartWarning]
 
 
 def _layout_meets_barrier():

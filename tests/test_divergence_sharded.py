@@ -76,8 +76,8 @@ def _train(model, fault: str, steps: int = 5, call=None):
                 continue  # backward, but no optimizer step on this rank
             opt.step()
             if fault == "save" and rank == 0 and step == 2:
-                td.full_state_dict(model)  # the habitual "save on rank 0"
-        state = {k: v.tolist() for k, v in td.full_state_dict(model).items()}
+                td.fsdp.full_state_dict(model)  # the habitual "save on rank 0"
+        state = {k: v.tolist() for k, v in td.fsdp.full_state_dict(model).items()}
     except td.CollectiveMismatchError as error:
         return step, type(error).__name__, str(error)
     return None, None, state
@@ -90,10 +90,10 @@ def check_fully_shard():
 def check_tensor_parallel():
     results = {fault: _train(_parallel(), fault)
                for fault in ("skip", "skip_opt", "inputs", "eval", "eval_skip")}
-    branches = td.Branches([nn.Linear(4, 3), nn.Linear(4, 3)], join="sum")
+    branches = td.tensor.Branches([nn.Linear(4, 3), nn.Linear(4, 3)], join="sum")
     results["branches skip"] = _train(branches, "skip")
     wide = 3 if td.rank() == 0 else 5  # join="sum" needs the same shape on every rank
-    uneven = td.Branches([nn.Linear(4, wide), nn.Linear(4, wide)], join="sum")
+    uneven = td.tensor.Branches([nn.Linear(4, wide), nn.Linear(4, wide)], join="sum")
     results["branches shapes"] = _train(uneven, "none")
     return results
 

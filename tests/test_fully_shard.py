@@ -71,7 +71,7 @@ def _optimizer(kind: str, model: nn.Module):
 
 
 def _difference(sharded: nn.Module, reference: nn.Module) -> float:
-    full = td.full_state_dict(sharded)
+    full = td.fsdp.full_state_dict(sharded)
     assert full.keys() == reference.state_dict().keys(), sorted(full)
     return max((full[k].cpu() - v.cpu()).abs().max().item() for k, v in reference.state_dict().items())
 
@@ -90,7 +90,7 @@ def _case(kind: str, transformer: bool, clip: bool, accumulate: int, device: str
         sharded.zero_grad()
         xs, ys = _mine(x).chunk(accumulate), _mine(y).chunk(accumulate)
         for micro, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
-            td.set_requires_gradient_sync(model, micro == accumulate - 1)
+            td.fsdp.set_requires_gradient_sync(model, micro == accumulate - 1)
             (nn.functional.mse_loss(model(xm), ym) / accumulate).backward()
         if clip:
             norm = td.clip_grad_norm_(model, 0.05)
@@ -98,7 +98,7 @@ def _case(kind: str, transformer: bool, clip: bool, accumulate: int, device: str
         sharded.step()
     difference = _difference(model, reference)
     # The consolidated optimizer state equals the plain optimizer's, parameter by parameter.
-    full = td.full_optimizer_state_dict(model, sharded)
+    full = td.fsdp.full_optimizer_state_dict(model, sharded)
     for name, param in reference.named_parameters():
         for key, value in plain.state[param].items():
             got, value = torch.as_tensor(full["state"][name][key]), torch.as_tensor(value)
@@ -129,7 +129,7 @@ def check_sharding():
     # GradScaler: rank 0 alone sees inf; every rank must skip the step and lower the scale.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    before = td.full_state_dict(model)
+    before = td.fsdp.full_state_dict(model)
     optimizer.zero_grad()
     x = torch.randn(4, 3)
     if td.rank() == 0:
@@ -137,7 +137,7 @@ def check_sharding():
     scaler.scale(nn.functional.mse_loss(model(x), torch.zeros(4, 2))).backward()
     scaler.step(optimizer)
     scaler.update()
-    skipped = all(torch.equal(before[k], v) for k, v in td.full_state_dict(model).items())
+    skipped = all(torch.equal(before[k], v) for k, v in td.fsdp.full_state_dict(model).items())
     scale = scaler.get_scale()
     # bf16 compute: gathers in bf16, fp32 master shards; training still agrees with fp32 closely.
     bf16 = copy.deepcopy(reference)

@@ -53,14 +53,14 @@ def _train(model: nn.Module, steps: int = 3) -> float:
 # -- 1. the settings of a unit ------------------------------------------------------------------
 
 def check_settings():
-    bf16 = td.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    bf16 = td.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     first = td.rank() == 0
     said = {
         "mp_policy": _error(lambda: td.fully_shard(_mlp(), mp_policy=bf16 if first else None)),
-        "reduce_dtype": _error(lambda: td.fully_shard(_mlp(), mp_policy=td.MixedPrecisionPolicy(
+        "reduce_dtype": _error(lambda: td.fully_shard(_mlp(), mp_policy=td.fsdp.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if first else None))),
         "offload": _error(lambda: td.fully_shard(
-            _mlp(), offload_policy=td.CPUOffloadPolicy() if first else None)),
+            _mlp(), offload_policy=td.fsdp.CPUOffloadPolicy() if first else None)),
         "reshard": _error(lambda: td.fully_shard(_mlp(), reshard_after_forward=first)),
     }
     mesh = td.mesh(dp=2)  # made on every rank (a collective); passed by rank 0 only
@@ -115,19 +115,19 @@ def _one_process(seed_state: int) -> dict[str, torch.Tensor]:
 
 
 def _difference(model: nn.Module, reference: dict[str, torch.Tensor]) -> float:
-    full = td.full_state_dict(model)
+    full = td.fsdp.full_state_dict(model)
     return max((full[k] - v).abs().max().item() for k, v in reference.items())
 
 
 def check_materialize_seeds():
     said = {
-        "per_rank": _error(lambda: td.materialize(_meta_mlp(), seed=td.rank())),
-        "some_none": _error(lambda: td.materialize(_meta_mlp(), seed=None if td.rank() else 7)),
+        "per_rank": _error(lambda: td.fsdp.materialize(_meta_mlp(), seed=td.rank())),
+        "some_none": _error(lambda: td.fsdp.materialize(_meta_mlp(), seed=None if td.rank() else 7)),
     }
     # No seed: every rank takes rank 0's RNG state, however the ranks' states differ.
     torch.manual_seed(100 + td.rank())
-    said["no_seed"] = _difference(td.materialize(_meta_mlp()), _one_process(100))
-    said["seeded"] = _difference(td.materialize(_meta_mlp(), seed=5), _one_process(5))
+    said["no_seed"] = _difference(td.fsdp.materialize(_meta_mlp()), _one_process(100))
+    said["seeded"] = _difference(td.fsdp.materialize(_meta_mlp(), seed=5), _one_process(5))
     return said
 
 
@@ -148,7 +148,7 @@ def test_materialize_seeds_must_agree(backend):
 # -- 8. an optimizer over another model's parameters ----------------------------------------------
 
 def _wrong_optimizer(offload: bool) -> tuple[str, float]:
-    model = td.fully_shard(_mlp(), offload_policy=td.CPUOffloadPolicy() if offload else None)
+    model = td.fully_shard(_mlp(), offload_policy=td.fsdp.CPUOffloadPolicy() if offload else None)
     other = _mlp()
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     x, y = torch.randn(4, 3), torch.randn(4, 2)

@@ -57,7 +57,7 @@ def _sharded(meta: bool, **options) -> nn.Module:
     td.fully_shard(model, **options)
     if meta:
         torch.manual_seed(SEED + 1)  # materialize(seed=) must not depend on the RNG before it
-        td.materialize(model, seed=SEED)
+        td.fsdp.materialize(model, seed=SEED)
     return model
 
 
@@ -72,7 +72,7 @@ def _mine(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _difference(model: nn.Module, reference: nn.Module) -> float:
-    full = td.full_state_dict(model)
+    full = td.fsdp.full_state_dict(model)
     assert full.keys() == reference.state_dict().keys(), sorted(full)
     return max((full[k].float() - v).abs().max().item() for k, v in reference.state_dict().items())
 
@@ -106,7 +106,7 @@ def check_features() -> dict:
     out["unmaterialized"] = _error(lambda: model(torch.randn(2, 4, 3)))
     model.to_empty(device="cpu")  # FSDP2's habit: harmless (the shards are made anew)
     out["unmaterialized_to_empty"] = _error(lambda: model(torch.randn(2, 4, 3)))
-    td.materialize(model, seed=SEED)
+    td.fsdp.materialize(model, seed=SEED)
     out["meta_init"] = _difference(model, _eager())
     # Each rank keeps its 1/N alone: no storage of the whole unit behind the shard.
     out["shards"] = {name: (unit.numel, unit.shard.untyped_storage().nbytes() // 4,
@@ -118,9 +118,9 @@ def check_features() -> dict:
     out["offload_devices"] = {t.device.type for p in model.parameters()
                               for t in (p, p.grad, *optimizer.state[p].values()) if t.dim()}
     # Mixed precision: a reduce dtype of its own (exact), bf16 compute (bf16's rounding).
-    model = _sharded(meta=False, mp_policy=td.MixedPrecisionPolicy(reduce_dtype=torch.float64))
+    model = _sharded(meta=False, mp_policy=td.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.float64))
     out["reduce_f64_train"] = _train(model, _eager())[0]
-    for name, policy in (("bf16_f32", td.MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
+    for name, policy in (("bf16_f32", td.fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
                          ("bf16_bf16", TorchPolicy(param_dtype=torch.bfloat16))):
         model = _sharded(meta=False, mp_policy=policy)
         seen: list = []
@@ -132,13 +132,13 @@ def check_features() -> dict:
     # output_dtype casts the unit's outputs (the root's, here: the blocks' feed the root's head).
     model = _eager()
     for block in model.blocks:
-        td.fully_shard(block, mp_policy=td.MixedPrecisionPolicy(torch.bfloat16))
-    td.fully_shard(model, mp_policy=td.MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.float32))
+        td.fully_shard(block, mp_policy=td.fsdp.MixedPrecisionPolicy(torch.bfloat16))
+    td.fully_shard(model, mp_policy=td.fsdp.MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.float32))
     out["output_dtype"] = model(torch.randn(2, 4, 3)).dtype
     # HSDP, replicas x shards: every feature at once.
     mesh = td.mesh(dp=2, shard=td.size() // 2)
-    model = _sharded(meta=True, mesh=mesh, offload_policy=td.CPUOffloadPolicy(),
-                     mp_policy=td.MixedPrecisionPolicy(reduce_dtype=torch.float64))
+    model = _sharded(meta=True, mesh=mesh, offload_policy=td.fsdp.CPUOffloadPolicy(),
+                     mp_policy=td.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.float64))
     out["hsdp_shard"] = {name: (unit.numel, unit.shard.numel()) for name, unit in units(model)}
     out["hsdp_train"] = _train(model, _eager())[0]
     clip = _sharded(meta=False, mesh=mesh)
@@ -151,7 +151,7 @@ def check_features() -> dict:
     # GradScaler: rank 0 alone sees inf; every rank of every replica skips the step.
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     optimizer = torch.optim.SGD(clip.parameters(), lr=0.1)
-    before = td.full_state_dict(clip)
+    before = td.fsdp.full_state_dict(clip)
     optimizer.zero_grad()
     x = torch.randn(2, 4, 3)
     if td.rank() == 0:
@@ -159,7 +159,7 @@ def check_features() -> dict:
     scaler.scale(nn.functional.mse_loss(clip(x), torch.zeros(2, 4, 2))).backward()
     scaler.step(optimizer)
     scaler.update()
-    after = td.full_state_dict(clip)
+    after = td.fsdp.full_state_dict(clip)
     out["hsdp_skipped"] = (all(torch.equal(before[k], v) for k, v in after.items()), scaler.get_scale())
     out["checkpoint"] = _checkpoint(mesh)
     out["errors"] = _bad_inputs()
@@ -169,8 +169,8 @@ def check_features() -> dict:
 def _checkpoint(mesh) -> float:
     """Checkpointer round trip of an offloaded bf16 HSDP model into a fresh one built on meta,
     offloaded, bf16 and sharded over every rank (another layout)."""
-    options = dict(offload_policy=td.CPUOffloadPolicy(),
-                   mp_policy=td.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    options = dict(offload_policy=td.fsdp.CPUOffloadPolicy(),
+                   mp_policy=td.fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     model = _sharded(meta=True, mesh=mesh, **options)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = _data(0)
@@ -184,11 +184,12 @@ def _checkpoint(mesh) -> float:
     for block in fresh.blocks:
         td.fully_shard(block, **options)
     td.fully_shard(fresh, **options)
-    td.materialize(fresh, seed=SEED + 3)
+    td.fsdp.materialize(fresh, seed=SEED + 3)
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.01)
     assert td.Checkpointer(directory).restore(model=fresh, optimizer=fresh_optimizer) == 2
-    before, after = td.full_state_dict(model), td.full_state_dict(fresh)
-    states = [td.full_optimizer_state_dict(m, o) for m, o in ((model, optimizer), (fresh, fresh_optimizer))]
+    before, after = td.fsdp.full_state_dict(model), td.fsdp.full_state_dict(fresh)
+    states = [td.fsdp.full_optimizer_state_dict(m, o)
+              for m, o in ((model, optimizer), (fresh, fresh_optimizer))]
     difference = max((before[k] - after[k]).abs().max().item() for k in before)
     for name, entry in states[0]["state"].items():
         for key, value in entry.items():
@@ -226,9 +227,9 @@ def _bad_inputs() -> dict:
         model = nn.Sequential(_Positional(), nn.Linear(3, 2))
     td.fully_shard(model[0])
     td.fully_shard(model)
-    errors["no_init"] = _error(lambda: td.materialize(model, seed=0))
+    errors["no_init"] = _error(lambda: td.fsdp.materialize(model, seed=0))
     # An init that forgets a parameter is named, with the unit.
-    errors["unset"] = _error(lambda: td.materialize(
+    errors["unset"] = _error(lambda: td.fsdp.materialize(
         model, lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None, seed=0))
     with torch.device("meta"):
         model = nn.Sequential(_Positional(), nn.Linear(3, 2))
@@ -241,13 +242,13 @@ def _bad_inputs() -> dict:
         elif isinstance(module, nn.Linear):
             module.reset_parameters()
 
-    td.materialize(model, init, seed=0)
+    td.fsdp.materialize(model, init, seed=0)
     errors["init_fn_works"] = tuple(model(torch.randn(4, 3)).shape)
-    errors["nothing_meta"] = _error(lambda: td.materialize(nn.Linear(2, 2)))
+    errors["nothing_meta"] = _error(lambda: td.fsdp.materialize(nn.Linear(2, 2)))
     errors["float8"] = _error(lambda: td.fully_shard(
-        nn.Linear(2, 2), mp_policy=td.MixedPrecisionPolicy(reduce_dtype=torch.float8_e4m3fn)))
+        nn.Linear(2, 2), mp_policy=td.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.float8_e4m3fn)))
     errors["both"] = _error(lambda: td.fully_shard(
-        nn.Linear(2, 2), param_dtype=torch.bfloat16, mp_policy=td.MixedPrecisionPolicy()))
+        nn.Linear(2, 2), param_dtype=torch.bfloat16, mp_policy=td.fsdp.MixedPrecisionPolicy()))
     errors["offload_type"] = _error(lambda: td.fully_shard(nn.Linear(2, 2), offload_policy="cpu"))
     errors["mesh_tp"] = _error(lambda: td.fully_shard(nn.Linear(2, 2), mesh=td.mesh(tp=td.size())))
     errors["mesh_and_group"] = _error(lambda: td.fully_shard(nn.Linear(2, 2), group=object(),
@@ -315,21 +316,21 @@ def test_policies_take_fsdp2_objects_and_refuse_what_no_backend_reduces():
 
     ported = policies.mixed_precision(TorchPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32),
                                       None, "gloo")
-    assert ported == td.MixedPrecisionPolicy(torch.bfloat16, None, torch.float32, True)
+    assert ported == td.fsdp.MixedPrecisionPolicy(torch.bfloat16, None, torch.float32, True)
     # The older param_dtype= alone: fp32 reduction (the shards' dtype), no input casts.
-    assert policies.mixed_precision(None, torch.float16, "mpi") == td.MixedPrecisionPolicy(
+    assert policies.mixed_precision(None, torch.float16, "mpi") == td.fsdp.MixedPrecisionPolicy(
         torch.float16, cast_forward_inputs=False)
-    assert policies.offload(TorchOffload(pin_memory=False)) == td.CPUOffloadPolicy(pin_memory=False)
+    assert policies.offload(TorchOffload(pin_memory=False)) == td.fsdp.CPUOffloadPolicy(pin_memory=False)
     assert policies.offload(OffloadPolicy()) is None and policies.offload(None) is None
-    assert policies.offload(None, "cpu") == td.CPUOffloadPolicy()  # offload="cpu"
+    assert policies.offload(None, "cpu") == td.fsdp.CPUOffloadPolicy()  # offload="cpu"
     with pytest.raises(ValueError, match='the one place to offload to is "cpu"'):
         policies.offload(None, "gpu")
     with pytest.raises(ValueError, match='give offload="cpu" or offload_policy=, not both'):
-        policies.offload(td.CPUOffloadPolicy(), "cpu")
+        policies.offload(td.fsdp.CPUOffloadPolicy(), "cpu")
     with pytest.raises(ValueError, match="the mpi backend cannot gather torch.float8_e5m2"):
-        policies.mixed_precision(td.MixedPrecisionPolicy(param_dtype=torch.float8_e5m2), None, "mpi")
+        policies.mixed_precision(td.fsdp.MixedPrecisionPolicy(param_dtype=torch.float8_e5m2), None, "mpi")
     with pytest.raises(ValueError, match="reduce_dtype=torch.int32: give a floating torch dtype"):
-        policies.mixed_precision(td.MixedPrecisionPolicy(reduce_dtype=torch.int32), None, "gloo")
+        policies.mixed_precision(td.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.int32), None, "gloo")
     with pytest.raises(TypeError, match="is not a MixedPrecisionPolicy"):
         policies.mixed_precision(torch.bfloat16, None, "gloo")
     cast = policies.cast_floating(((torch.ones(2), torch.ones(2, dtype=torch.long)), {"m": torch.ones(1)}),

@@ -108,8 +108,8 @@ class HandBuilt(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.up1, self.down1 = td.ColumnParallelLinear(4, 8), td.RowParallelLinear(8, 4)
-        self.up2, self.down2 = td.ColumnParallelLinear(4, 8), td.RowParallelLinear(8, 2)
+        self.up1, self.down1 = td.tensor.ColumnParallelLinear(4, 8), td.tensor.RowParallelLinear(8, 4)
+        self.up2, self.down2 = td.tensor.ColumnParallelLinear(4, 8), td.tensor.RowParallelLinear(8, 2)
 
     def forward(self, x):
         return self.down2(torch.relu(self.up2(torch.relu(self.down1(torch.relu(self.up1(x)))))))
@@ -125,7 +125,7 @@ def check_counts(checks: bool) -> dict:
         torch.manual_seed(0)
         x = torch.randn(2, 3, 8)
         counted = {"block": _steps(td.parallelize(Block(), PLAN), x)}
-        branches = td.Branches([nn.Linear(8, 3), nn.Linear(8, 5)], join="cat")
+        branches = td.tensor.Branches([nn.Linear(8, 3), nn.Linear(8, 5)], join="cat")
         counted["branches"] = _steps(branches, x)
         counted["hand-built"] = _steps(HandBuilt(), torch.randn(3, 4))
         y = torch.randn(3, 2, requires_grad=True)
@@ -198,7 +198,7 @@ class Narrowing(nn.Module):
 
 
 def check_branch_sizes_that_change_on_one_rank():
-    branches = td.Branches([nn.Linear(8, 3), Narrowing()], join="cat")
+    branches = td.tensor.Branches([nn.Linear(8, 3), Narrowing()], join="cat")
     sizes = []
     try:
         for _ in range(3):

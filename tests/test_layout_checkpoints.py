@@ -72,7 +72,7 @@ def _full(model) -> dict[str, torch.Tensor]:
         for part in td.allgather_object({k: v.clone() for k, v in model.state_dict().items()}):
             merged.update(part)
         return merged
-    return td.full_state_dict(model)
+    return td.fsdp.full_state_dict(model)
 
 
 def phase(kind: str, directory: str, first: int, last: int) -> float:
@@ -135,13 +135,14 @@ def load_into_tensor_parallel(directory: str) -> float:
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    assert td.load_sharded(directory, model=model) == {}  # no tandem record: torch wrote it
-    return max((td.full_state_dict(model)[k] - v).abs().max().item() for k, v in _net().state_dict().items())
+    assert td.checkpoint.load_sharded(directory, model=model) == {}  # no tandem record: torch wrote it
+    return max((td.fsdp.full_state_dict(model)[k] - v).abs().max().item()
+               for k, v in _net().state_dict().items())
 
 
 def save_tensor_parallel(directory: str) -> None:
     model, optimizer, _, _ = _build("tp", td.size())
-    td.save_sharded(directory, model=model, optimizer=optimizer)
+    td.checkpoint.save_sharded(directory, model=model, optimizer=optimizer)
 
 
 @pytest.mark.timeout(120)
@@ -163,20 +164,21 @@ def test_torch_reads_tandem_checkpoints_and_tandem_reads_torchs(tmp_path):
 
 def bad_restores(directory: str) -> dict[str, str]:
     model, optimizer, _, _ = _build("tp", td.size())
-    td.save_sharded(directory, model=model, optimizer=optimizer)
-    before = td.full_state_dict(model)
+    td.checkpoint.save_sharded(directory, model=model, optimizer=optimizer)
+    before = td.fsdp.full_state_dict(model)
     errors = {}
 
     def attempt(name, **objects):
         try:
-            td.load_sharded(directory, **objects)
+            td.checkpoint.load_sharded(directory, **objects)
         except (CheckpointError, ValueError) as error:
             errors[name] = str(error)
 
     other = nn.Sequential(nn.Linear(4, 12), nn.Tanh(), nn.Linear(12, 8))
     attempt("names", model=other)
     attempt("optimizer", model=model, optimizer=torch.optim.Adam(model.parameters()))
-    errors["untouched"] = str(all(torch.equal(before[k], v) for k, v in td.full_state_dict(model).items()))
+    errors["untouched"] = str(all(torch.equal(before[k], v)
+                                   for k, v in td.fsdp.full_state_dict(model).items()))
     if td.rank() == 0:  # a piece written by rank 1 disappears, then a file is truncated
         os.rename(os.path.join(directory, "__1_0.distcp"), os.path.join(directory, "moved"))
     td.barrier()
@@ -232,7 +234,7 @@ def async_round_trip(directory: str) -> float:
     checkpointer.wait()
     fresh, fresh_optimizer, _, _ = _build("shard", td.size())
     assert td.Checkpointer(directory).restore(model=fresh, optimizer=fresh_optimizer) == 4
-    got, expected = td.full_state_dict(fresh), _reference(4)
+    got, expected = td.fsdp.full_state_dict(fresh), _reference(4)
     return max((got[k] - v).abs().max().item() for k, v in expected.items())
 
 

@@ -97,6 +97,7 @@ def test_public_names_resolve_on_first_use():
     assert set(tandem.__all__) <= set(dir(tandem))
     for name in tandem.__all__:
         assert getattr(tandem, name) is not None, name
-    from tandem import ReplicaBufferWarning, broadcast_buffers  # noqa: F401
+    from tandem import broadcast_buffers  # noqa: F401
+    from tandem.errors import ReplicaBufferWarning  # noqa: F401
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         tandem.no_such_name  # noqa: B018

@@ -44,7 +44,7 @@ def _validate(names: tuple[str, str]) -> dict:
     data = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=2)
     try:
         trainer.validate(Module(), data, verbose=False)
-    except td.MetricMismatchError as error:
+    except td.metrics.MetricMismatchError as error:
         return {"error": str(error)}
     return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
 

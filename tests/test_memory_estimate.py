@@ -37,55 +37,56 @@ def test_fp32_adam_gives_the_readme_formulas_on_a_meta_model():
     tensors = len(list(model.parameters()))
     unit_sizes = [sum(q.numel() for q in block.parameters()) for block in model]
     for n in (1, 2, 4):
-        ddp = td.estimate_memory(model, world_size=n, layout="ddp")
+        ddp = td.memory.estimate_memory(model, world_size=n, layout="ddp")
         assert (ddp.params, ddp.grads, ddp.optimizer_state) == (4 * p, 4 * p, 8 * p + 4 * tensors)
         assert ddp.total == ddp.peak == 16 * p + 4 * tensors  # 16P, plus Adam's step counters
-        zero = td.estimate_memory(model, world_size=n, layout="zero")
+        zero = td.memory.estimate_memory(model, world_size=n, layout="zero")
         shard = -(-p // n)  # P/N, padded as tandem pads its flat space
         assert zero.states == 8 * p + 8 * shard + 4  # the README's 8P + 8P/N
         assert zero.buffers == 8 * shard  # its shard of the parameters and of the gradient
         assert zero.transient == 4 * n * shard  # the flat gradient step() packs
-        fs = td.estimate_memory(model, world_size=n, layout="fully_shard", units=list(model)[:-1])
+        fs = td.memory.estimate_memory(model, world_size=n, layout="fully_shard", units=list(model)[:-1])
         shards = sum(-(-size // n) for size in unit_sizes if size)  # each unit padded
         assert fs.states == 16 * shards + 4 * 5  # 16P/N; four blocks and the root: 5 counters
         assert fs.transient > 0 and fs.peak == fs.total + fs.transient
-    assert td.estimate_memory(model, world_size=1, layout="ddp", optimizer="sgd").optimizer_state == 0
-    assert td.estimate_memory(model, world_size=1, layout="ddp",
+    assert td.memory.estimate_memory(model, world_size=1, layout="ddp", optimizer="sgd").optimizer_state == 0
+    assert td.memory.estimate_memory(model, world_size=1, layout="ddp",
                               optimizer="sgd-momentum").optimizer_state == 4 * p
 
 
 def test_fully_shard_pads_each_unit_to_the_ranks_and_gathers_in_param_dtype():
     model = meta_model(width=5, blocks=2)  # a block holds 30 elements, the head 60
     units = list(model)[:-1]
-    est = td.estimate_memory(model, world_size=4, layout="fully_shard", units=units,
+    est = td.memory.estimate_memory(model, world_size=4, layout="fully_shard", units=units,
                              optimizer="sgd")
     assert est.params == 4 * (8 + 8 + 15)  # ceil(30/4) twice, ceil(60/4) for the root
     wide = meta_model(width=256, blocks=4)
-    fp32 = td.estimate_memory(wide, world_size=2, layout="fully_shard", units=list(wide)[:-1])
-    bf16 = td.estimate_memory(wide, world_size=2, layout="fully_shard", units=list(wide)[:-1],
+    fp32 = td.memory.estimate_memory(wide, world_size=2, layout="fully_shard", units=list(wide)[:-1])
+    bf16 = td.memory.estimate_memory(wide, world_size=2, layout="fully_shard", units=list(wide)[:-1],
                               param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     assert bf16.states == fp32.states  # fp32 masters either way
     assert bf16.transient * 2 == pytest.approx(fp32.transient, rel=0.01)  # gathered, reduced in bf16
     # gathered in bf16 but reduced in fp32: the bf16 gradient's fp32 copy comes on top
-    cast = td.estimate_memory(wide, world_size=2, layout="fully_shard", units=list(wide)[:-1],
+    cast = td.memory.estimate_memory(wide, world_size=2, layout="fully_shard", units=list(wide)[:-1],
                               param_dtype=torch.bfloat16)
     assert cast.transient > bf16.transient
-    offloaded = td.estimate_memory(wide, world_size=2, layout="fully_shard",
+    offloaded = td.memory.estimate_memory(wide, world_size=2, layout="fully_shard",
                                    units=list(wide)[:-1], offload="cpu")
     assert offloaded.host == fp32.states and offloaded.total == 0
     assert offloaded.peak == fp32.transient
     # Without units the whole model is one unit, gathered whole, and the estimate says so.
-    whole = td.estimate_memory(wide, world_size=2, layout="fully_shard")
+    whole = td.memory.estimate_memory(wide, world_size=2, layout="fully_shard")
     assert whole.transient > fp32.transient and any("units=" in note for note in whole.notes)
 
 
 def test_units_by_name_match_units_by_module_and_nest():
     model = meta_model(width=16, blocks=3)
-    by_module = td.estimate_memory(model, world_size=2, layout="fully_shard", units=[model[0], model[1]])
-    by_name = td.estimate_memory(model, world_size=2, layout="fully_shard", units=["0", "1"])
+    by_module = td.memory.estimate_memory(model, world_size=2, layout="fully_shard",
+                                          units=[model[0], model[1]])
+    by_name = td.memory.estimate_memory(model, world_size=2, layout="fully_shard", units=["0", "1"])
     assert by_module == by_name
     # a unit inside a unit owns its own parameters; the outer one keeps the rest
-    nested = td.estimate_memory(model, world_size=2, layout="fully_shard", units=["0", "0.0"])
+    nested = td.memory.estimate_memory(model, world_size=2, layout="fully_shard", units=["0", "0.0"])
     assert nested.parameters == by_name.parameters
 
 
@@ -93,11 +94,12 @@ def test_pipeline_reports_the_largest_stage_and_tp_the_split_layers():
     model = meta_model(width=64, blocks=3)
     layers = list(model)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    est = td.estimate_memory(model, world_size=2, layout="pipeline")  # even: 2 + 2 layers
+    est = td.memory.estimate_memory(model, world_size=2, layout="pipeline")  # even: 2 + 2 layers
     assert est.params == 4 * max(sum(sizes[:2]), sum(sizes[2:]))
-    counted = td.estimate_memory(model, world_size=2, layout="pipeline", balance=[1, 3])
+    counted = td.memory.estimate_memory(model, world_size=2, layout="pipeline", balance=[1, 3])
     assert counted.params == 4 * sum(sizes[1:])
-    tp = td.estimate_memory(model, world_size=2, layout="tp", plan={"0.0": "colwise", "1.0": "rowwise"})
+    tp = td.memory.estimate_memory(model, world_size=2, layout="tp",
+                                   plan={"0.0": "colwise", "1.0": "rowwise"})
     # colwise: weight and bias halved; rowwise: weight halved, bias whole
     split = (64 * 64 + 64) // 2 + 64 * 64 // 2 + 64
     assert tp.params == 4 * (split + sizes[2] + sizes[3])
@@ -105,11 +107,11 @@ def test_pipeline_reports_the_largest_stage_and_tp_the_split_layers():
 
 def test_compare_memory_prints_one_row_per_layout():
     model = meta_model(width=64, blocks=3)
-    table = td.compare_memory(model, world_size=4, units=list(model)[:-1],
+    table = td.memory.compare_memory(model, world_size=4, units=list(model)[:-1],
                               plan={"0.0": "colwise", "1.0": "rowwise"})
     assert [e.layout for e in table] == ["ddp", "zero", "fully_shard", "pipeline", "tp"]
     # a pipeline of more stages than layers is left out of the default table
-    assert [e.layout for e in td.compare_memory(model, world_size=5)] == ["ddp", "zero", "fully_shard"]
+    assert [e.layout for e in td.memory.compare_memory(model, world_size=5)] == ["ddp", "zero", "fully_shard"]
     text = str(table)
     assert "4 rank(s)" in text and all(f"\n{e.layout} " in text for e in table)
     fs = table[2]
@@ -134,20 +136,20 @@ def test_compare_memory_prints_one_row_per_layout():
 ])
 def test_bad_arguments_name_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        td.estimate_memory(meta_model(), **kwargs)
+        td.memory.estimate_memory(meta_model(), **kwargs)
 
 
 @pytest.mark.parametrize("units", ["0", nn.Linear(2, 2)])
 def test_one_unit_not_in_a_list_is_refused_with_the_fix(units):
     with pytest.raises(TypeError, match="put it in a list"):
-        td.estimate_memory(meta_model(), world_size=2, layout="fully_shard", units=units)
+        td.memory.estimate_memory(meta_model(), world_size=2, layout="fully_shard", units=units)
 
 
 def test_pipeline_needs_a_sequential_and_compare_refuses_unknown_options():
     with pytest.raises(ValueError, match="estimates an nn.Sequential"):
-        td.estimate_memory(nn.ModuleDict({"a": nn.Linear(2, 2)}), world_size=2, layout="pipeline")
+        td.memory.estimate_memory(nn.ModuleDict({"a": nn.Linear(2, 2)}), world_size=2, layout="pipeline")
     with pytest.raises(TypeError, match="unknown option"):
-        td.compare_memory(meta_model(), world_size=2, unit=["0"])
+        td.memory.compare_memory(meta_model(), world_size=2, unit=["0"])
 
 
 # -- against the measurement, in real processes -----------------------------------------------
@@ -173,7 +175,7 @@ def check_measured_against_estimated(config: dict):
     for block in list(net)[:-1]:
         td.fully_shard(block)
     td.fully_shard(net)
-    wrapped = td.estimate_memory(net, world_size=td.size(), layout="fully_shard")
+    wrapped = td.memory.estimate_memory(net, world_size=td.size(), layout="fully_shard")
     return measured, wrapped
 
 
@@ -220,7 +222,7 @@ def test_tandem_memory_prints_the_table_of_a_model_too_large_for_this_machine(tm
     out = capsys.readouterr().out
     with torch.device("meta"):
         import_net = _load(tmp_path / "net.py").Net()
-    table = td.compare_memory(import_net, world_size=8, units=list(import_net.blocks))
+    table = td.memory.compare_memory(import_net, world_size=8, units=list(import_net.blocks))
     assert out.strip() == str(table)
     assert "1074.04 M parameters" in out  # 17 GB of Adam state: built on the meta device only
     assert cli.main(["memory", f"{tmp_path}/net.py:Net", "-np", "8", "--layout", "fully_shard",

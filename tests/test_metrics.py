@@ -42,7 +42,7 @@ class _Terminal(io.StringIO):
 def check_logger_and_progress(tmp):
     rank = td.rank()
     log_dir = os.path.join(tmp, f"run-of-rank{rank}")  # rank 1 must create nothing
-    logger = td.MetricLogger(log_dir)
+    logger = td.metrics.MetricLogger(log_dir)
     first = logger.log(0, loss=1.0 + rank, accuracy=torch.tensor(0.5 * rank))
     assert first == {"accuracy": 0.25, "loss": 1.5}
     second = logger.log(10, loss=torch.tensor([3.0]), lr=0.1 * (rank + 1))  # lr: a new column
@@ -53,7 +53,7 @@ def check_logger_and_progress(tmp):
     optimizer = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters())
     for _ in range(4):
-        td.report(samples=8)
+        td.metrics.report(samples=8)
         optimizer.zero_grad()
         model(torch.randn(8, 4)).sum().backward()
         optimizer.step()
@@ -72,12 +72,14 @@ def check_logger_and_progress(tmp):
         open(blocker, "w").close()
     td.barrier()
     bad = os.path.join(blocker, "logs") if rank == 0 else os.path.join(tmp, "fine")
-    _raises(PermissionError, lambda: td.MetricLogger(bad), os.path.join(blocker, "logs"), "cannot write")
+    _raises(PermissionError, lambda: td.metrics.MetricLogger(bad), os.path.join(blocker, "logs"),
+            "cannot write")
 
     # progress: a bar on rank 0 only; into a pipe plain lines, on a terminal redrawn in place
     piped, terminal = io.StringIO(), _Terminal()
-    assert list(td.progress(range(5), file=piped, desc="pipe", mininterval=0, delay=0)) == list(range(5))
-    list(td.progress(range(5), file=terminal, desc="tty", mininterval=0))
+    bar = td.metrics.progress(range(5), file=piped, desc="pipe", mininterval=0, delay=0)
+    assert list(bar) == list(range(5))
+    list(td.metrics.progress(range(5), file=terminal, desc="tty", mininterval=0))
     return second, piped.getvalue(), terminal.getvalue(), sorted(os.listdir(tmp))
 
 
@@ -120,19 +122,19 @@ def _measured(call):
 
 def check_names_agree(tmp):
     rank, out = td.rank(), {}
-    logger = td.MetricLogger(os.path.join(tmp, "agree"), tensorboard=False)
+    logger = td.metrics.MetricLogger(os.path.join(tmp, "agree"), tensorboard=False)
     # The user's trial: same number of names, different names. A plain sum wrote loss = 50.5.
     theirs = {"loss": 1.0} if rank == 0 else {"acc": 100.0}
-    out["swapped"] = _raises(td.MetricMismatchError, lambda: logger.log(0, **theirs),
+    out["swapped"] = _raises(td.metrics.MetricMismatchError, lambda: logger.log(0, **theirs),
                              "MetricLogger.log: the ranks passed different metric names",
                              "rank 0: MetricLogger.log(loss)", "rank 1: MetricLogger.log(acc)",
                              "'acc' (only on rank 1), 'loss' (only on rank 0)", "same names")
     # Different numbers of names: named the same way, not "pass the same shape".
     more = {"loss": 1.0, "acc": 0.5} if rank == 0 else {"loss": 1.0}
-    out["count"] = _raises(td.MetricMismatchError, lambda: logger.log(0, **more),
+    out["count"] = _raises(td.metrics.MetricMismatchError, lambda: logger.log(0, **more),
                            "rank 0: MetricLogger.log(acc, loss)", "rank 1: MetricLogger.log(loss)",
                            "'acc' (only on rank 0)")
-    out["logger_silent"] = _raises(td.MetricMismatchError,
+    out["logger_silent"] = _raises(td.metrics.MetricMismatchError,
                                    lambda: logger.log(0, **({"loss": 1.0} if rank else {})),
                                    "rank 0: MetricLogger.log with no names")
     # Nothing was written or lost: the logger goes on, in two messages as before.
@@ -141,32 +143,32 @@ def check_names_agree(tmp):
 
     # Average: a rank without samples (no update at all, or update(0, ...)) counts for nothing.
     for how in ("none", "zero"):
-        average = td.Average()
+        average = td.metrics.Average()
         if rank == 1:
             average.update(4, loss=2.0, accuracy=torch.tensor(0.5))
             average.update(4, loss=4.0, accuracy=1.0)
         elif how == "zero":
             average.update(0, loss=123.0, accuracy=7.0)
         out[f"empty_{how}"], out[f"empty_{how}_ops"] = _measured(average.compute)
-    out["no_names"] = td.Average().compute()
-    nobody = td.Average()
+    out["no_names"] = td.metrics.Average().compute()
+    nobody = td.metrics.Average()
     nobody.update(0, loss=1.0)
     out["no_samples"] = nobody.compute()
-    uneven = td.Average()
+    uneven = td.metrics.Average()
     uneven.update(1 + 3 * rank, loss=float(rank))  # 1 sample of 0.0, 4 samples of 1.0
     out["uneven"], out["uneven_ops"] = _measured(uneven.compute)
 
-    differ = td.Average()
+    differ = td.metrics.Average()
     differ.update(2, **({"loss": 1.0} if rank == 0 else {"acc": 1.0}))
-    out["average"] = _raises(td.MetricMismatchError, differ.compute,
+    out["average"] = _raises(td.metrics.MetricMismatchError, differ.compute,
                              "Average.compute: the ranks passed different metric names",
                              "rank 0: Average.compute(loss)", "rank 1: Average.compute(acc)",
                              "'acc' (only on rank 1), 'loss' (only on rank 0)", "update(0, ...)")
     # Different calls meet, and say so; another operation altogether is a DivergedError.
-    logger = td.MetricLogger(os.path.join(tmp, "agree"), tensorboard=False)
-    same = td.Average()
+    logger = td.metrics.MetricLogger(os.path.join(tmp, "agree"), tensorboard=False)
+    same = td.metrics.Average()
     same.update(1, loss=1.0)
-    out["calls"] = _raises(td.MetricMismatchError, lambda: logger.log(2, loss=1.0) if rank == 0
+    out["calls"] = _raises(td.metrics.MetricMismatchError, lambda: logger.log(2, loss=1.0) if rank == 0
                            else same.compute(), "ranks are in different metric reductions",
                            "rank 0: MetricLogger.log(loss)", "rank 1: Average.compute(loss)")
     out["diverged"] = _raises(td.DivergedError, lambda: logger.log(2, loss=1.0) if rank == 0
@@ -178,7 +180,7 @@ def check_names_agree(tmp):
     bars = {}
     for disable in (True, False, None):
         for kind, stream in (("pipe", io.StringIO()), ("tty", _Terminal())):
-            list(td.progress(range(3), file=stream, desc="bar", disable=disable, mininterval=0,
+            list(td.metrics.progress(range(3), file=stream, desc="bar", disable=disable, mininterval=0,
                              delay=0, dynamic_ncols=False))
             bars[f"{disable}-{kind}"] = "bar: 100%" in stream.getvalue()
     out["bars"] = bars
@@ -211,20 +213,20 @@ def check_three_ranks(tmp):
     """Rank 0 without samples; ranks 1 and 2 agree, then disagree; the logger names ranks."""
     rank, out = td.rank(), {}
     names = [{}, {"loss": 1.0}, {"loss": 3.0}]
-    average = td.Average()
+    average = td.metrics.Average()
     if names[rank]:
         average.update(2, **names[rank])
     out["agree"] = average.compute()
     names = [{}, {"loss": 1.0}, {"acc": 3.0}]
-    average = td.Average()
+    average = td.metrics.Average()
     if names[rank]:
         average.update(2, **names[rank])
-    out["differ"] = _raises(td.MetricMismatchError, average.compute,
+    out["differ"] = _raises(td.metrics.MetricMismatchError, average.compute,
                             "rank 0: Average.compute with no names (no samples",
                             "rank 1: Average.compute(loss)", "rank 2: Average.compute(acc)",
                             "'acc' (only on rank 2), 'loss' (only on rank 1)")
-    logger = td.MetricLogger(os.path.join(tmp, "three"), tensorboard=False)
-    out["logger"] = _raises(td.MetricMismatchError,
+    logger = td.metrics.MetricLogger(os.path.join(tmp, "three"), tensorboard=False)
+    out["logger"] = _raises(td.metrics.MetricMismatchError,
                             lambda: logger.log(0, **({"acc": 1.0} if rank == 1 else {"loss": 1.0})),
                             "'acc' (only on rank 1), 'loss' (only on ranks 0, 2)")
     logger.close()
@@ -242,7 +244,7 @@ def test_metric_names_on_three_ranks_one_without_samples(tmp_path, backend):
 
 def test_metric_logger_without_tensorboard_writes_csv(tmp_path):
     """One process, no job: `tensorboard=False` writes the CSV file only."""
-    with td.MetricLogger(tmp_path, tensorboard=False) as logger:
+    with td.metrics.MetricLogger(tmp_path, tensorboard=False) as logger:
         assert logger.log(3, loss=2) == {"loss": 2.0}
     assert os.listdir(tmp_path) == ["metrics.csv"]
     with open(tmp_path / "metrics.csv", newline="") as f:

@@ -468,7 +468,7 @@ def check_batchnorm() -> dict:
     try:
         td.check_replicas(model, buffers="strict")
         out["strict"] = "no error"
-    except td.ReplicaMismatchError as error:
+    except td.errors.ReplicaMismatchError as error:
         out["strict"] = str(error)
     td.broadcast_buffers(model)
     out["after_broadcast"] = replica_warnings(model, buffers="strict")

@@ -201,7 +201,7 @@ def test_spawn_returns_results_in_rank_order():
 
 
 def test_spawn_reraises_child_exception_with_rank_and_traceback():
-    with pytest.raises(td.SpawnError, match="rank 1 failed") as raised:
+    with pytest.raises(td.errors.SpawnError, match="rank 1 failed") as raised:
         td.spawn(spawned_raise, 2)
     assert raised.value.rank == 1
     assert "KeyError: 'missing-key'" in str(raised.value)
@@ -209,7 +209,7 @@ def test_spawn_reraises_child_exception_with_rank_and_traceback():
 
 
 def test_spawn_reports_a_killed_child():
-    with pytest.raises(td.SpawnError, match="killed by SIGKILL") as raised:
+    with pytest.raises(td.errors.SpawnError, match="killed by SIGKILL") as raised:
         td.spawn(spawned_die, 2)
     assert raised.value.rank == 1
 

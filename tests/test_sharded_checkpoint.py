@@ -56,7 +56,7 @@ def _steps(model, optimizer, first: int, last: int, everything: bool = False) ->
 
 
 def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    return td.full_state_dict(model) if any(True for _ in td.parallel.fully_shard.units(model)) \
+    return td.fsdp.full_state_dict(model) if any(True for _ in td.parallel.fully_shard.units(model)) \
         else model.state_dict()
 
 
@@ -92,26 +92,26 @@ def check_bad_inputs(directory: str) -> dict[str, str]:
     errors = {}
     other, other_optimizer = _build("fully_shard", hidden=6)
     try:
-        td.load_sharded(saved, model=other, optimizer=other_optimizer)
+        td.checkpoint.load_sharded(saved, model=other, optimizer=other_optimizer)
     except CheckpointError as error:
         errors["model"] = str(error)
     plain = _mlp()
-    td.load_sharded(saved, model=plain)  # a fully sharded checkpoint loads into the plain model
+    td.checkpoint.load_sharded(saved, model=plain)  # a fully sharded checkpoint loads into the plain model
     model, optimizer = _build("fully_shard")
-    td.load_sharded(saved, model=model)
+    td.checkpoint.load_sharded(saved, model=model)
     errors["unsharded"] = all(torch.equal(v, plain.state_dict()[k])
-                              for k, v in td.full_state_dict(model).items())
-    before = td.full_state_dict(model)
+                              for k, v in td.fsdp.full_state_dict(model).items())
+    before = td.fsdp.full_state_dict(model)
     broken = os.path.join(directory, f"broken-{td.size()}")
     if td.rank() == 0:
         shutil.copytree(saved, broken)
         os.unlink(os.path.join(broken, "__1_0.distcp"))
     td.barrier()
     try:
-        td.load_sharded(broken, model=model, optimizer=optimizer)
+        td.checkpoint.load_sharded(broken, model=model, optimizer=optimizer)
     except CheckpointError as error:
         errors["missing"] = str(error)
-    after = td.full_state_dict(model)
+    after = td.fsdp.full_state_dict(model)
     errors["untouched"] = all(torch.equal(before[k], after[k]) for k in before)
     return errors
 
@@ -157,11 +157,11 @@ _CRASHING_SAVE = textwrap.dedent("""
 def check_restore_after_crash(directory: str) -> bool:
     torch.manual_seed(0)
     model = td.fully_shard(nn.Linear(3, 2))
-    expected = td.full_state_dict(model)  # the values of the first save
+    expected = td.fsdp.full_state_dict(model)  # the values of the first save
     with torch.no_grad():
         model._tandem_shard.zero_()
     assert td.Checkpointer(directory).restore(model=model) == 1
-    return all(torch.equal(v, expected[k]) for k, v in td.full_state_dict(model).items())
+    return all(torch.equal(v, expected[k]) for k, v in td.fsdp.full_state_dict(model).items())
 
 
 @pytest.mark.timeout(120)

@@ -38,7 +38,7 @@ def broadcast_after_fully_shard() -> float:
     _train(model, optimizer, 3, slice(4 * td.rank(), 4 * td.rank() + 4))
     reference = _net()
     _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), 3, slice(0, 8))
-    got = td.full_state_dict(model)
+    got = td.fsdp.full_state_dict(model)
     return max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
@@ -61,7 +61,7 @@ def refusals() -> dict[str, str]:
     attempt("broadcast", lambda: td.broadcast_parameters(model))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     attempt("optimizer", lambda: td.DistributedOptimizer(sgd, named_parameters=model.named_parameters()))
-    branches = td.Branches([nn.Linear(4, 3), nn.Linear(4, 3)], join="cat")
+    branches = td.tensor.Branches([nn.Linear(4, 3), nn.Linear(4, 3)], join="cat")
     attempt("branches", lambda: td.DistributedOptimizer(
         torch.optim.SGD(branches.parameters(), lr=0.1), named_parameters=branches.named_parameters()))
     plain = _net()
@@ -128,7 +128,7 @@ def clipping(layout: str, clip: str) -> float:
         else:
             clip_fn(model, 0.05)
         optimizer.step()
-    got = td.full_state_dict(model)  # a pipeline's: every stage's entries, gathered
+    got = td.fsdp.full_state_dict(model)  # a pipeline's: every stage's entries, gathered
     return max((got[k] - v).abs().max().item() for k, v in _clipped_reference(10, 0.05).items())
 
 
@@ -190,7 +190,7 @@ def replicas_of_split_models() -> str:
             split[2].bias.add_(1.0)
     try:
         td.check_replicas(split)
-    except td.ReplicaMismatchError as error:
+    except td.errors.ReplicaMismatchError as error:
         return str(error)
     return "no difference found"
 
@@ -307,7 +307,7 @@ def accumulation(layout: str) -> float:
         plain.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         plain.step()
-    got = td.full_state_dict(model)
+    got = td.fsdp.full_state_dict(model)
     return max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
@@ -391,7 +391,7 @@ def evaluation_between_forward_and_backward() -> float:
         plain.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         plain.step()
-    got = td.full_state_dict(model)
+    got = td.fsdp.full_state_dict(model)
     return max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
@@ -425,7 +425,7 @@ def fsdp2_methods() -> float:
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     nn.functional.mse_loss(reference(x), y).backward()
     plain.step()
-    got = td.full_state_dict(model)
+    got = td.fsdp.full_state_dict(model)
     worst = max((got[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     return max(worst, (whole - reference[0].weight).abs().max().item())
 

@@ -61,7 +61,7 @@ def _grads_as_full(model) -> dict:
     for p in params:
         p.data = p.grad
     try:
-        return td.full_state_dict(model)
+        return td.fsdp.full_state_dict(model)
     finally:
         for p, data in zip(params, saved, strict=True):
             p.data = data
@@ -88,7 +88,7 @@ def check_transformer_matches_one_process(device: str = "cpu"):
     errors = []
     for step in range(10):
         ids, target = _batch(step, device=device)
-        loss = td.vocab_parallel_cross_entropy(model(ids), target)
+        loss = td.tensor.vocab_parallel_cross_entropy(model(ids), target)
         ref_loss = F.cross_entropy(reference(ids).reshape(-1, VOCAB), target.reshape(-1))
         loss.backward()
         ref_loss.backward()
@@ -101,7 +101,7 @@ def check_transformer_matches_one_process(device: str = "cpu"):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    errors += _differences("after 10 steps", td.full_state_dict(model), reference.state_dict())
+    errors += _differences("after 10 steps", td.fsdp.full_state_dict(model), reference.state_dict())
     return errors
 
 
@@ -125,7 +125,7 @@ class Joined(nn.Module):
 
     def __init__(self, model: TwoBranch):
         super().__init__()
-        self.branches = td.Branches(list(model.paths), join=model.join)
+        self.branches = td.tensor.Branches(list(model.paths), join=model.join)
         self.head = model.head
 
     def forward(self, x):
@@ -182,14 +182,14 @@ def check_dp_times_tp():
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(5):
         ids, target = _batch(step, rows=2, first=2 * mesh.dp_rank)
-        td.vocab_parallel_cross_entropy(model(ids), target, group=mesh.tp_group).backward()
+        td.tensor.vocab_parallel_cross_entropy(model(ids), target, group=mesh.tp_group).backward()
         opt.step()
         opt.zero_grad()
         ids, target = _batch(step)
         F.cross_entropy(reference(ids).reshape(-1, VOCAB), target.reshape(-1)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    return _differences("dp x tp after 5 steps", td.full_state_dict(model), reference.state_dict())
+    return _differences("dp x tp after 5 steps", td.fsdp.full_state_dict(model), reference.state_dict())
 
 
 def check_bad_input():
@@ -201,7 +201,7 @@ def check_bad_input():
         except kind as error:
             messages.append(str(error))
     try:
-        td.ColumnParallelLinear(8, 10)  # 10 rows on 3 ranks
+        td.tensor.ColumnParallelLinear(8, 10)  # 10 rows on 3 ranks
     except ValueError as error:
         messages.append(str(error))
     return messages
@@ -272,7 +272,7 @@ def check_half_precision_loss():
     full = torch.randn(6, 4 * td.size(), generator=generator)
     target = torch.randint(full.shape[1], (6,), generator=generator)
     mine = full.chunk(td.size(), dim=1)[td.rank()].bfloat16().requires_grad_()
-    loss = td.vocab_parallel_cross_entropy(mine, target)
+    loss = td.tensor.vocab_parallel_cross_entropy(mine, target)
     loss.backward()
     reference = full.bfloat16().float().requires_grad_()
     F.cross_entropy(reference, target).backward()
@@ -306,10 +306,10 @@ def check_save_consolidated(path):
     model = td.parallelize(TinyLM(), PLAN)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ids, target = _batch(0)
-    td.vocab_parallel_cross_entropy(model(ids), target).backward()
+    td.tensor.vocab_parallel_cross_entropy(model(ids), target).backward()
     opt.step()
-    td.save(td.full_state_dict(model), path)  # every rank calls it; rank 0 writes
-    return td.vocab_parallel_cross_entropy(model(ids), target).item()
+    td.save(td.fsdp.full_state_dict(model), path)  # every rank calls it; rank 0 writes
+    return td.tensor.vocab_parallel_cross_entropy(model(ids), target).item()
 
 
 def check_load_resharded(path):
@@ -317,7 +317,7 @@ def check_load_resharded(path):
     model.load_state_dict(td.load(path))  # the one-process state: any tp size can load it
     td.parallelize(model, PLAN)
     ids, target = _batch(0)
-    return td.vocab_parallel_cross_entropy(model(ids), target).item()
+    return td.tensor.vocab_parallel_cross_entropy(model(ids), target).item()
 
 
 def test_checkpoint_saved_at_tp3_loads_at_tp2(tmp_path):
@@ -354,7 +354,7 @@ def check_tp_inside_pipeline_stages():
         F.mse_loss(reference(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    mine = td.full_state_dict(pipe.stage)
+    mine = td.fsdp.full_state_dict(pipe.stage)
     expected = {k: v for k, v in reference[mesh.pp_rank].state_dict().items()}
     return _differences("tp inside pp", mine, expected)
 

@@ -155,7 +155,7 @@ def check_local_sgd():
         try:
             td.check_replicas(model)
             agreed_after.append(step + 1)
-        except td.ReplicaMismatchError:
+        except td.errors.ReplicaMismatchError:
             pass
     _train(model, local, *map(_my_part, _batch(9)))
     local.average()

@@ -77,7 +77,7 @@ for step in range(args.steps):
     if args.layout == "pipe":
         opt.zero_grad()
     if fault(step, "state_dict"):
-        td.full_state_dict(model)  # the others go on training
+        td.fsdp.full_state_dict(model)  # the others go on training
 if me == 0:
     print("finished", flush=True)
 td.shutdown()

@@ -122,7 +122,7 @@ for step in range(start, args.steps):
     if args.step_seconds:
         time.sleep(args.step_seconds)
 
-parameters = td.full_state_dict(model).values() if args.shard else model.parameters()
+parameters = td.fsdp.full_state_dict(model).values() if args.shard else model.parameters()
 flat = torch.cat([p.detach().flatten() for p in parameters])
 if me == 0:
     print(f"final {flat.double().sum().item():.12f}", flush=True)

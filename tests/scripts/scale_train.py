@@ -40,7 +40,7 @@ opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                               named_parameters=model.named_parameters(), bucket_mb=args.bucket_mb,
                               first_bucket_mb=min(1.0, args.bucket_mb))
 if args.report:
-    td.report(samples=per_rank)
+    td.metrics.report(samples=per_rank)
 loss_fn = nn.CrossEntropyLoss()
 steps = 0
 for _ in range(args.epochs):
