@@ -51,7 +51,7 @@ def _slots_script(tmp_path: Path, offered: Path) -> Path:
 def one_process(tmp_path_factory):
     """The one-process result of the same script, for each optimizer."""
     results = {}
-    for optimizer, *more in (("sgd",), ("adam",), ("adam", "--scheduler")):
+    for optimizer, *more in (("sgd",), ("adam",), ("adam", "--scheduler"), ("adafactor",)):
         out = tmp_path_factory.mktemp("reference") / f"{optimizer}.pt"
         subprocess.run([sys.executable, TRAIN, str(out), "--optimizer", optimizer, *more],
                        cwd=ROOT, env=_env(), check=True, timeout=SCENARIO_S)
@@ -233,6 +233,40 @@ def test_with_a_peer_backup_sharded_state_lost_with_a_rank_is_restored_from_memo
     result = torch.load(out)
     assert result["sizes"] == [3] * 5 + [2] * 7
     assert_same_model(result, one_process["adam"])
+
+
+@pytest.mark.parametrize("sharding", ["--zero", "--fsdp"])
+def test_with_a_peer_backup_a_rank_killed_between_steps_is_restored_from_memory(
+        tmp_path, one_process, sharding):
+    """The kill the test above does not make: rank 1 dies after step 5's update, before its
+    commit, so the others' commit 6 finds no next rank to take their part (or no part from
+    the previous rank). The commit does not count until its part was handed on: the survivors
+    go on from commit 5, whose parts all survive (before: "held only by the rank(s) that
+    left")."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out), sharding,
+                      "--peer-backup", "--die-before-commit", "1:5", "--optimizer", "adam")
+    assert done.returncode == 0, done.stderr
+    assert "world 3 -> 2 (round 1): rank 1 (worker 1) exit code 9" in done.stderr
+    assert "resumed from commit 5 (step 5)," in done.stderr and "checkpoint" not in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 7
+    assert_same_model(result, one_process["adam"])
+
+
+def test_zero_adafactor_whole_parameters_peer_backup_3_to_2_equals_one_process(
+        tmp_path, one_process):
+    """Adafactor under td.ZeroOptimizer: each parameter owned whole by one rank. Rank 1 dies
+    at step 5 of 3; its parameters' state comes from rank 2's backup, the parameters are
+    owned anew by the 2 left, and the result is the one process's."""
+    out = tmp_path / "out.pt"
+    done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", TRAIN, str(out), "--zero",
+                      "--peer-backup", "--die", "1:5", "--optimizer", "adafactor")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from commit 5 (step 5)," in done.stderr and "checkpoint" not in done.stderr
+    result = torch.load(out)
+    assert result["sizes"] == [3] * 5 + [2] * 7
+    assert_same_model(result, one_process["adafactor"])
 
 
 def test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size(

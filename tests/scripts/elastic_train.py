@@ -10,12 +10,15 @@ Rank 0 writes the final parameters (and the world size of each step) to OUT.
 Faults and events, by worker id (a worker keeps its id whatever its rank):
   --die W:S          worker W exits with code 9 in the middle of step S (after its forward)
   --stop W:S         worker W stops itself (SIGSTOP) in the middle of step S: a hung rank
+  --die-before-commit W:S  worker W exits with code 9 after step S's update, before its
+                     commit (the others commit without it: their backup exchange fails)
   --die-in-resize W  worker W exits with code 9 in its first reset callback (during a resize)
   --wait-size N:S    at step S, commit until the world has N ranks (a worker is joining);
                      several, comma-separated (2:5,3:8)
   --offer FILE       with --wait-size: rank 0 creates FILE at each such S first (the discovery
                      script offers more slots once it exists)
-  --optimizer adam   Adam instead of SGD with momentum
+  --optimizer adam   Adam instead of SGD with momentum (adafactor: Adafactor, which
+                     td.ZeroOptimizer shards by whole parameters)
   --no-commit        never commit (the warning, and the start state as the fallback)
   --diverge W:S      worker W counts one step more than the others at step S (named at commit)
   --skip-commit W:S  worker W does not commit after step S (the others' commit is named)
@@ -44,6 +47,7 @@ parser.add_argument("out")
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--die", default=None)
 parser.add_argument("--stop", default=None)
+parser.add_argument("--die-before-commit", default=None)
 parser.add_argument("--die-in-resize", type=int, default=None)
 parser.add_argument("--wait-size", default=None)
 parser.add_argument("--offer", default=None)
@@ -76,6 +80,8 @@ if args.fsdp:  # two units: the first layer, and the root (the rest)
     td.fully_shard(model)
 if args.optimizer == "adam":
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
+elif args.optimizer == "adafactor":
+    inner = torch.optim.Adafactor(model.parameters(), lr=0.01)
 else:
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 if args.horovod:
@@ -95,6 +101,8 @@ state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, st
                    **extras)
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
+die_before_commit = tuple(map(int, args.die_before_commit.split(":"))) \
+    if args.die_before_commit else None
 stop = tuple(map(int, args.stop.split(":"))) if args.stop else None
 diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
 skip = tuple(map(int, args.skip_commit.split(":"))) if args.skip_commit else None
@@ -144,6 +152,8 @@ def train(state):
         state.step += 1
         if diverge is not None and (worker, state.step) == diverge:
             state.step += 1
+        if die_before_commit is not None and (worker, state.step - 1) == die_before_commit:
+            os._exit(9)
         if not args.no_commit and (worker, state.step) != skip:
             state.commit()
 

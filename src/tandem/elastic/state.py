@@ -101,6 +101,9 @@ class State:
         # none next to another) is restored from memory, for one message of 1/N of the
         # sharded state per commit and that much more memory.
         d["_peer_backup"], d["_backup"] = peer_backup, None
+        # The commit before the newest while some rank may not have reached the newest (its
+        # backup exchange failed): (snapshot, commits, backup), or None.
+        d["_previous"] = None
 
     # -- extras as attributes ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -126,11 +129,25 @@ class State:
         """Snapshot the state in memory, then check with every rank: the same state, and
         whether the world changed (then `WorldChanged`, caught by `td.elastic.run`). With a
         `checkpointer`, also its save (on disk every `checkpointer.every` commits)."""
-        self.save()
-        self._to_checkpoint()
         if self._peer_backup and self._sharded and runtime.state().job.elastic is not None:
-            self._backup = (self._commits, transfer.to_next(sharded.parts(self, self._snapshot)))
+            self._commit_with_backup()
+        else:
+            self.save()
+        self._to_checkpoint()
         self.check_host_updates()
+
+    def _commit_with_backup(self) -> None:
+        """A commit counts only once this rank's part reached the next rank: a rank killed
+        before (or during) the exchange leaves every survivor on a commit whose parts all
+        survive. The snapshot is taken first, sent, and only then replaces the old one; the old
+        one (and its backup) is kept until the commit's allgather shows that every rank got
+        this far (`check_host_updates`), since one rank's exchange may succeed where its
+        neighbour's fails: `sync` then puts the ranks that moved on back on it (`settle`)."""
+        pending = self._take()
+        received = transfer.to_next(sharded.parts(self, pending))  # raises if a peer died
+        self._previous = (self._snapshot, self._commits, self._backup)
+        self._snapshot, self._commits = pending, self._commits + 1
+        self._backup = (self._commits, received)
 
     def save(self) -> None:
         """The snapshot alone (Horovod's `save()`): no communication."""
@@ -189,6 +206,7 @@ class State:
         seen = self._look()
         mine = torch.tensor([seen, self._commits, *self._digests()], dtype=torch.int64)
         everyone = collectives.allgather(mine).view(-1, 4)
+        self._previous = None  # every rank reached this commit: the one before is not needed
         rounds, agreed = everyone[:, 0], everyone[:, 1:]
         if bool((agreed != agreed[0]).any()):
             extras = collectives.allgather_object(kept.values(self._extras))  # failure path
@@ -214,6 +232,8 @@ class State:
         them), so survivors of a failure, all at one commit, send nothing: each rolls back to
         its own snapshot. Only a rank behind (a newcomer, a rank that missed the last commit)
         receives, and only it takes a new snapshot."""
+        if self._sharded and self._peer_backup:
+            self._settle()
         counts = collectives.allgather(torch.tensor([self._commits], dtype=torch.int64))
         newest, oldest = int(counts.max()), int(counts.min())
         if rollback and self._commits in (newest, 0):  # a rank behind receives it all instead
@@ -241,6 +261,23 @@ class State:
             kept.load(self._extras, extras)
             self._snapshot = self._take()
             self._commits = newest
+
+    def _settle(self) -> None:
+        """With a peer backup, every rank onto one commit whose parts all survive: when a
+        rank's backup exchange failed (a peer died during the commit) it stayed on the commit
+        before, so the ranks that got further go back to theirs (kept until then). Ranks
+        that never committed (newcomers) are left alone. Collective (one small allgather)."""
+        previous = self._previous[1] if self._previous is not None else -1
+        held = collectives.allgather(torch.tensor([self._commits, previous],
+                                                  dtype=torch.int64)).view(-1, 2)
+        committed = [int(c) for c in held[:, 0].tolist() if c > 0]
+        if not committed:
+            return
+        target = min(committed)
+        if self._commits > target and previous == target:
+            self._snapshot, self._commits, self._backup = self._previous
+            self._previous = None
+            self.restore(shards=False)
 
     def warn_no_commit(self) -> None:
         if not self._warned_no_commit:
