@@ -34,7 +34,9 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(7, 3, bias=False))
 
 
-def _make(name: str, model: torch.nn.Module):
+def _make(name: str, model: torch.nn.Module, groups: bool = True):
+    if not groups:
+        return MAKERS[name](model.parameters())
     params = list(model.parameters())
     optimizer = MAKERS[name]([{"params": params[:1]}, {"params": params[1:]}])
     optimizer.param_groups[0]["lr"] = optimizer.param_groups[1]["lr"] / 2
@@ -159,19 +161,25 @@ class Rows(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def check_uneven(name: str):
+def check_uneven(name: str, wrapper: str):
     """100 samples on 3 ranks (34/33/33, no padding), global batch 30: the last step is 4/3/3."""
     td.init()
     data = Rows()
+    groups = wrapper != "fully_shard"  # its units' shards are not the layers: one group
     reference = _model()
-    plain = _make(name, reference)
+    plain = _make(name, reference, groups)
     for start in range(0, 100, 30):
         plain.zero_grad()
         x, y = data.x[start:start + 30], data.y[start:start + 30]
         torch.nn.functional.mse_loss(reference(x), y).backward()
         plain.step()
     model = _model()
-    optimizer = td.ZeroOptimizer(_make(name, model))
+    if wrapper == "fully_shard":
+        td.fully_shard(model[0])
+        td.fully_shard(model)
+        optimizer = _make(name, model, groups)
+    else:
+        optimizer = td.ZeroOptimizer(_make(name, model))
     loader, _ = td.partition_dataset(data, batch_size=30, pad=False, shuffle=False)
     sizes = []
     for x, y in loader:
@@ -179,13 +187,44 @@ def check_uneven(name: str):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-    return sizes, _difference(model.state_dict(), reference.state_dict())
+    return sizes, _difference(td.full_state_dict(model), reference.state_dict())
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_uneven_batches_under_zero_are_weighted_by_their_samples(backend):
-    for name in ("Adam (flat)", "Muon"):
-        results = run_distributed(check_uneven, 3, backend, args=(name,))
+@pytest.mark.parametrize("wrapper,name", [("ZeroOptimizer", "Adam (flat)"), ("ZeroOptimizer", "Muon"),
+                                          ("fully_shard", "Adam (flat)")])
+def test_uneven_batches_are_weighted_by_their_samples(backend, wrapper, name):
+    """ZeroOptimizer (flat and whole) and fully_shard average the last, uneven step over its
+    10 samples, as one process does (not 1/3 per rank: 1e-2 off before)."""
+    if True:
+        results = run_distributed(check_uneven, 3, backend, args=(name, wrapper))
         assert sum(sizes[-1] for sizes, _ in results) == 10  # the last step: 4 + 3 + 3
         for _, difference in results:
             assert difference < 1e-6, f"{name}: {difference} from one process"
+
+
+def check_local_sgd_uneven():
+    td.init()
+    data = Rows()
+    model = _model()
+    optimizer = td.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), period=1)
+    loader, _ = td.partition_dataset(data, batch_size=30, pad=False, shuffle=False)
+    stepped = 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            optimizer.step()
+        except ValueError as refusal:
+            return stepped, str(refusal)
+        stepped += 1
+    return stepped, None
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_local_sgd_refuses_the_uneven_step_naming_the_fix(backend):
+    for rank, (stepped, message) in enumerate(run_distributed(check_local_sgd_uneven, 3, backend)):
+        assert stepped == 3  # the three even steps ran; the fourth (4/3/3 samples) is refused
+        assert f"rank {rank}'s batch was uneven" in message
+        assert "of 30 samples" in message and "pad=True" in message
+        assert "td.DistributedOptimizer" in message

@@ -14,6 +14,11 @@ exactly synchronous gradient averaging (the mean of `p - lr * g_r` is `p - lr * 
 The optimizer's own state (momentum, Adam's moments) stays local, as in "post-local SGD"; only
 parameters are averaged, not buffers (BatchNorm statistics): broadcast those with
 `td.broadcast_parameters` or average them yourself when they matter.
+
+Uneven batches cannot be weighted here (there is no averaged gradient to weight: each rank
+steps on its own mean), so a step whose batch `td.partition_dataset(pad=False)` or
+`td.samples(n)` reported as uneven is refused, naming the fix, instead of averaging each rank
+1/k (a silently different result from one process).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tandem.comm.agreement.agree import agree_layout, describe_tensors
 from tandem.comm.collectives import user as collectives
 from tandem.comm.collectives.tensors import coalesced
 from tandem.comm.groups import Group, group_size
+from tandem.parallel.data_parallel.samples import RoundSamples
 
 
 class LocalSGD:
@@ -51,6 +57,7 @@ class LocalSGD:
         self.period = period
         self.group = group
         self.local_steps = 0
+        self._samples = RoundSamples(enabled=True)  # only to refuse uneven batches
         agree_layout("LocalSGD", describe_tensors(
             (f"group{g}.param{i}", p) for g, group_dict in enumerate(optimizer.param_groups)
             for i, p in enumerate(group_dict["params"])), group)
@@ -64,6 +71,18 @@ class LocalSGD:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step locally; every `period`-th call, average the parameters over the ranks."""
+        self._samples.update()
+        if self._samples.weighted:
+            weight, code = self._samples.weight, self._samples.code
+            self._samples.reset()
+            share = f"{weight:g} samples" if code == 1 else f"{weight * code:g} of {code} samples"
+            raise ValueError(
+                f"td.LocalSGD step {self.local_steps}: rank {runtime.rank()}'s batch was uneven "
+                f"({share}; the ranks' batches differ), and LocalSGD averages parameters, not "
+                f"gradients, so it cannot weight each rank by its samples: every rank would count "
+                f"1/{group_size(self.group)} (another result than one process). Give every rank "
+                f"equal batches: td.partition_dataset(..., pad=True) or drop_last=True (and no "
+                f"td.samples(n)), or use td.DistributedOptimizer, which weights them")
         loss = self.optimizer.step(closure)
         self.local_steps += 1
         if self.local_steps % self.period == 0:

@@ -3,12 +3,16 @@ replicas' all-reduce, then the mean in the shard's `.grad`.
 
 `start` is called from the unit's backward with the gradient of the whole unit: with gradient
 sync off it is accumulated (in the shard's dtype); else it is cast to `reduce_dtype`
-(`MixedPrecisionPolicy`), packed with one flag element per shard (whether this rank saw
+(`MixedPrecisionPolicy`), packed with two more elements per shard, a flag (whether this rank saw
 inf/NaN: every rank puts inf into its shard's gradient when any did, so GradScaler skips the
-same step everywhere) and reduce-scattered (sum) over the shard group, asynchronously. At the
-end of backward `to_replicas` waits for it and starts the all-reduce over the replicas (HSDP),
-and `finish` waits for that and writes sum / (ranks x replicas) into the shard's `.grad`, in
-the shard's dtype and memory (the host when offloaded).
+same step everywhere) and this rank's weight, and reduce-scattered (sum) over the shard group,
+asynchronously. At the end of backward `to_replicas` waits for it and starts the all-reduce
+over the replicas (HSDP), and `finish` waits for that and writes sum / (summed weights) into
+the shard's `.grad`, in the shard's dtype and memory (the host when offloaded).
+
+The weight is 1 (the summed weights: ranks x replicas, the mean), or on an uneven step of
+`td.partition_dataset(pad=False)` / `td.samples(n)` this rank's samples, by which its gradient
+is then multiplied: the one-process mean over all samples (`data_parallel/samples.py`).
 
 The packed input is the unit's whole gradient: were every unit's kept until the end of
 backward, a step would hold the whole model's gradient, unsharded. So at most
@@ -26,6 +30,7 @@ import torch
 from tandem import runtime
 from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_size
+from tandem.parallel.data_parallel.samples import RoundSamples
 from tandem.parallel.fully_shard import optimizer_check
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.split_grads import as_split_grad
@@ -47,9 +52,11 @@ class GradientReduction:
         self._pending: tuple[Any, Any] | None = None  # (work, its output)
         self._input: torch.Tensor | None = None  # alive until the reduce-scatter is done
         self._scattered = True  # no reduce-scatter outstanding
+        self._samples = RoundSamples(enabled=True)  # uneven batches: each rank by its samples
 
     def start(self, grad: torch.Tensor, shard: torch.Tensor, sync: bool) -> bool:
         """Start reducing the unit's gradient (True), or accumulate it while `sync` is off."""
+        self._samples.update()  # the batch reported since the last gradient, if any
         if not sync:
             grad = grad.to(shard.dtype)
             self.unsynced = grad.clone() if self.unsynced is None else self.unsynced.add_(grad)
@@ -58,13 +65,17 @@ class GradientReduction:
             grad, self.unsynced = self.unsynced.add_(grad), None
         grad = grad.to(self.reduce_dtype or shard.dtype)
         n, s = self.size, shard.numel()
-        packed = torch.empty(n, s + 1, dtype=grad.dtype, device=grad.device)
+        packed = torch.empty(n, s + 2, dtype=grad.dtype, device=grad.device)
         packed[:, :s].copy_(grad.view(n, s))
         packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
+        if self._samples.weighted:  # an uneven batch: this rank's gradient by its samples
+            packed[:, :s].mul_(self._samples.weight)
+        packed[:, s + 1] = self._samples.scale(1.0)
+        self._samples.reset()
         work, out = None, packed[0]
         if n > 1:
             backend = runtime.get_backend()
-            out = on_wire(torch.empty(s + 1, dtype=grad.dtype, device=grad.device), backend,
+            out = on_wire(torch.empty(s + 2, dtype=grad.dtype, device=grad.device), backend,
                           keep_values=False)
             self._input = on_wire(packed, backend).view(-1)
             work = backend.reducescatter_into(out, self._input, "sum", self.group)
@@ -104,7 +115,8 @@ class GradientReduction:
             out = out[0].copy_(out[1])
         out = out.to(shard.device, shard.dtype)
         s = shard.numel()
-        shard_grad = out[:s].div_(self.size * self.replicas)
+        # the summed weights: ranks x replicas on an even step, the samples on an uneven one
+        shard_grad = out[:s].div_(out[s + 1:])
         shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
         optimizer_check.graded(shard)  # an optimizer that holds no shard is refused (once)
         if shard.grad is None:  # torch's norms of it are the unit's global norm

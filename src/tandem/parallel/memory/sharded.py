@@ -100,9 +100,10 @@ def fully_shard(base: dict, found: list[Unit], n: int, optimizer: str,
     for s, u in zip(shards, found, strict=True):
         compute, reduce = param_dtype or u.dtype, reduce_dtype or u.dtype
         gathered.append(n * s * compute.itemsize)
-        # the packed gradient (+ one inf/NaN flag per rank) and, over several ranks, the buffer
-        # the reduce-scatter writes this rank's part into (added into an existing .grad)
-        reducing.append((n + (n > 1)) * (s + 1) * reduce.itemsize)
+        # the packed gradient (+ one inf/NaN flag and one weight per rank) and, over several
+        # ranks, the buffer the reduce-scatter writes this rank's part into (added into an
+        # existing .grad)
+        reducing.append((n + (n > 1)) * (s + 2) * reduce.itemsize)
         casts.append(n * s * reduce.itemsize if compute != reduce else 0)  # grad.to(reduce)
     return MemoryEstimate(
         **base, params=params, grads=params,
