@@ -38,6 +38,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tandem.comm.groups": ("Group", "Mesh", "mesh", "new_group"),
     "tandem.comm.watchdog.watched": ("PeerUnreachableError", "WatchdogTimeout"),
     "tandem.data": ("partition_dataset",),
+    "tandem.checkpoint.preemption": ("preempted",),
     "tandem.parallel.broadcast": ("broadcast_buffers", "broadcast_optimizer_state",
                                   "broadcast_parameters", "check_replicas"),
     "tandem.parallel.data_parallel.join": ("join",),
@@ -98,8 +99,8 @@ __all__ = [
     # model-wide calls, for any split
     "broadcast_buffers", "broadcast_optimizer_state", "broadcast_parameters", "check_replicas",
     "clip_grad_norm_", "get_state_dict", "join", "no_sync", "set_state_dict",
-    # checkpoints
-    "Checkpointer", "load", "save",
+    # checkpoints, and the preemption that asks for one
+    "Checkpointer", "load", "preempted", "save",
     # the errors users catch (every one: td.errors)
     "CheckpointError", "CollectiveMismatchError", "DivergedError", "PeerUnreachableError",
     "WatchdogTimeout",
