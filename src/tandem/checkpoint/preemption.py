@@ -36,6 +36,10 @@ def preempted(group: Group | None = None) -> bool:
 
     Returns:
         Whether the ranks agreed to stop at this step boundary (the same on every rank).
+
+    Raises:
+        DivergedError: a rank is not at this check but in another operation (it skipped a step
+            boundary, or called `td.preempted` on some ranks only).
     """
     preemption.arm()
     preemption.boundary()

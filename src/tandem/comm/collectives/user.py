@@ -33,7 +33,14 @@ Array = torch.Tensor | np.ndarray
 
 
 class Handle:
-    """An asynchronous collective: `wait()` returns its result, `done()` polls."""
+    """An asynchronous collective: `wait()` returns its result, `done()` polls.
+
+    Made by the collectives given `async_op=True`, not by users.
+
+    Args:
+        work: the engine's pending operation.
+        finish: what `wait()` runs once `work` has completed; its value is the result.
+    """
 
     def __init__(self, work: Work, finish: Callable[[], Any]) -> None:
         self._work = work
@@ -277,7 +284,23 @@ def reduce(
 
 
 def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = None):
-    """Concatenate every rank's tensor along dim 0; first dims may differ across ranks."""
+    """Concatenate every rank's tensor along dim 0; first dims may differ across ranks.
+
+    Args:
+        tensor: a torch tensor or NumPy array; the dims after the first, and the dtype, equal on
+            every rank (a 0-d tensor counts as one row).
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        The rows of every rank of `group` in rank order (a new tensor; NumPy for NumPy input), or
+        a `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other trailing dims or dtypes (each rank's named).
+        ValueError: this rank is not a member of `group`.
+        TypeError: `tensor` is neither a torch tensor nor a NumPy array.
+    """
     check_member(group)
     data, as_numpy = to_torch(tensor)
     if data.dim() == 0:
@@ -308,7 +331,25 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
 def reducescatter(
     tensor: Array, op: str = "sum", *, async_op: bool = False, group: Group | None = None
 ):
-    """Reduce, then give rank i the i-th of `size` equal chunks along dim 0."""
+    """Reduce, then give rank i the i-th of `size` equal chunks along dim 0.
+
+    Args:
+        tensor: a torch tensor or NumPy array of one shape and dtype on every rank, its dim 0
+            divisible by the group's size.
+        op: "sum" (the default), "mean", "min", "max" or "product", or torch.distributed's
+            `ReduceOp`.
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        This rank's chunk of the reduced tensor (a new tensor of dim 0 `rows / size`; NumPy for
+        NumPy input), or a `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or ops (each rank's named).
+        ValueError: dim 0 not divisible by the group size (pad it, or use allreduce), an
+            unknown op, or this rank not a member of `group`.
+    """
     op = _check_op(op)
     check_member(group)
     data, as_numpy = to_torch(tensor)
@@ -342,7 +383,25 @@ def alltoall(
     async_op: bool = False,
     group: Group | None = None,
 ):
-    """Send `splits[j]` rows to rank j (equal parts when None); returns what arrived, in order."""
+    """Send `splits[j]` rows to rank j (equal parts when None); returns what arrived, in order.
+
+    Args:
+        tensor: a torch tensor or NumPy array; the dims after the first, and the dtype, equal on
+            every rank.
+        splits: how many of this rank's rows go to each rank of `group`, in order (they sum to
+            dim 0); None splits dim 0 into equal parts.
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        The rows received from each rank, concatenated in rank order (NumPy for NumPy input), or
+        a `Handle` with async_op=True.
+
+    Raises:
+        CollectiveMismatchError: ranks passed other trailing dims or dtypes.
+        ValueError: `splits` is not `size` non-negative counts summing to dim 0, dim 0 is not
+            divisible by the group size when `splits` is None, or this rank is not a member.
+    """
     check_member(group)
     data, as_numpy = to_torch(tensor)
     n = group_size(group)
@@ -378,7 +437,22 @@ def alltoall(
 
 def send(tensor: Array, dst: int, tag: int = 0, *, async_op: bool = False,
          group: Group | None = None):
-    """Send to global rank `dst`; the matching `recv` must pass a tensor of the same shape."""
+    """Send to global rank `dst`; the matching `recv` must pass a tensor of the same shape.
+
+    Args:
+        tensor: a torch tensor or NumPy array.
+        dst: the global rank that receives it (not this rank).
+        tag: tells apart several messages between the same two ranks; the `recv` passes the same.
+        async_op: return a `Handle` at once; its `wait()` returns None once sent.
+        group: the group the message travels in (None: the world); `dst` is still global.
+
+    Returns:
+        None once the message is sent, or a `Handle` with async_op=True.
+
+    Raises:
+        ValueError: `dst` is not a rank of the world, or is this rank.
+        WatchdogTimeout: the receiver did not take the message within the timeout.
+    """
     check_rank("dst", dst, None)
     if dst == context.current().world.rank:
         raise ValueError(f"rank {dst} cannot send to itself")
@@ -390,7 +464,22 @@ def send(tensor: Array, dst: int, tag: int = 0, *, async_op: bool = False,
 
 def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
          group: Group | None = None):
-    """Receive from global rank `src` into `tensor` (in place) and return it."""
+    """Receive from global rank `src` into `tensor` (in place) and return it.
+
+    Args:
+        tensor: the buffer to fill: the shape and dtype the sender's `send` passes.
+        src: the global rank that sends (not this rank).
+        tag: the tag the matching `send` passes.
+        async_op: return a `Handle` at once; its `wait()` gives the filled tensor.
+        group: the group the message travels in (None: the world); `src` is still global.
+
+    Returns:
+        `tensor`, filled with the message, or a `Handle` with async_op=True.
+
+    Raises:
+        ValueError: `src` is not a rank of the world, or is this rank.
+        WatchdogTimeout: no message arrived within the timeout.
+    """
     check_rank("src", src, None)
     if src == context.current().world.rank:
         raise ValueError(f"rank {src} cannot receive from itself")
@@ -406,14 +495,37 @@ def recv(tensor: Array, src: int, tag: int = 0, *, async_op: bool = False,
 
 
 def barrier(group: Group | None = None) -> None:
-    """Return once every rank of the group has called it."""
+    """Return once every rank of the group has called it.
+
+    Args:
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Raises:
+        CollectiveMismatchError: a rank is in another collective, not this barrier (its
+            subclass DivergedError when a rank skipped one; the ranks' calls named).
+        ValueError: this rank is not a member of `group`.
+        WatchdogTimeout: a rank did not arrive within the timeout.
+    """
     check_member(group)
     checks.agree_on_call("barrier", group)  # is every rank in this barrier?
     context.current().backend.barrier(group).wait(context.current().timeout)
 
 
 def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None) -> Any:
-    """`root`'s picklable object, on every rank."""
+    """`root`'s picklable object, on every rank.
+
+    Args:
+        obj: the object to send, on `root` (ignored elsewhere).
+        root: the global rank whose object is sent.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        An unpickled copy of `root`'s object (on `root` too).
+
+    Raises:
+        ValueError: `root` is not a rank of `group`, or this rank is not a member.
+        pickle.PicklingError: `obj` cannot be pickled.
+    """
     check_member(group)
     check_rank("root", root, group)
     if context.current().world.rank == root:
@@ -429,7 +541,22 @@ def broadcast_object(obj: Any = None, root: int = 0, group: Group | None = None)
 
 
 def allgather_object(obj: Any, group: Group | None = None) -> list[Any]:
-    """Every rank's picklable object, as a list in rank order."""
+    """Every rank's picklable object, as a list in rank order.
+
+    Args:
+        obj: this rank's object; any picklable value, of any size.
+        group: a `td.new_group`/mesh group (None: the world).
+
+    Returns:
+        A list of `size` unpickled objects, the i-th from the group's i-th rank.
+
+    Raises:
+        CollectiveMismatchError: a rank is in another collective, not this one (its subclass
+            DivergedError when a rank skipped one).
+        ValueError: this rank is not a member of `group`.
+        RuntimeError: the ranks' code paths diverged so that another operation's message was
+            read here.
+    """
     check_member(group)
     payload = exchange.pickled(obj)
     checks.agree_on_call("allgather_object", group, payload)
