@@ -22,6 +22,16 @@ class World:
 
     It unpacks as `rank, device = td.init()`, the pair a training script needs first (the
     `init()` of many course and seed scripts returns it); every field has its name too.
+
+    Made by `td.init`, not by users.
+
+    Args:
+        rank: this process's global rank, 0 to `size - 1`.
+        size: the number of ranks in the job.
+        local_rank: its rank among the ranks on its machine.
+        local_size: the number of ranks on its machine.
+        device: `cuda:<local rank>` when there are GPUs, else the CPU.
+        backend: the engine in use: "gloo", "nccl" or "mpi".
     """
 
     rank: int
@@ -122,6 +132,33 @@ def init(
     or world size then is an error. `timeout` (seconds, default 300 or `TANDEM_TIMEOUT`) bounds
     every wait. `checks=False` or `TANDEM_CHECKS=0` turns off the cross-rank argument checks;
     `debug=True` or `TANDEM_DEBUG=1` turns on per-collective fingerprints.
+
+    Args:
+        backend: "gloo", "nccl" or "mpi"; None takes the launcher's (TANDEM_BACKEND), else
+            NCCL with GPUs, MPI under mpiexec with mpi4py, else Gloo.
+        timeout: seconds any wait may take before it fails naming who waited for whom (None:
+            `TANDEM_TIMEOUT`, else 300).
+        debug: per-collective fingerprints that name each rank's line on a mismatch (None:
+            `TANDEM_DEBUG`).
+        checks: compare every collective's arguments across ranks (False: off).
+        rank: this process's rank, when no launcher started it (with `world_size`).
+        world_size: the number of processes, when no launcher started them (with `rank`).
+        init_method: "tcp://host:port" of the rendezvous rank 0 hosts, or "env://" (MASTER_ADDR
+            and MASTER_PORT), with `rank`/`world_size`.
+
+    Returns:
+        This process's `World` (unpacks as `rank, device`).
+
+    Raises:
+        ValueError: a mistake in the arguments or the environment (an unknown backend, NCCL
+            without a GPU, a non-positive timeout, a rendezvous named without a rank, `rank`/
+            `world_size` that disagree with the launcher, `backend="mpi"` with `rank=`), or a
+            second call asking for another backend, rank or world size (call td.shutdown()
+            first); each message says the fix.
+        TypeError: `rank` or `world_size` is not an int.
+        RendezvousError: the rendezvous port is taken, or rank 0's host cannot be reached
+            within `timeout`.
+        TimeoutError: the other ranks did not all join within `timeout`.
     """
     global _state
     if _state is not None:
@@ -326,7 +363,11 @@ def device() -> torch.device:
 
 
 def shutdown() -> None:
-    """Leave the job and release the backend. Safe to call when not initialised."""
+    """Leave the job and release the backend. Safe to call when not initialised.
+
+    Raises:
+        Nothing of its own: a second call, or one without `td.init`, returns at once.
+    """
     global _state
     if _state is None:
         return

@@ -79,6 +79,12 @@ def new_group(ranks: Sequence[int]) -> Group:
 
     Returns:
         The `Group`; on a rank outside it, a `Group` whose `rank` is -1 (it cannot be used there).
+
+    Raises:
+        GroupMismatchError: the ranks passed other ranks, or made other group calls before this
+            one (every rank gets it, each rank's call named).
+        ValueError: no rank, a rank given twice, or a rank outside the world.
+        TypeError: `ranks` is not a sequence of ints.
     """
     engine = context.current()
     members, call = _members(ranks)
@@ -124,6 +130,15 @@ class Mesh:
     `dp_group` then holds the same cp position, and `dp_cp_group` the ranks of every dp and cp
     position (same stage, shard and tp position), over which a sequence-split model's gradients
     are averaged (it is `dp_group` when `cp` is 1).
+
+    Made by `td.mesh`, not by users; every field is one of its attributes.
+
+    Args:
+        dp, pp, tp, shard, cp: the sizes: replicas, pipeline stages, tensor-parallel ranks,
+            sharding ranks and context-parallel ranks.
+        dp_rank, pp_rank, tp_rank, shard_rank, cp_rank: this rank's position along each.
+        dp_group, pp_group, tp_group, shard_group, cp_group, dp_cp_group: this rank's group
+            along each, as described above.
     """
 
     dp: int
@@ -150,6 +165,22 @@ def mesh(dp: int = 1, pp: int = 1, tp: int = 1, shard: int = 1, cp: int = 1) -> 
     Every rank must call it with the same sizes (and make the same `new_group` calls before
     it); ranks that pass other sizes get a `GroupMismatchError` naming each rank's call, on
     every rank, instead of a hang. Sizes that do not fit the world are a `ValueError`.
+
+    Args:
+        dp: the number of replicas (data parallelism).
+        pp: the number of pipeline stages.
+        tp: the number of ranks each stage's layers are split over (tensor parallelism).
+        shard: the number of ranks each replica is fully sharded over (HSDP).
+        cp: the number of ranks each replica's sequences are split over (context parallelism).
+
+    Returns:
+        This rank's `Mesh`: its position along each size and its groups.
+
+    Raises:
+        GroupMismatchError: the ranks passed other sizes, or made other group calls before this
+            one (every rank gets it, each rank's call named).
+        ValueError: a size below 1, or sizes whose product is not the world size (the message
+            says the -np to start with).
     """
     engine = context.current()
     world = engine.world

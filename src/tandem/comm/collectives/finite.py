@@ -18,7 +18,19 @@ from tandem.comm.engines.backend import Group
 
 def all_finite(*tensors: torch.Tensor, group: Group | None = None) -> bool:
     """True on every rank when every value of `tensors` on every rank is finite, else False on
-    every rank (one all-reduce of one number)."""
+    every rank (one all-reduce of one number).
+
+    Args:
+        *tensors: this rank's tensors to check (a loss, gradients); at least one.
+        group: the ranks that decide together (None: the world).
+
+    Returns:
+        The same answer on every rank: whether no rank holds an inf or NaN.
+
+    Raises:
+        ValueError: no tensor was given.
+        TypeError: a value is not a torch tensor (pass `torch.as_tensor(value)`).
+    """
     if not tensors:
         raise ValueError("all_finite needs at least one tensor, e.g. td.all_finite(loss)")
     for t in tensors:

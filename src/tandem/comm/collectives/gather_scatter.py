@@ -33,10 +33,17 @@ def gather(tensor: Array, root: int = 0, *, dst: int | None = None, async_op: bo
     Args:
         tensor: this rank's part; the same shape and dtype on every rank.
         root: the global rank that receives them (torch's name `dst=` is accepted).
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
 
     Returns:
         On `root`, a tensor of `size` x the rows of `tensor`; None on the other ranks (or a
         `Handle` with `async_op=True`).
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or roots (each rank's named).
+        ValueError: `root` is not a rank of `group`, `root=` and `dst=` name different ranks, or
+            this rank is not a member of `group`.
     """
     root = one_rank("root", root, "dst", dst)
     check_member(group)
@@ -64,9 +71,16 @@ def scatter(tensor: Array, root: int = 0, *, src: int | None = None, async_op: b
         tensor: on `root`, what is split; elsewhere a tensor of the same shape and dtype (its
             values are not read), as for `broadcast`.
         root: the global rank whose tensor is split (torch's name `src=` is accepted).
+        async_op: return a `Handle` at once; its `wait()` gives the result.
+        group: a `td.new_group`/mesh group (None: the world).
 
     Returns:
         This rank's part: `tensor.shape[0] // size` rows (or a `Handle` with `async_op=True`).
+
+    Raises:
+        CollectiveMismatchError: ranks passed other shapes, dtypes or roots (each rank's named).
+        ValueError: dim 0 is not divisible by the group size (pad it, or use broadcast), `root`
+            is not a rank of `group`, or this rank is not a member of `group`.
     """
     root = one_rank("root", root, "src", src)
     check_member(group)

@@ -32,6 +32,13 @@ class Group:
     group (-1 when it is not a member). Roots, sources and destinations passed to collectives
     stay *global* ranks, as in torch.distributed. Defined here, beside the protocol that
     receives it, so that the engines need nothing above this module.
+
+    Made by `td.new_group` and `td.mesh`, not by users.
+
+    Args:
+        ranks: the global ranks of the group, in group-rank order.
+        handle: the engine's own object for the group.
+        rank: this process's index in `ranks`, or -1 when it is not a member.
     """
 
     ranks: tuple[int, ...]
