@@ -86,3 +86,15 @@ def test_a_stopped_rank_is_the_one_dropped_the_job_goes_on_with_the_two_others(
     result = torch.load(out)
     assert result["sizes"] == [3] * 5 + [2] * 7
     assert_same_model(result, one_process)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_fixed_job_names_the_stopped_rank_not_only_the_first_to_fail(backend):
+    """Rank 2 of 3 is stopped (SIGSTOP) at step 3: ranks 0 and 1 time out waiting for it and
+    exit first, and the summary names rank 2 as the one that stopped answering."""
+    script = str(ROOT / "tests" / "scripts" / "stuck_rank.py")
+    done = subprocess.run([sys.executable, "-m", "tandem", "run", "-np", "3", "--backend", backend,
+                           "--timeout", "8", script], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "tandem run: job failed: rank(s) 2 stopped answering" in done.stderr, done.stderr

@@ -60,6 +60,7 @@ class Failure:
     ranks: tuple[int, int] | None = None  # the lost node's first and last rank
     interrupt: int | None = None  # the signal that stopped the job, when a person did
     startup: bool = False  # ... while every rank was still starting (see `Supervisor.stop`)
+    silent: tuple[int, ...] = ()  # ranks the others' watchdog named: they stopped answering
 
     @property
     def code(self) -> int:
@@ -83,8 +84,14 @@ class Failure:
                 where += f", rank {first}" if first == last else f", ranks {first}-{last}"
             return f"node {self.node} ({where}) is unreachable: {self.lost}"
         where = f", node {self.node} on {self.host}" if self.node is not None else ""
-        return (f"rank {self.rank} (pid {self.pid}{where}) {describe(self.returncode)}; "
-                "it was the first rank to fail")
+        first = (f"rank {self.rank} (pid {self.pid}{where}) {describe(self.returncode)}; "
+                 "it was the first rank to fail")
+        if self.silent and self.rank not in self.silent:
+            stuck = ", ".join(map(str, self.silent))
+            return (f"rank(s) {stuck} stopped answering (stopped, hung or deadlocked: the other "
+                    f"ranks' watchdog timed out waiting for them and named them); {first}, "
+                    f"waiting for them")
+        return first
 
 
 def summary(failure: Failure, attempts: str = "") -> str:
@@ -100,6 +107,18 @@ def summary(failure: Failure, attempts: str = "") -> str:
         else:
             lines.append(f"tandem run: rank {failure.rank} printed nothing.")
     return "\n".join(lines)
+
+
+_SILENT = re.compile(r"\brank (\d+): did not answer the watchdog\b")
+
+
+def silent_ranks(output: RankOutput, np: int) -> tuple[int, ...]:
+    """The ranks that some rank's watchdog named as not answering at all, from the ranks' last
+    lines (a stopped, hung or deadlocked process; the ranks that timed out waiting for it fail
+    first, and the summary should not blame them alone)."""
+    named = {int(found) for rank in range(np) for line in output.tail(rank)
+             for found in _SILENT.findall(line)}
+    return tuple(sorted(named))
 
 
 _IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
@@ -354,6 +373,7 @@ class LocalJob(Agent):
             return self.independent_copies(watch)
         if failure.interrupt is not None:
             return failure.code
-        failure = dataclasses.replace(failure, tail=tuple(self.output.tail(failure.rank)))
+        failure = dataclasses.replace(failure, tail=tuple(self.output.tail(failure.rank)),
+                                      silent=silent_ranks(self.output, self.config.np))
         self.output.message(summary(failure))
         return failure.code
