@@ -76,6 +76,17 @@ def broadcast_parameters(
     holds its own part, made from one rank's values when the model was sharded), and copying
     one rank's tensor-parallel slices (or `td.Branches`) onto ranks that hold other slices is
     refused: pass the group of ranks that hold the same slices, `group=mesh.dp_group`.
+
+    Args:
+        model_or_state_dict: an `nn.Module`, or a state dict whose tensors are overwritten.
+        root: the global rank whose values are copied (None: the group's first rank).
+        group: the ranks that receive them (None: the world).
+
+    Raises:
+        LayoutMismatchError: the ranks passed other tensors (names, shapes or dtypes); the
+            first that differs and its rank are named.
+        ValueError: `root` is not a rank of `group`, or the copy would overwrite
+            tensor-parallel slices with another rank's slice (pass `group=mesh.dp_group`).
     """
     named = _named_tensors(model_or_state_dict)
     if root is None:
@@ -103,6 +114,16 @@ def broadcast_buffers(model: nn.Module, root: int = 0, group: Group | None = Non
     Without SyncBatchNorm each rank's BatchNorm keeps statistics of its own shard; call this
     before evaluating or saving so that every replica evaluates the same model. Parameters are
     not touched (data parallelism keeps them identical).
+
+    Args:
+        model: the module whose buffers are overwritten.
+        root: the global rank whose buffers are copied.
+        group: the ranks that receive them (None: the world).
+
+    Raises:
+        LayoutMismatchError: the ranks' modules have other buffers (names, shapes or dtypes).
+        ValueError: `root` is not a rank of `group`.
+        TypeError: `model` is not an `nn.Module`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"broadcast_buffers takes an nn.Module, not {type(model).__name__}")
@@ -180,6 +201,16 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: Group | None
     state is sharded, and to restore it every rank loads the full state dict (which `td.load`
     returns on every rank). Calling this on one is harmless (its `state_dict()` is collective
     and every rank takes part) and propagates root's hyper-parameters.
+
+    Args:
+        optimizer: a torch optimizer or a wrapper with `state_dict()` / `load_state_dict()`.
+        root: the global rank whose state is copied.
+        group: the ranks that receive it (None: the world).
+
+    Raises:
+        ValueError: `root` is not a rank of `group`, or a rank cannot load root's state (its
+            optimizer holds other parameters or groups; the rank is named).
+        TypeError: `optimizer` has no `state_dict()` and `load_state_dict()`.
     """
     if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
         raise TypeError(
@@ -223,6 +254,19 @@ def check_replicas(model: nn.Module | Mapping[str, Any], group: Group | None = N
     A split model is asked how it is split: `td.fully_shard` shards and tensor-parallel slices
     that differ across `group` are pieces, not replicas, and are left out (pass
     `group=mesh.dp_group` to compare the ranks that hold the same slices).
+
+    Args:
+        model: an `nn.Module` (parameters and buffers) or a state dict (every tensor compared
+            as a parameter).
+        group: the ranks that must hold the same values (None: the world).
+        atol: the largest absolute difference still counted as equal.
+        buffers: "warn" (the default) names differing buffers in a `ReplicaBufferWarning`;
+            "strict" makes them an error like parameters; "ignore" skips them.
+
+    Raises:
+        ReplicaMismatchError: a parameter differs across the ranks (raised on every rank, each
+            differing parameter and the ranks named).
+        ValueError: an unknown `buffers` policy, or a negative `atol`.
     """
     def pieces(tensor: torch.Tensor) -> bool:
         return splits.kind_of(tensor) == splits.FULLY_SHARD or splits.mixes_slices(tensor, group)

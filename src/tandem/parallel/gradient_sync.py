@@ -48,7 +48,17 @@ def _switches(model: Any) -> tuple[list, list]:
 
 def set_requires_gradient_sync(model: Any, requires_sync: bool) -> None:
     """Off: backward keeps gradients local for accumulation; on: the next backward reduces
-    them all (every rank must switch alike)."""
+    them all (every rank must switch alike).
+
+    Args:
+        model: a module with `td.fully_shard` units, or whose parameters a
+            `td.DistributedOptimizer` or `td.DistributedDataParallel` reduces.
+        requires_sync: False to accumulate locally, True to reduce again.
+
+    Raises:
+        ValueError: nothing reduces this model's gradients in backward (ZeroOptimizer and
+            LocalSGD reduce at step() and need no switch).
+    """
     units, reducers = _switches(model)
     if not units and not reducers:
         raise ValueError(
@@ -63,7 +73,18 @@ def set_requires_gradient_sync(model: Any, requires_sync: bool) -> None:
 
 @contextlib.contextmanager
 def no_sync(model: Any) -> Iterator[None]:
-    """Backward passes inside accumulate locally; the first one after the block reduces them all."""
+    """Backward passes inside accumulate locally; the first one after the block reduces them all.
+
+    Args:
+        model: as for `set_requires_gradient_sync`.
+
+    Yields:
+        Nothing: the block runs with gradient reduction off.
+
+    Raises:
+        ValueError: nothing reduces this model's gradients in backward (as for
+            `set_requires_gradient_sync`).
+    """
     set_requires_gradient_sync(model, False)
     try:
         yield

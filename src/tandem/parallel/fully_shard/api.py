@@ -65,6 +65,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     (`optimizer_check.py`).
 
     Args:
+        module: the module to shard (its inner blocks sharded first, then the root).
         reshard_after_forward: free the gathered parameters after forward (gather again for
             backward); the root keeps them, as in FSDP2.
         param_dtype: compute in this dtype, reduce in the shards' (older spelling of mp_policy).
@@ -75,6 +76,20 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         mp_policy: `td.MixedPrecisionPolicy` (or torch's FSDP2 one).
         offload_policy: `td.CPUOffloadPolicy()` (or torch's FSDP2 one): shards in host memory.
         offload: `"cpu"`, the same as `offload_policy=td.CPUOffloadPolicy()`.
+
+    Returns:
+        `module` itself, now a fully sharded unit (its `state_dict()` still speaks the unsharded
+        model).
+
+    Raises:
+        LayoutMismatchError: the ranks sharded other tensors or passed other options (each
+            rank's named).
+        ValueError: `module` is already sharded, its parameters already belong to a root sharded
+            first (shard inner blocks first), it holds tensor-parallel layers, both `group=` and
+            `mesh=` (or `param_dtype=` and `mp_policy=`) were given, the mesh has pp or tp > 1,
+            or this rank is not a member of `group`; each message says the fix.
+        TypeError: `module` is not an `nn.Module`, or `mesh`, `mp_policy` or `offload_policy`
+            is not of its kind.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -147,6 +162,22 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     the group that holds the pieces; a replicated parameter (as after DDP's backward) counts
     once. Takes a module, a `td.Pipeline`, or parameters. Returns the total norm. Collective
     over those groups when any parameter is split: every rank calls it.
+
+    Args:
+        parameters: a module, a `td.Pipeline`, an iterable of parameters, or one tensor; those
+            without a gradient are skipped.
+        max_norm: the largest total norm the gradients keep.
+        norm_type: the p of the p-norm; `float("inf")` for the largest absolute value.
+
+    Returns:
+        The total norm of the unclipped gradients, over every piece of the model (a 0-d
+        tensor, the same on every rank).
+
+    Raises:
+        ValueError: some of the parameters belong to a `ZeroOptimizer` and some do not, or to
+            several (clip each with `opt.clip_grad_norm_(max_norm)`).
+        CollectiveMismatchError: the ranks hold other split parameters (the norm's all-reduce
+            does not match across the group).
     """
     if isinstance(parameters, nn.Module) or hasattr(parameters, "stage"):  # a module or Pipeline
         parameters = parameters.parameters()
@@ -212,7 +243,19 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     """The ordinary state dict of the unsplit model, on every rank (collective): a model sharded
     by `fully_shard` or split by `td.parallelize` (`model.state_dict()`, whose hooks gather the
     shards and slices, `parallel/layout/state_hooks.py`, with tensors of its own), or a `td.Pipeline`
-    (every stage's entries, gathered over the pipeline's ranks)."""
+    (every stage's entries, gathered over the pipeline's ranks).
+
+    Args:
+        model: a fully sharded or tensor-parallel module, a `td.Pipeline`, or a plain module.
+
+    Returns:
+        The full state dict, parameter name to a tensor of the unsplit shape (copies), on every
+        rank.
+
+    Raises:
+        CollectiveMismatchError: a rank is not in this call, or holds another model (the
+            gather's agreement names each rank).
+    """
     stage = getattr(model, "stage", None)
     if isinstance(stage, nn.Module) and not isinstance(model, nn.Module):  # a td.Pipeline
         return model.state_dict()  # every stage's entries, gathered (copies already)
@@ -223,6 +266,14 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     """Load an ordinary (unsplit) state dict: each rank keeps its shard or slice of it.
 
     A dict for another model is an error listing the missing and unexpected names with shapes.
+
+    Args:
+        model: the fully sharded or tensor-parallel module to load into.
+        state: the unsplit model's state dict (as `full_state_dict` returns, or one process's).
+
+    Raises:
+        ValueError: `state` does not match the model: every missing, unexpected or other-shaped
+            name is listed (built a different model?).
     """
     expected = {p.name: p.shape for held in layout.held(model) for p in held.placements}
     check_names(expected, {k: tuple(v.shape) for k, v in state.items()}, "the state dict")
@@ -252,6 +303,19 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     `{"state": {name: {"exp_avg": tensor of the parameter's shape, "step": ...}},
     "param_groups": [{..., "params": [names]}]}`: per-element state is gathered over the
     shards and cut along the unit's parameters; scalars (Adam's step) are taken as they are.
+
+    Args:
+        model: the fully sharded model (`td.fully_shard` applied to its root).
+        optimizer: the optimizer over its shards.
+
+    Returns:
+        The optimizer's state dict keyed by parameter name, with unsharded tensors, on every
+        rank.
+
+    Raises:
+        DivergedError: a rank is not in this call (every rank calls it).
+        ValueError: an optimizer parameter is not a shard of this model's units (apply
+            td.fully_shard to the root too).
     """
     model_check.agree_call(model, "full_optimizer_state_dict")  # a rank calling it alone is named
     owner = {id(unit.shard): (prefix, unit) for prefix, unit in units(model)}

@@ -60,6 +60,11 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
 
     Returns:
         `model`, each unit holding this rank's shard of the one-process initialisation.
+
+    Raises:
+        CollectiveMismatchError: the ranks passed different seeds (each rank's named).
+        ValueError: nothing in `model` was built on the meta device, a module has no
+            `reset_parameters()` and no `init` was given, or `init` left a tensor without values.
     """
     device = torch.device(device) if device is not None else (
         runtime.device() if runtime.is_initialized() else torch.device("cpu"))

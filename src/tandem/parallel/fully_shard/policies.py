@@ -29,7 +29,15 @@ REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """The dtypes a fully_shard unit computes, reduces and returns in (FSDP2's fields)."""
+    """The dtypes a fully_shard unit computes, reduces and returns in (FSDP2's fields).
+
+    Args:
+        param_dtype: the dtype the gathered parameters compute in (None: the shards').
+        reduce_dtype: the dtype gradients are reduced in (None: `param_dtype`, or the shards'
+            when that is None too).
+        output_dtype: the dtype the unit's forward outputs are cast to (None: left as they are).
+        cast_forward_inputs: cast the floating inputs of forward to `param_dtype`.
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -42,8 +50,9 @@ class CPUOffloadPolicy:
     """Shards, their gradients and the optimizer state live in host memory; each unit is copied
     to the compute device (`td.device()`) for its forward and backward only.
 
-    `pin_memory`: page-locked host shards, so the copies to the GPU overlap (ignored where
-    there is no GPU: there is nothing to copy to).
+    Args:
+        pin_memory: page-locked host shards, so the copies to the GPU overlap (ignored where
+            there is no GPU: there is nothing to copy to).
     """
 
     pin_memory: bool = True
