@@ -167,7 +167,23 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
 
 class SyncBatchNorm(_BatchNorm):
-    """BatchNorm over the whole group's batch; any input of 2 or more dims (N, C, ...)."""
+    """BatchNorm over the whole group's batch; any input of 2 or more dims (N, C, ...).
+
+    Args:
+        num_features: C, the number of channels.
+        eps: added to the variance for numerical stability.
+        momentum: the running statistics' update factor (None: a cumulative moving average).
+        affine: learn a per-channel weight and bias.
+        track_running_stats: keep running mean and variance for evaluation.
+        group: the ranks whose batches are normalised together (default: the world).
+        device: where the parameters and buffers are made.
+        dtype: their dtype.
+
+    Raises:
+        ValueError: (in forward) an input of fewer than 2 dims.
+        RuntimeError: (in forward) a training forward inside `td.join(...)`, where a rank out of
+            batches cannot answer the statistics all-reduce.
+    """
 
     def __init__(
         self,

@@ -173,6 +173,25 @@ def join(*wrappers: Any, sync_state: bool = True) -> Any:
 
     With wrappers: a context manager around the training loop. Without: answer the other
     ranks' reductions until all are done, and return the last rank to join.
+
+    Args:
+        *wrappers: the `DistributedOptimizer` or `DistributedDataParallel` whose reductions the
+            ranks share, and the torch optimizer of a DistributedDataParallel model (for its
+            state); none for Horovod's `hvd.join()` style, after the loop.
+        sync_state: on leaving the block, copy the parameters and optimizer state of the rank
+            that stepped the most to every rank.
+
+    Returns:
+        With wrappers, the context manager to put around the loop; without, the global rank
+        that stepped the most (the last to join; the lowest such rank).
+
+    Raises:
+        TypeError: a wrapper is not a DistributedOptimizer, DistributedDataParallel or torch
+            optimizer, none of them reduces, or the model is split (fully_shard, ZeroOptimizer,
+            tensor or pipeline parallel), which a rank out of data cannot stand in for.
+        ValueError: without wrappers, the process holds several data-parallel optimizers or
+            models (use `with td.join(opt, ...):`).
+        RuntimeError: without wrappers, called between backward() and step().
     """
     if wrappers:
         return Join(wrappers, sync_state)

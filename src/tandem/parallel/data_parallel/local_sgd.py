@@ -37,7 +37,19 @@ from tandem.parallel.data_parallel.samples import RoundSamples
 
 
 class LocalSGD:
-    """Wrap a torch optimizer so that replicas synchronise parameters every `period` steps."""
+    """Wrap a torch optimizer so that replicas synchronise parameters every `period` steps.
+
+    Args:
+        optimizer: the plain torch optimizer (not a `DistributedOptimizer`: gradients stay
+            local).
+        period: the steps between parameter averages (1: every step).
+        group: the replicas that average together (default: the world).
+
+    Raises:
+        TypeError: `optimizer` is a DistributedOptimizer, or not a torch optimizer.
+        ValueError: `period` is not a positive int, or this rank is not a member of `group`.
+        LayoutMismatchError: the ranks' optimizers hold other parameters (each rank's named).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, period: int, group: Group | None = None) -> None:
         from tandem.parallel.data_parallel.wrappers import DistributedOptimizer

@@ -58,19 +58,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `torch.optim.Optimizer` only so that LR schedulers accept it; the base class's constructor
     is not run.
 
-    - `op`: "mean" (default) or "sum".
-    - `compression`: None, "fp16", "bf16", "powersgd", or a hook (`comm_hooks.py`: the
-      contract; `compression.py`: the built-in hooks).
-    - `bucket_mb` / `first_bucket_mb`: bucket caps (25 MB, and 1 MB for the first bucket).
-    - `accumulate=k`: reduce once every k backward passes (call `step()` after the k-th);
-      `no_sync()` does the same for the passes inside it. A `step()` after fewer passes reduces
-      what has been accumulated (the last, short window of an epoch) with a warning.
-    - `group`: the data-parallel group (default: the world).
-
     When `backward()` returns, the gradients are averaged: clip them, unscale them
     (`GradScaler`), read or log them as in one process. `synchronize()` and
     `skip_synchronize()` exist for Horovod scripts (`opt.synchronize(); clip; with
     opt.skip_synchronize(): opt.step()`); here they have nothing left to do.
+
+    Args:
+        optimizer: the torch optimizer to wrap (not a fully_shard model's: its gradients are
+            reduced in backward already).
+        named_parameters: the model's `named_parameters()`, so that errors name parameters
+            (None: "param0", "param1", ...).
+        op: "mean" (default) or "sum".
+        compression: None, "fp16", "bf16", "powersgd", or a hook (`comm_hooks.py`: the
+            contract; `compression.py`: the built-in hooks).
+        bucket_mb: the bucket cap in MB (25).
+        accumulate: reduce once every k backward passes (call `step()` after the k-th);
+            `no_sync()` does the same for the passes inside it. A `step()` after fewer passes
+            reduces what has been accumulated (the last, short window of an epoch) with a
+            warning.
+        group: the data-parallel group (default: the world).
+        first_bucket_mb: the first bucket's cap in MB (1), so that communication starts early.
+
+    Raises:
+        TypeError: `optimizer` is not a torch optimizer, is already a DistributedOptimizer, or
+            holds fully_shard shards; `named_parameters` is not (name, parameter) pairs.
+        ValueError: an op other than "mean"/"sum", a bucket cap <= 0, `accumulate` < 1, a
+            `named_parameters` that misses some of the optimizer's parameters, or this rank not
+            a member of `group`.
+        GradientLayoutError: the ranks built other models or options (each rank's named).
     """
 
     def __init__(
@@ -266,6 +281,23 @@ class DistributedDataParallel(nn.Module):
     collective, so evaluating on one rank, or on uneven data, never waits for the others.
     `no_sync()` skips the reduction for the passes inside it. Use any optimizer on
     `module.parameters()`.
+
+    Args:
+        module: the model to replicate.
+        op: "mean" (default) or "sum".
+        compression: None, "fp16", "bf16", "powersgd", or a hook, as for DistributedOptimizer.
+        bucket_mb: the bucket cap in MB (25).
+        first_bucket_mb: the first bucket's cap in MB (1).
+        group: the data-parallel group (default: the world).
+        broadcast_buffers: copy the root's buffers to every rank before each training forward.
+
+    Raises:
+        TypeError: `module` is not an `nn.Module`.
+        ValueError: an op other than "mean"/"sum", a bucket cap <= 0, or this rank not a member
+            of `group`.
+        LayoutMismatchError: the ranks' modules hold other parameters or buffers (the copy of
+            the root's values at construction names the first that differs).
+        GradientLayoutError: the ranks built other models or options (each rank's named).
     """
 
     def __init__(

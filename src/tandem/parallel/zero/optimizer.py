@@ -93,6 +93,23 @@ class ZeroOptimizer:
 
     Build it right after the optimizer (and after `td.broadcast_parameters(model)`), on every
     rank. An optimizer that has already stepped keeps its state: it is resharded.
+
+    Args:
+        optimizer: the plain torch optimizer (not a `DistributedOptimizer`, nor one over
+            fully_shard shards); all its parameters of one dtype and device.
+        group: the ranks its state is sharded over (default: the world).
+        elementwise: the user's word for an optimizer tandem cannot classify: True when its
+            update treats each element on its own (any cut of the flat space), False when it
+            treats each tensor on its own (each rank gets whole parameters); None: tandem
+            decides.
+
+    Raises:
+        TypeError: `optimizer` is a DistributedOptimizer, not a torch optimizer, or holds
+            fully_shard shards.
+        ValueError: an optimizer whose update cannot be sharded to one process's result (use
+            td.DistributedOptimizer, or say `elementwise=`), no parameter, parameters of several
+            dtypes or devices, a parameter given twice, or this rank not a member of `group`.
+        LayoutMismatchError: the ranks' optimizers hold other parameters (each rank's named).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: Group | None = None, *,
