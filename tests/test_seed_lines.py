@@ -34,3 +34,23 @@ def check_hvd_distributed_data_parallel():
 def test_hvd_distributed_data_parallel_averages_gradients(backend):
     grads = run_distributed(check_hvd_distributed_data_parallel, 2, backend)
     assert grads[0] == grads[1] == [[3.0, 3.0, 3.0]]  # the mean of 2 x 1 and 2 x 2
+
+
+def check_partition_dataset_places_batches():
+    rank, device = td.init()
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4, dtype=torch.float64),
+                                          torch.randint(0, 3, (256,)))
+    loader, per_rank = td.partition_dataset(data, 128, device=device, dtype="float32")
+    x, y = next(iter(loader))
+    try:
+        td.partition_dataset(data, 128, dtype="int8")
+    except ValueError as error:
+        refused = str(error)
+    return per_rank, str(x.device), x.dtype == torch.float32, y.dtype == torch.int64, refused
+
+
+def test_partition_dataset_delivers_batches_on_the_device_in_the_dtype():
+    for per_rank, device, floats, labels, refused in run_distributed(
+            check_partition_dataset_places_batches, 2):
+        assert per_rank == 64 and device == "cpu" and floats and labels
+        assert "dtype='int8': give a floating-point dtype" in refused

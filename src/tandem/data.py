@@ -247,9 +247,41 @@ class ShardedLoader(DataLoader):
         """Resume at the saved data position, on any number of ranks."""
         self.sampler.load_state_dict(state)
 
+    device: torch.device | None = None  # where each batch is delivered (partition_dataset)
+    dtype: torch.dtype | None = None  # the dtype of its floating-point tensors
+
     def __iter__(self) -> Iterator[Any]:
         # The base iterator is made now (not at the first batch): iter() starts the epoch.
-        return _timed(super().__iter__(), self.batch_size, self.sampler)
+        batches = _timed(super().__iter__(), self.batch_size, self.sampler)
+        if self.device is None and self.dtype is None:
+            return batches
+        return (_placed(batch, self.device, self.dtype) for batch in batches)
+
+
+def _placed(batch: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+    """`batch` with every tensor on `device` and every floating-point one in `dtype` (labels
+    and indices keep their integer dtype); tuples, lists and dicts keep their shape."""
+    if isinstance(batch, torch.Tensor):
+        cast = dtype if dtype is not None and batch.is_floating_point() else None
+        return batch.to(device=device, dtype=cast, non_blocking=batch.is_pinned())
+    if isinstance(batch, dict):
+        return {key: _placed(value, device, dtype) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        placed = [_placed(value, device, dtype) for value in batch]
+        return type(batch)(*placed) if hasattr(batch, "_fields") else type(batch)(placed)
+    return batch
+
+
+def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`dtype` as a floating-point torch dtype ("float32", torch.bfloat16, ...), or None."""
+    if dtype is None:
+        return None
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: give a floating-point dtype for the batches' "
+                         f"floating tensors, e.g. dtype='float32' or torch.bfloat16 (labels "
+                         f"keep their own dtype)")
+    return found
 
 
 def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iterator[Any]:
@@ -307,6 +339,8 @@ def partition_dataset(
     *,
     pad: bool = True,
     group: Group | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
     **loader_kwargs: Any,
 ) -> tuple[ShardedLoader, int]:
     """A loader over this rank's shard of `dataset`, and the per-rank batch size.
@@ -322,7 +356,12 @@ def partition_dataset(
     with batch `batch_size` on the same samples in the same order. `pad=True` (the default)
     pads the shards to equal length by reading a few samples twice (torch's
     `DistributedSampler(drop_last=False)`). With `drop_last=True`, `pad` changes nothing.
+
+    `device=` delivers every batch there (`device=td.device()`: no `.to(device)` in the loop),
+    `dtype=` casts its floating-point tensors (`dtype="float32"`; labels keep theirs).
     """
+    target = torch.device(device) if device is not None else None
+    floating = _floating_dtype(dtype)
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError(
             f"partition_dataset needs a map-style dataset with __len__ and __getitem__, got "
@@ -349,4 +388,5 @@ def partition_dataset(
     loader = ShardedLoader(
         dataset, batch_size=per_rank, sampler=sampler, drop_last=False, **loader_kwargs
     )
+    loader.device, loader.dtype = target, floating
     return loader, per_rank
