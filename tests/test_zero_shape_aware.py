@@ -228,3 +228,34 @@ def test_local_sgd_refuses_the_uneven_step_naming_the_fix(backend):
         assert f"rank {rank}'s batch was uneven" in message
         assert "of 30 samples" in message and "pad=True" in message
         assert "td.DistributedOptimizer" in message
+
+
+def check_mixed():
+    """Muon's usual recipe: Muon over the matrices, AdamW over the biases, each wrapped."""
+    td.init()
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        return model, [optim.Muon(matrices, lr=0.02), optim.AdamW(vectors, lr=0.01)]
+
+    reference, plain = build()
+    model, inner = build()
+    wrapped = [td.ZeroOptimizer(o) for o in inner]
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for m, optimizers, rows in ((reference, plain, slice(None)), (model, wrapped, _rows())):
+            for o in optimizers:
+                o.zero_grad()
+            torch.nn.functional.mse_loss(m(x[rows]), y[rows]).backward()
+            for o in optimizers:
+                o.step()
+    return [o.sharding for o in wrapped], _difference(model.state_dict(), reference.state_dict())
+
+
+def test_whole_and_flat_sharding_mix_in_one_group():
+    for shardings, difference in run_distributed(check_mixed, 3):
+        assert shardings == ["whole", "flat"]
+        assert difference < 1e-6
