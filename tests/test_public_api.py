@@ -130,10 +130,8 @@ UNDOCUMENTED: set[str] = {
     "td.context.gather", "td.elastic.State", "td.elastic.local_rows", "td.elastic.run", "td.load",
     "td.memory.MemoryEstimate", "td.memory.checkpoint_wrapper", "td.memory.compare_memory",
     "td.memory.estimate_memory", "td.metrics.Average", "td.metrics.MetricLogger",
-    "td.metrics.progress", "td.metrics.report", "td.parallelize", "td.partition_dataset",
-    "td.pipeline.PipelineStats", "td.save", "td.spawn", "td.tensor.Branches",
-    "td.tensor.ColumnParallelLinear", "td.tensor.RowParallelLinear",
-    "td.tensor.VocabParallelEmbedding", "td.tensor.vocab_parallel_cross_entropy",
+    "td.metrics.progress", "td.metrics.report", "td.partition_dataset", "td.pipeline.PipelineStats",
+    "td.save", "td.spawn",
 }
 
 

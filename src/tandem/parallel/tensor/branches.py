@@ -39,7 +39,19 @@ from tandem.parallel.tensor.regions import copy_to, reduce_from
 
 
 class Branches(nn.Module):
-    """Run `branches` spread over `group`'s ranks and join their outputs on every rank."""
+    """Run `branches` spread over `group`'s ranks and join their outputs on every rank.
+
+    Args:
+        branches: the independent sub-modules that read the same input (each rank keeps and runs
+            its consecutive share of them); at least as many as the group's ranks.
+        group: the ranks to spread them over (default: the world).
+        join: "cat" concatenates the branches' outputs along `dim`, in branch order; "sum" adds
+            them.
+        dim: the dimension "cat" joins along.
+
+    Raises:
+        ValueError: a `join` other than "cat" or "sum", or fewer branches than ranks.
+    """
 
     def __init__(self, branches: Sequence[nn.Module], *, group: Group | None = None,
                  join: str = "cat", dim: int = -1) -> None:

@@ -64,7 +64,25 @@ def _slice(tensor: torch.Tensor | None, dim: int, bounds: tuple[int, int]) -> nn
 
 
 class ColumnParallelLinear(nn.Module):
-    """`y = x Wᵀ + b` with W's rows (output features) split over the group."""
+    """`y = x Wᵀ + b` with W's rows (output features) split over the group.
+
+    Every rank of the group builds it from the same seed: each keeps its rows of the one
+    `nn.Linear` it makes (`from_linear` takes an existing one).
+
+    Args:
+        in_features: the input features (whole on every rank).
+        out_features: the output features, split over the group (divisible by its size).
+        bias: learn a bias (split like the rows).
+        gather_output: all-gather the output's features, so that every rank gets the whole
+            output; False (the default) leaves this rank's part for a `RowParallelLinear`.
+        group: the tensor-parallel group (`mesh.tp_group`; default: the world).
+        device: where the weights are made.
+        dtype: their dtype.
+
+    Raises:
+        ValueError: `out_features` is not divisible by the group's size (the message names the
+            sizes that divide it).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, group: Group | None = None,
@@ -116,7 +134,24 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """`y = x Wᵀ + b` with W's columns (input features) split over the group; `b` is whole."""
+    """`y = x Wᵀ + b` with W's columns (input features) split over the group; `b` is whole.
+
+    Args:
+        in_features: the input features, split over the group (divisible by its size).
+        out_features: the output features (whole on every rank; the partial products are
+            all-reduced).
+        bias: learn a bias (whole, added after the all-reduce).
+        input_is_parallel: the input is already split along its features (a
+            `ColumnParallelLinear`'s output); False scatters a whole input first.
+        group: the tensor-parallel group (`mesh.tp_group`; default: the world).
+        device: where the weights are made.
+        dtype: their dtype.
+
+    Raises:
+        ValueError: `in_features` is not divisible by the group's size; in forward, an input
+            whose features are not this rank's part (put a colwise layer before it, or build it
+            with input_is_parallel=False).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, group: Group | None = None,
@@ -177,7 +212,19 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An embedding whose rows (the vocabulary) are split over the group."""
+    """An embedding whose rows (the vocabulary) are split over the group.
+
+    Args:
+        num_embeddings: the vocabulary size, split over the group (divisible by its size).
+        embedding_dim: the size of each embedding vector (whole on every rank).
+        group: the tensor-parallel group (`mesh.tp_group`; default: the world).
+        device: where the weight is made.
+        dtype: its dtype.
+
+    Raises:
+        ValueError: `num_embeddings` is not divisible by the group's size; `from_embedding` of
+            an embedding with padding_idx, max_norm or sparse gradients.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group | None = None,
                  device=None, dtype=None) -> None:
@@ -232,6 +279,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
 
     `logits` is (..., vocab / tp) on each rank, as a `ColumnParallelLinear` head gives it;
     `target` holds global class indices. Equals `F.cross_entropy` of the gathered logits.
+
+    Args:
+        logits: this rank's part of the logits, (..., vocab / tp); half precision is computed
+            in float32.
+        target: the class indices (global, 0 to vocab - 1), of the logits' shape without the
+            last dim; the same on every rank.
+        group: the tensor-parallel group the vocabulary is split over (default: the world).
+
+    Returns:
+        The mean cross-entropy over the tokens (a 0-d tensor, the same on every rank).
+
+    Raises:
+        CollectiveMismatchError: the ranks passed logits of other shapes or dtypes (each
+            rank's named).
     """
     if group_size(group) > 1 and guard.ensure(group):
         # Outside a covered forward (the usual place of a loss): one check of the whole call,

@@ -67,6 +67,26 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Group | None =
 
     Every rank of the world calls it (each with its own tp group); the ranks of one group must
     pass the same plan and the same model layout.
+
+    Args:
+        model: the one-process model; each group slices its first rank's values.
+        plan: layer name (as in `model.named_modules()`) to style: "colwise" (an nn.Linear's
+            output features split), "colwise_gather" (split, then gathered), "rowwise" (input
+            features split, the partial products summed), "embedding" (an nn.Embedding's
+            vocabulary split) or "attention" (an nn.MultiheadAttention's heads split).
+        group: this rank's tensor-parallel group (`mesh.tp_group`; default: the world).
+
+    Returns:
+        `model` itself, the planned layers swapped in place.
+
+    Raises:
+        ValueError: an unknown style, a name that is not a layer of `model` (close names
+            suggested), a colwise layer whose output an unsplit layer reads (make it rowwise, or
+            colwise_gather), or sizes not divisible by the group's size.
+        TypeError: a style given to a layer of another kind (colwise to an nn.Conv2d).
+        CollectiveMismatchError: the ranks built other tensor-parallel groups.
+        LayoutMismatchError: the ranks of a group passed other plans or model layouts (each
+            rank's named).
     """
     _check_groups(group)
     modules = dict(model.named_modules())
