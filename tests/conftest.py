@@ -59,6 +59,11 @@ SLOW: dict[str, str] = {
     "tests/test_compile.py::test_compiled_backward_is_one_node_per_bucket": "torch.compile, 30 s",
     "tests/test_compile.py::test_checkpointing_matches_one_process": "torch.compile, 20 s",
     "tests/test_compile.py::test_compiled_wrappers_match_eager": "torch.compile, 13 s",
+    "tests/test_divergence.py::test_a_rank_that_skips_a_compiled_step_is_named[mpi]":
+        "torch.compile, 10 s (fast: Gloo's)",
+    # the recipes against one process: fast keeps Gloo at two ranks
+    **{f"tests/test_recipes.py::test_recipes_give_the_one_process_result[{case}]":
+       "every recipe trained again, 15 s" for case in ("mpi-2", "gloo-3", "mpi-3")},
     # launch: fast keeps the option parsing and test_two_ranks_are_prefixed_and_exit_zero (MPI
     # and Gloo jobs)
     "tests/test_launcher.py::test_an_exception_on_one_rank_stops_the_job": "a failing job per backend",
@@ -110,8 +115,8 @@ SLOW: dict[str, str] = {
     "tests/test_torchrun_env.py::test_td_init_on_mpi_joins_even_without_the_watchdog": "an MPI job",
     "tests/test_torchrun_env.py::test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo":
         "a job per launcher and backend",
-    # starting a world by hand: fast keeps the template at two ranks and td.spawn's results
-    "tests/test_manual_init.py::test_the_manual_template_joins_a_gloo_job[3]": "processes by hand",
+    # starting a world by hand: fast keeps td.spawn's results and the shared worlds' own init
+    "tests/test_manual_init.py::test_the_manual_template_joins_a_gloo_job": "processes by hand, 30 s",
     "tests/test_manual_init.py::test_init_method_tcp_instead_of_master_variables": "processes by hand",
     "tests/test_manual_init.py::test_the_template_as_a_script": "processes by hand",
     "tests/test_manual_init.py::test_a_rank_outside_the_world_is_an_error_before_any_communication":
@@ -131,8 +136,19 @@ SLOW: dict[str, str] = {
     "tests/test_runtime.py::test_spawn_reraises_child_exception_with_rank_and_traceback": "td.spawn",
     "tests/test_runtime.py::test_spawn_reports_a_killed_child": "td.spawn and a kill",
     "tests/test_runtime.py::test_a_script_started_by_torchrun_joins_its_job": "a torchrun job",
+    "tests/test_torch_backend.py::test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so":
+        "fresh processes, 19 s",
+    "tests/test_torch_backend.py::test_import_tandem_registers_the_backends_before_and_after_torch":
+        "fresh processes, 18 s",
+    "tests/test_torch_backend.py::test_backend_mpi_without_mpi4py_names_the_install_command":
+        "a fresh process",
+    "tests/test_public_api.py::test_a_0x_name_warns_once_naming_the_new_spelling_at_the_users_line":
+        "a fresh process per old name, 8-12 s each (fast: the new spellings' check)",
     # faults and hangs: the watchdog's reports wait for TANDEM_TIMEOUT. Fast keeps the watchdog's
     # unit tests, and the agreement's checks in the shared worlds.
+    "tests/test_pipeline.py::test_a_missing_stage_ends_in_a_timeout_that_names_it":
+        "waits for the timeout, 20-25 s per check setting",
+    "tests/test_mpi.py::test_timeouts_name_the_peer": "waits for the timeouts, 20 s",
     "tests/test_watchdog.py::test_a_hang_is_reported_with_who_arrived_and_every_stack":
         "a hung job per backend",
     "tests/test_watchdog.py::test_a_lost_peer_is_named": "a job per way of losing a peer",
@@ -162,13 +178,12 @@ SLOW: dict[str, str] = {
         "killed and restarted jobs",
     "tests/test_restart.py::test_a_crash_inside_save_keeps_the_previous_checkpoint": "a restarted job",
     "tests/test_restart.py::test_restarts_stop_when_exhausted": "restarted jobs",
-    # elastic: fast keeps the options, td.elastic's state (test_elastic_extras.py) and the
-    # refusal on a fixed world; every resize is a job of several agents
+    # elastic: fast keeps the options, td.elastic's state (test_elastic_extras.py), the refusal
+    # on a fixed world and one elastic job (below --min-np); every resize is a job of agents
     **{f"tests/test_elastic.py::{name}": "an elastic job that loses or gains ranks" for name in (
         "test_a_rank_killed_at_step_5_of_3_the_job_goes_on_with_2_and_equals_one_process",
         "test_3_to_2_to_3_a_worker_joins_when_discovery_offers_a_slot_adam_equals_one_process",
         "test_a_rank_that_dies_during_the_resize_shrinks_the_job_again_horovod_api",
-        "test_below_min_np_the_job_ends_with_the_usual_report",
         "test_a_train_function_that_never_commits_warns_once_and_starts_over_exactly_ddp",
         "test_zero_optimizer_state_is_resharded_in_memory_when_the_job_grows_2_to_3",
         "test_zero_optimizer_state_lost_with_a_rank_comes_from_the_checkpointer",
@@ -176,6 +191,8 @@ SLOW: dict[str, str] = {
         "test_a_fully_sharded_model_and_its_adam_state_are_cut_again_when_the_job_grows",
         "test_a_fully_sharded_models_optimizer_state_lost_with_a_rank",
         "test_with_a_peer_backup_sharded_state_lost_with_a_rank_is_restored_from_memory",
+        "test_with_a_peer_backup_a_rank_killed_between_steps_is_restored_from_memory",
+        "test_zero_adafactor_whole_parameters_peer_backup_3_to_2_equals_one_process",
         "test_no_rank_holds_a_commit_the_checkpointer_is_the_fallback_on_another_world_size",
         "test_ranks_that_commit_different_states_are_named",
         "test_a_rank_that_skips_a_commit_is_named_not_averaged",
@@ -214,6 +231,11 @@ SLOW: dict[str, str] = {
         "a job on a pseudo-terminal per backend",
     "tests/test_timeline.py::test_two_rank_job_writes_one_trace_with_every_bucket_every_step":
         "a job (fast: the timeline's parts merged in one process)",
+    "tests/test_scaling.py::test_scale_one_and_two_ranks": "tandem bench scale's jobs, 37 s "
+                                                           "(fast: the allreduce benchmark's)",
+    "tests/test_scaling.py::test_weak_mode_keeps_the_per_rank_batch": "tandem bench scale's jobs, 37 s",
+    "tests/test_gpu_check.py::test_the_gpu_benchmarks_commands_run_and_are_read_on_the_cpu":
+        "the GPU benchmarks' commands on the CPU, 85 s",
     "tests/test_doctor.py::test_doctor_prints_every_check_and_exits_zero":
         "tandem doctor as a command (fast: each check)",
     "tests/test_lazy_import.py::test_doctor_imports_torch_only_for_torchs_own_lines": "tandem doctor",
