@@ -142,6 +142,14 @@ def save(obj: Any, path: PathLike) -> None:
 
     Every rank must call it. Anything `torch.save` accepts can be saved; the other ranks'
     `obj` is ignored. Raises on every rank if rank 0 could not write.
+
+    Args:
+        obj: what to save, on rank 0 (a state dict, or anything `torch.save` accepts).
+        path: the file to write; a temporary file beside it is renamed into place.
+
+    Raises:
+        CheckpointError: rank 0 could not write the file (raised on every rank, with rank 0's
+            error).
     """
     path = Path(os.fspath(path))
     if not _distributed():
@@ -204,6 +212,20 @@ def load(path: PathLike, map_location: Any = "cpu", weights_only: bool = True) -
     `weights_only` is passed to `torch.load`: keep it True for files you did not write.
     Raises `FileNotFoundError` (on every rank) when rank 0 has no such file, and
     `CheckpointError` naming the path when the file is truncated or not a checkpoint.
+
+    Args:
+        path: the file `td.save` wrote.
+        map_location: where the tensors land, as for `torch.load` (the CPU by default).
+        weights_only: passed to `torch.load`: keep it True for files you did not write.
+
+    Returns:
+        The saved object, the same on every rank.
+
+    Raises:
+        FileNotFoundError: rank 0 has no file at `path` (on every rank).
+        CheckpointError: rank 0 could not read it, the file is truncated or not a checkpoint,
+            or `weights_only=True` refuses an object in it (pass weights_only=False if you
+            trust the file).
     """
     path = Path(os.fspath(path))
     if not _distributed():
@@ -243,6 +265,16 @@ class Checkpointer:
     written by a background thread and published at the next `save`, `restore` or `wait()`,
     or when the script ends (`tandem.checkpoint.exit`). The directory belongs to one running
     job (`tandem.checkpoint.dir_owner`): another job's `save` or `restore` there is refused while it runs.
+
+    Args:
+        directory: where the `step-<completed>` directories go (created if missing).
+        every: save after every `every`-th step (a positive int).
+        keep: how many of the newest checkpoints to keep (at least 1).
+        async_save: return from `save` once the state is copied to host memory, writing the
+            files in a background thread.
+
+    Raises:
+        ValueError: `every` or `keep` is not a positive int.
     """
 
     def __init__(self, directory: str | os.PathLike, every: int = 1, keep: int = 2,

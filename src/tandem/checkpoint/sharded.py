@@ -229,7 +229,20 @@ def start_save(path: str | os.PathLike, extra: dict[str, Any] | None = None, *,
 
 
 def save_sharded(path: str | os.PathLike, **objects: Any) -> None:
-    """Write a checkpoint directory at `path` in DCP format (every rank calls it; atomic)."""
+    """Write a checkpoint directory at `path` in DCP format (every rank calls it; atomic).
+
+    Args:
+        path: the checkpoint directory to create (written to a temporary one, then renamed).
+        **objects: what to save, by name (no dots): models of any layout, optimizers, and any
+            object with `state_dict()`/`load_state_dict()`.
+
+    Raises:
+        CheckpointError: a rank could not plan or write its pieces, or the file system cannot
+            hold the checkpoint (raised on every rank, naming the rank and its problem).
+        ValueError: no object, a name with a dot, or `path` exists without its metadata (a
+            save that did not complete: move it away).
+        TypeError: an object without `state_dict()`/`load_state_dict()`.
+    """
     start_save(path, **objects).finish()
 
 
@@ -279,6 +292,22 @@ def load_sharded(path: str | os.PathLike, **objects: Any) -> dict[str, Any]:
 
     Nothing is modified unless the whole checkpoint is there and matches the objects; returns
     the tandem record saved with it (e.g. `completed` steps), {} for a checkpoint torch wrote.
+
+    Args:
+        path: the checkpoint directory (`save_sharded`'s, or one torch's `dcp.save` wrote).
+        **objects: what to load into, by the names they were saved under; each in any layout.
+
+    Returns:
+        The tandem record saved with the checkpoint (e.g. `{"completed": steps}`), {} for a
+        checkpoint torch wrote.
+
+    Raises:
+        CheckpointError: the checkpoint is missing or incomplete, has no state for a name,
+            holds another model (missing, unexpected or other-shaped names listed) or an
+            optimizer of another class; raised on every rank before anything is modified.
+        CorruptCheckpointError: a file is truncated or fails its checksum.
+        ValueError: a name with a dot.
+        TypeError: an object without `state_dict()`/`load_state_dict()`.
     """
     check_objects(objects)
     path = Path(os.fspath(path))
