@@ -162,6 +162,10 @@ SLOW: dict[str, str] = {
         "a diverged pipeline job per check setting",
     "tests/test_call_sites.py::test_torch_all_reduce_on_backend_tandem_over_gloo_names_the_skip":
         "a Gloo job",
+    "tests/test_horovod_elastic_examples.py::test_horovods_synthetic_benchmark_elastic_loses_a_rank_and_finishes_on_2":
+        "Horovod's example in an elastic job that loses a rank",
+    "tests/test_horovod_elastic_examples.py::test_horovods_mnist_elastic_loses_a_rank_and_finishes_on_2":
+        "Horovod's example in an elastic job that loses a rank",
     # checkpoints: fast keeps every save and restore in the shared worlds; a crash needs a job
     "tests/test_checkpoint.py::test_crash_between_write_and_rename_keeps_the_previous_checkpoint":
         "a job killed mid-save",

@@ -63,6 +63,11 @@ class State:
     of world. Extras are attributes: `State(model=m, optimizer=o, epoch=0)` then `state.epoch`.
     """
 
+    #: Each commit compares the ranks' extras, parameters and buffers (tandem's own API: ranks
+    #: that drifted apart are named). Horovod's states (`tandem.horovod.elastic`) compare none
+    #: of them and take the source rank's model (buffers too) and extras at every `sync`.
+    compare_replicas = True
+
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, *,
                  checkpointer: Any = None, peer_backup: bool = False, **extras: Any) -> None:
         bad = [name for name in extras if name.startswith("_")]
@@ -88,6 +93,10 @@ class State:
         d = self.__dict__
         d["model"], d["optimizer"], d["checkpointer"] = model, optimizer, checkpointer
         d["_fsdp"] = fsdp  # a td.fully_shard model over the world: cut again at each change
+        # The state dict's names of buffers (BatchNorm's running statistics ...), compared
+        # apart from the parameters so that a mismatch names which.
+        d["_buffer_names"] = frozenset(name for name, _ in model.named_buffers()) \
+            if isinstance(model, torch.nn.Module) else frozenset()
         d["_extras"] = dict(extras)
         d["_snapshot"] = None
         d["_commits"] = 0  # snapshots taken: ranks with more hold a newer state
@@ -204,13 +213,16 @@ class State:
         if runtime.state().job.elastic is None:
             return  # one process outside an elastic job (the reference run): nothing to check
         seen = self._look()
-        mine = torch.tensor([seen, self._commits, *self._digests()], dtype=torch.int64)
-        everyone = collectives.allgather(mine).view(-1, 4)
+        digests = self._digests() if self.compare_replicas else (0, 0, 0)
+        mine = torch.tensor([seen, self._commits, *digests], dtype=torch.int64)
+        everyone = collectives.allgather(mine).view(-1, 5)
         self._previous = None  # every rank reached this commit: the one before is not needed
         rounds, agreed = everyone[:, 0], everyone[:, 1:]
         if bool((agreed != agreed[0]).any()):
-            extras = collectives.allgather_object(kept.values(self._extras))  # failure path
-            raise StateMismatchError(_mismatch(agreed.tolist(), extras))
+            # failure path: what differs, by name
+            extras = collectives.allgather_object(kept.values(self._extras))
+            buffers = collectives.allgather_object(self._buffer_sums())
+            raise StateMismatchError(_mismatch(agreed.tolist(), extras, buffers))
         if int(rounds.max()) != self._round:
             raise WorldChanged(f"round {int(rounds.max())} began (this world is round "
                                f"{self._round})")
@@ -240,7 +252,7 @@ class State:
             self.restore(shards=False)
         if self._sharded and newest > 0 and not sharded.reshard(self, newest):
             return
-        if newest == oldest > 0:
+        if newest == oldest > 0 and self.compare_replicas:  # each commit compared them
             return
         if newest == 0:
             self._from_checkpoint()  # every rank reads the same one (or finds none)
@@ -261,6 +273,9 @@ class State:
             kept.load(self._extras, extras)
             self._snapshot = self._take()
             self._commits = newest
+        elif not self.compare_replicas:  # Horovod's: every rank takes the source's, as it is
+            kept.load(self._extras, extras)
+            self._snapshot = self._take()
 
     def _settle(self) -> None:
         """With a peer backup, every rank onto one commit whose parts all survive: when a
@@ -312,18 +327,30 @@ class State:
             self._store = store
         return elastic_rounds.current_number(store)
 
-    def _digests(self) -> tuple[int, int]:
-        """What every replica must have alike, as two 62-bit digests: the extras, and the
-        snapshot's model (replicas are bitwise equal, so the sums of their tensors are too)."""
+    def _digests(self) -> tuple[int, int, int]:
+        """What every replica must have alike, as three 62-bit digests: the extras, the
+        snapshot's parameters and its buffers (replicas are bitwise equal, so the sums of their
+        tensors are too)."""
         extras = hashlib.blake2b(kept.digest_bytes(self._extras), digest_size=8)
         model = (self._snapshot or {}).get("model", {})
-        sums = [t.double().sum() for t in model.values()
+        sums = [(name in self._buffer_names, t.double().sum()) for name, t in model.items()
                 if torch.is_tensor(t) and t.is_floating_point()]
-        # one host read per commit, not one per tensor
-        total = torch.stack([x.to(sums[0].device) for x in sums]).sum().item() if sums else 0.0
-        weights = hashlib.blake2b(repr(total).encode(), digest_size=8)
+        totals = [0.0, 0.0]
+        if sums:  # one host read per commit, not one per tensor
+            device = sums[0][1].device
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            pair = torch.stack([sum((x.to(device) for b, x in sums if b == buffer), zero)
+                                for buffer in (False, True)])
+            totals = pair.tolist()
+        digests = [hashlib.blake2b(repr(total).encode(), digest_size=8) for total in totals]
         return (int.from_bytes(extras.digest(), "little") >> 2,
-                int.from_bytes(weights.digest(), "little") >> 2)
+                *(int.from_bytes(d.digest(), "little") >> 2 for d in digests))
+
+    def _buffer_sums(self) -> dict[str, float]:
+        """Each floating buffer of the snapshot's model by its sum (the mismatch's message)."""
+        model = (self._snapshot or {}).get("model", {})
+        return {name: float(t.double().sum()) for name, t in model.items()
+                if name in self._buffer_names and torch.is_tensor(t) and t.is_floating_point()}
 
     def close(self) -> None:
         if self._store is not None:
@@ -362,10 +389,12 @@ class _Extras:
         kept.load(self.extras, state)
 
 
-def _mismatch(agreed: list[list[int]], extras: list[dict[str, Any]]) -> str:
+def _mismatch(agreed: list[list[int]], extras: list[dict[str, Any]],
+              buffers: list[dict[str, float]]) -> str:
     """Which ranks differ from rank 0, and in what."""
     lines = []
-    for rank, (commits, _, weights) in enumerate(agreed):
+    hint = ""
+    for rank, (commits, _, weights, buffer_digest) in enumerate(agreed):
         what = []
         if commits != agreed[0][0]:
             what.append(f"{commits} commit(s), rank 0 {agreed[0][0]}")
@@ -375,8 +404,20 @@ def _mismatch(agreed: list[list[int]], extras: list[dict[str, Any]]) -> str:
                  for k in differing]
         if weights != agreed[0][2]:
             what.append("other model parameters")
+        if buffer_digest != agreed[0][3]:
+            names = sorted(k for k in set(buffers[rank]) | set(buffers[0])
+                           if buffers[rank].get(k) != buffers[0].get(k))
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            what.append(f"other model buffers ({shown}: sum {buffers[rank].get(names[0])!r}, "
+                        f"rank 0 {buffers[0].get(names[0])!r})" if names else
+                        "other model buffers")
+            hint = (". Buffers such as BatchNorm's running statistics follow each rank's own "
+                    "batches: keep them alike with td.SyncBatchNorm (nn.SyncBatchNorm."
+                    "convert_sync_batchnorm(model)) or td.broadcast_parameters(model) before the "
+                    "commit, or use tandem.horovod's hvd.elastic.TorchState, which, as Horovod "
+                    "does, compares nothing and takes rank 0's model and extras on a change")
         if what:
             lines.append(f"rank {rank}: " + "; ".join(what))
     return ("td.elastic: ranks committed different states (" + " | ".join(lines) + "). Every "
             "rank must call state.commit() at the same steps, with the same extras and a "
-            "replicated model (td.DistributedOptimizer or td.DistributedDataParallel)")
+            "replicated model (td.DistributedOptimizer or td.DistributedDataParallel)" + hint)
