@@ -109,6 +109,19 @@ def gather(tensor: torch.Tensor, seq_dim: int = 1, group: Group | None = None) -
     """The whole sequence, in order, from every rank's part (`split`'s inverse; no gradient).
 
     Every rank of the group calls it; each gets the whole tensor (an all-gather).
+
+    Args:
+        tensor: this rank's part, as `split` gave it (or a model's output on it).
+        seq_dim: the sequence dimension.
+        group: the context-parallel group (`mesh.cp_group`; None: the world).
+
+    Returns:
+        The whole tensor, its sequence in the original order, on every rank (`tensor` itself in
+        a group of one).
+
+    Raises:
+        CollectiveMismatchError: the ranks passed parts of other shapes or dtypes (each rank's
+            named).
     """
     sp = group_size(group)
     if sp == 1:

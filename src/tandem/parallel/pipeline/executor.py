@@ -59,6 +59,15 @@ class PipelineStats:
     autograd held saved for backward at once, over those micro-batches (parameters excluded,
     storages counted once). `compute_s`: time in forward/backward; `wait_s`: time blocked on
     receives (this stage's share of the bubble); `step_s`: the whole step.
+
+    Made by `td.Pipeline` (its `stats`, filled at each step), not by users.
+
+    Args:
+        peak_live_microbatches: as above.
+        peak_activation_bytes: as above.
+        compute_s: as above.
+        wait_s: as above.
+        step_s: as above.
     """
 
     peak_live_microbatches: int = 0

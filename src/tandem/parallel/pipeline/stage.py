@@ -78,7 +78,28 @@ _MAX_SIGNATURES = 64
 
 
 class Pipeline:
-    """This rank's stage of a pipeline-parallel model; see the module docstring."""
+    """This rank's stage of a pipeline-parallel model; see the module docstring.
+
+    Args:
+        module: an `nn.Sequential` built on every rank (split by `balance`), or a list of stage
+            modules or of factories (zero-argument callables), one per rank of the group.
+        chunks: the micro-batches each step splits the batch into (a positive int).
+        schedule: "1f1b" (the default: at most `stages - stage_index` micro-batches held) or
+            "gpipe" (every forward, then every backward).
+        balance: None (even layer counts), a list of layer counts per stage, "params" (even
+            parameter counts) or "time" (even forward+backward time, profiled on `sample`).
+        group: the pipeline's ranks, rank i of it stage i (`mesh.pp_group`; default: the
+            world).
+        sample: an input batch, for `balance="time"`.
+        device: where this stage computes (default `td.device()`).
+
+    Raises:
+        ValueError: this rank is not in `group`, `chunks` is not a positive int, an unknown
+            schedule or balance, a split that leaves a stage empty, or stages that share a
+            layer (tied weights); raised on every rank, naming the failing stage.
+        TypeError: a stage factory returned something other than an `nn.Module`.
+        CollectiveMismatchError: the ranks passed other arguments (each rank's named).
+    """
 
     def __init__(
         self,
