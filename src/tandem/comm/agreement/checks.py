@@ -48,6 +48,7 @@ from tandem.comm.members import group_ranks, group_size
 _SHAPE_SLOTS = 12
 _HEADER = ("collective", "op", "dtype", "ndim", "root", "device", "seq", "site")
 _SITE = _HEADER.index("site")
+_DIM0 = len(_HEADER)  # the first shape slot: tolerated with `ignore_dim0`, and reported
 _IGNORED = -1
 _NO_ARGUMENTS = ("barrier", "allgather_object")  # only the call itself is compared
 
@@ -78,9 +79,9 @@ def describe(
 
 
 def _encode(collective, tensor, op, root, ignore_dim0, site: int, seq: int = _IGNORED) -> list[int]:
+    # With `ignore_dim0` the first dim is sent all the same, as a difference the check
+    # tolerates: equal first dims (the usual all-gather) then need no exchange of lengths.
     shape = list(tensor.shape)
-    if ignore_dim0 and shape:
-        shape[0] = _IGNORED
     slots = shape[:_SHAPE_SLOTS] + [_IGNORED - 1] * (_SHAPE_SLOTS - min(len(shape), _SHAPE_SLOTS))
     extra = _code(",".join(map(str, shape[_SHAPE_SLOTS:]))) if len(shape) > _SHAPE_SLOTS else 0
     values = [
@@ -99,30 +100,35 @@ def agree(
     root: int | None = None,
     ignore_dim0: bool = False,
     engine: context.Context | None = None,
-) -> None:
+) -> bool | None:
     """Raise `CollectiveMismatchError` on every rank unless all ranks pass the same arguments,
     or `DivergedError` when a rank skipped a collective (the module docstring says when).
 
-    `engine`: the engine to check over, when not td.init's (a torch.distributed group's)."""
+    `engine`: the engine to check over, when not td.init's (a torch.distributed group's).
+    Returns, with `ignore_dim0`, whether every rank's first dim equals this rank's (True,
+    False), or None when nothing was compared (checks off, or a group of one)."""
     engine = engine or context.current()
     if not (engine.checks or engine.debug) or group_size(group, engine) == 1:
-        return
+        return None
     site = fingerprints.site_key()  # the user's line: the caller's caller, outward
     if not engine.debug:  # the same codes whenever this line makes this call again
         prepared = _prepared(collective, tensor, op, root, ignore_dim0, site)
         differ = agreement.differing(prepared.codes, group, engine, prepared=prepared)
         if not differ:
-            return
+            return True
+        same_dim0 = not (ignore_dim0 and differ.pop(_DIM0, None))
+        if not differ:
+            return same_dim0
 
         def call() -> str:
             return describe(collective, tensor, op, root, ignore_dim0)
         if set(differ) == {_SITE}:  # the same call from other lines: a skip or a branch?
             _judge_sites(call, site, group, engine, differ[_SITE], strict=False)
-            return
+            return same_dim0
         # the slow path: every rank saw the same difference, and names every call
         agreement.agree(call, group, codes=prepared.codes, engine=engine, explain=_explain,
                         differ=differ)
-        return
+        return same_dim0
     stream = "world" if group is None else tuple(group.ranks)
     fingerprint = fingerprints.next_fingerprint(collective, stream, site)
 
@@ -133,10 +139,11 @@ def agree(
         return f"{numbered()} at {fingerprint.site}"
     codes = _encode(collective, tensor, op, root, ignore_dim0, fingerprint.site_code,
                     fingerprint.seq)
-    differ = agreement.agree(mine, group, codes=codes, tolerated=(_SITE,), engine=engine,
-                             explain=_explain_debug)
-    if differ:
+    differ = agreement.agree(mine, group, codes=codes, engine=engine, explain=_explain_debug,
+                             tolerated=(_SITE, _DIM0) if ignore_dim0 else (_SITE,))
+    if _SITE in differ:
         _judge_sites(numbered, site, group, engine, differ[_SITE], strict=True)
+    return _DIM0 not in differ
 
 
 _PREPARED: dict[tuple, agreement.Prepared] = {}
@@ -239,7 +246,8 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def agree_on_call(collective: str, group=None, tensor: torch.Tensor | None = None,
-                  engine: context.Context | None = None) -> None:
-    """Check that every rank is in this same collective (`barrier`, `allgather_object`)."""
-    agree(collective, _NOTHING if tensor is None else tensor, group,
+                  engine: context.Context | None = None) -> bool | None:
+    """Check that every rank is in this same collective (`barrier`, `allgather_object`); with
+    `tensor`, say whether every rank's first dim equals this rank's (as `agree` does)."""
+    return agree(collective, _NOTHING if tensor is None else tensor, group,
           ignore_dim0=tensor is not None, engine=engine)

@@ -28,6 +28,25 @@ _OPS = {
     "bxor": dist.ReduceOp.BXOR,
 }
 
+
+def _options(make, **fields):
+    options = make()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+# made once: the process group copies what it reads of them
+_ALLREDUCE_OPTIONS = {name: _options(dist.AllreduceOptions, reduceOp=op, asyncOp=True)
+                      for name, op in _OPS.items()}
+_gather_options = getattr(dist.distributed_c10d, "AllgatherOptions", None)
+_ALLGATHER_OPTIONS = None if _gather_options is None else _options(_gather_options, asyncOp=True)
+# complex travels as its real view, fp8 as bytes on older GPUs: torch's wrapper does that
+_NOT_DIRECT = frozenset({torch.complex32, torch.complex64, torch.complex128}
+                        | {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2",
+                                                             "float8_e4m3fnuz", "float8_e5m2fnuz")
+                           if hasattr(torch, name)})
+
 # torch 2.13 named the flat-tensor collectives `all_gather_single` / `reduce_scatter_single` and
 # deprecated the old names (a FutureWarning per call); older torch (2.11 on the GPU machines) has
 # only the old ones.
@@ -139,6 +158,8 @@ class TorchBackend(Backend):
         self.size = size
         self.device = device
         self._connections: set[str] = set()  # the sockets its groups opened (`abort`)
+        self._world: dist.ProcessGroup | None = None  # the default group, once asked for
+        self._broadcast_options: dict[tuple, dist.BroadcastOptions] = {}
         if name == "nccl":
             self.staging_device = device
 
@@ -175,16 +196,49 @@ class TorchBackend(Backend):
     def supports_device(self, device: torch.device) -> bool:
         return device.type == ("cuda" if self.name == "nccl" else "cpu")
 
+    # The three calls small messages make most go to the process group itself: torch's Python
+    # wrapper (a torch-function check, the group looked up, the coalescing state, new options)
+    # is about fifteen Python calls per message, as much as tandem's own path with its check.
+    # Plain dense tensors only; a complex, fp8 or subclassed tensor (DTensor) takes torch's way,
+    # which knows how to send it.
+    def _direct(self, group, *tensors: torch.Tensor) -> dist.ProcessGroup | None:
+        for tensor in tensors:
+            if type(tensor) is not torch.Tensor or tensor.dtype in _NOT_DIRECT:
+                return None
+        if group is not None:
+            return group.handle
+        if self._world is None:
+            self._world = dist.group.WORLD
+        return self._world
+
     def allreduce(self, tensor, op, group):
-        return TorchWork(dist.all_reduce(tensor, _OPS[op], group=self._pg(group), async_op=True))
+        pg = self._direct(group, tensor)
+        if pg is None:
+            return TorchWork(dist.all_reduce(tensor, _OPS[op], group=self._pg(group),
+                                             async_op=True))
+        return TorchWork(pg.allreduce([tensor], _ALLREDUCE_OPTIONS[op]))
 
     def broadcast(self, tensor, root, group):
-        return TorchWork(dist.broadcast(tensor, root, group=self._pg(group), async_op=True))
+        pg = self._direct(group, tensor)
+        if pg is None:
+            return TorchWork(dist.broadcast(tensor, root, group=self._pg(group), async_op=True))
+        key = (pg, root)
+        options = self._broadcast_options.get(key)
+        if options is None:
+            options = self._broadcast_options[key] = dist.BroadcastOptions()
+            options.rootRank = root if group is None else dist.get_group_rank(pg, root)
+            options.rootTensor = 0
+            options.asyncOp = True
+        return TorchWork(pg.broadcast([tensor], options))
 
     def allgather_into(self, output, input, group):
-        return TorchWork(
-            _all_gather_single(output, input, group=self._pg(group), async_op=True)
-        )
+        pg = self._direct(group, output, input) if _ALLGATHER_OPTIONS is not None else None
+        gather = getattr(pg, "all_gather_single", None)
+        if gather is None:
+            return TorchWork(
+                _all_gather_single(output, input, group=self._pg(group), async_op=True)
+            )
+        return TorchWork(gather(output, input, _ALLGATHER_OPTIONS))
 
     def reduce(self, tensor, root, op, group):
         return TorchWork(dist.reduce(tensor, root, _OPS[op], group=self._pg(group), async_op=True))
