@@ -151,6 +151,13 @@ def report(samples: int) -> None:
 
     Needed for throughput when batches do not come from `td.partition_dataset` (which counts
     them itself). Call it once before the loop, or every step when batches vary.
+
+    Args:
+        samples: the samples this rank processes per step (an int >= 0).
+
+    Raises:
+        TypeError: `samples` is not an int.
+        ValueError: `samples` is negative.
     """
     global _reported
     if not isinstance(samples, int) or isinstance(samples, bool):

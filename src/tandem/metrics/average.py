@@ -64,6 +64,18 @@ def progress(iterable: Iterable[T], group: Group | None = None, *, disable: bool
     `disable` is tqdm's, on top of that: True draws no bar on any rank; None (tqdm's "only on
     a terminal") draws rank 0's bar only when the output reaches a terminal, through
     `tandem run` or directly. Other keyword arguments go to `tqdm`.
+
+    Args:
+        iterable: what to iterate over (a DataLoader, a range).
+        group: the ranks whose first draws the bar (None: the world's rank 0).
+        disable: True draws no bar on any rank; None draws one only on a terminal.
+        **tqdm_kwargs: passed to `tqdm` (`total=`, `desc=`, `file=`, ...).
+
+    Yields:
+        The items of `iterable`, unchanged, on every rank.
+
+    Raises:
+        Nothing of its own: tqdm's errors for keyword arguments it does not take.
     """
     first = not runtime.is_initialized() or group_rank(group) == 0
     stream = tqdm_kwargs.pop("file", None) or sys.stderr
@@ -82,7 +94,11 @@ def progress(iterable: Iterable[T], group: Group | None = None, *, disable: bool
 
 
 class Average:
-    """Sample-weighted running means of named values, reduced over the ranks on `compute()`."""
+    """Sample-weighted running means of named values, reduced over the ranks on `compute()`.
+
+    Args:
+        group: the ranks `compute()` reduces over (None: the world).
+    """
 
     def __init__(self, group: Group | None = None) -> None:
         self.group = group

@@ -66,6 +66,17 @@ class MetricLogger:
 
     `tensorboard`: None writes event files when the package is installed, True requires it,
     False writes the CSV file only. Constructing and `log()` are collective over `group`.
+
+    Args:
+        log_dir: the directory the first rank writes `metrics.csv` (and event files) into;
+            created if missing, appended to when it holds a previous run's CSV.
+        tensorboard: as above.
+        group: the ranks whose values are averaged (None: the world).
+
+    Raises:
+        ModuleNotFoundError: `tensorboard=True` without the tensorboard package.
+        PermissionError: the first rank cannot create or write `log_dir` (raised on every rank
+            of the group).
     """
 
     def __init__(self, log_dir: str | os.PathLike, tensorboard: bool | None = None,

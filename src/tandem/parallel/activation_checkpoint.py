@@ -74,6 +74,11 @@ def checkpoint_wrapper(module: nn.Module, policy: Policy | None = None) -> nn.Mo
 
     Returns:
         `module` itself, with the picked forwards replaced; names and state dict unchanged.
+
+    Raises:
+        TypeError: `module` is not an `nn.Module`, or `policy` is neither a class (or tuple of
+            classes) nor a function.
+        ValueError: `policy` picked no module, or a picked module is already checkpointed.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper takes an nn.Module, got {type(module).__name__}")

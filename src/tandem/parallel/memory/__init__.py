@@ -82,6 +82,13 @@ def estimate_memory(model: nn.Module, *, world_size: int, layout: str, optimizer
 
     Returns:
         A `MemoryEstimate`; `print()` it for a table. Nothing is allocated or communicated.
+
+    Raises:
+        ValueError: a `world_size` below 1, an unknown layout, optimizer or offload, a dtype
+            that is not a floating torch dtype, an option given to a layout it does not apply
+            to (`balance` outside "pipeline", `plan` outside "tp", the fully_shard options
+            elsewhere), or a model already wrapped by td.fully_shard estimated as "pipeline" or
+            "tp", or given `units=`; each message says the fix.
     """
     _check_arguments(world_size, layout, optimizer, offload)
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -128,6 +135,22 @@ def compare_memory(model: nn.Module, *, world_size: int, optimizer: str = "adam"
     Options go to the layouts they apply to: `units`, `param_dtype`, `reduce_dtype`,
     `offload` to fully_shard, `balance` to pipeline, `plan` to tp. Without `plan` tp is left
     out; pipeline is left out of the default for a model that is not an nn.Sequential.
+
+    Args:
+        model: the one-process model, on any device (meta included).
+        world_size: N, the ranks each layout splits over.
+        optimizer: "adam", "adamw", "sgd" or "sgd-momentum".
+        layouts: the layouts to estimate (None: every one the model allows).
+        **options: `units`, `param_dtype`, `reduce_dtype`, `offload`, `balance`, `plan`, as for
+            `estimate_memory`; each goes to the layouts it applies to.
+
+    Returns:
+        A `MemoryComparison`, one `MemoryEstimate` per layout; `print()` it for a table.
+
+    Raises:
+        TypeError: an unknown option.
+        ValueError: a `world_size` below 1, an unknown layout, optimizer or offload, or an
+            option `estimate_memory` refuses.
     """
     _check_arguments(world_size, "ddp", optimizer, options.get("offload"))
     takes = {"fully_shard": ("units", "param_dtype", "reduce_dtype", "offload"),

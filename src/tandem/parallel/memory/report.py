@@ -9,7 +9,23 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds (the largest rank, when ranks differ). Sizes are in bytes."""
+    """Bytes one rank holds (the largest rank, when ranks differ). Sizes are in bytes.
+
+    Made by `estimate_memory`, not by users.
+
+    Args:
+        layout: the layout estimated ("ddp", "zero", "fully_shard", "pipeline", "tp").
+        world_size: the ranks it splits over.
+        optimizer: the optimizer whose state is counted.
+        parameters: P, the model's parameter count, unsplit.
+        params: the bytes of this rank's parameters.
+        grads: the bytes of its gradients.
+        optimizer_state: the bytes of its optimizer state.
+        buffers: the wrapper's own buffers, kept between steps.
+        transient: the most held at once during a step beyond the above.
+        offload: "cpu" when params, grads and optimizer state live on the host.
+        notes: what the estimate assumed, in words.
+    """
 
     layout: str
     world_size: int
