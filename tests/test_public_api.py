@@ -124,11 +124,8 @@ def test_the_new_spellings_warn_nothing_and_import_tandem_stays_light():
 # -- the documentation ----------------------------------------------------------------------------
 
 # Public callables whose docstrings still lack a Google-style section they need (issue 39, item 3:
-# delete an entry when its docstring is written; the test fails on a stale entry too).
-UNDOCUMENTED: set[str] = {
-    "td.elastic.State", "td.elastic.local_rows", "td.elastic.run", "td.partition_dataset",
-    "td.spawn",
-}
+# all written; a new public callable comes with its sections, and a stale entry fails the test).
+UNDOCUMENTED: set[str] = set()
 
 
 def _public_callables() -> dict[str, object]:

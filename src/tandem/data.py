@@ -359,6 +359,32 @@ def partition_dataset(
 
     `device=` delivers every batch there (`device=td.device()`: no `.to(device)` in the loop),
     `dtype=` casts its floating-point tensors (`dtype="float32"`; labels keep theirs).
+
+    Args:
+        dataset: a map-style dataset (`__len__` and `__getitem__`), the same on every rank.
+        batch_size: the global batch, divisible by the group's size.
+        shuffle: shuffle the samples, in a new order each pass (the same on every rank;
+            `loader.set_epoch(epoch)` picks an epoch's order).
+        seed: the shuffle's seed, the same on every rank.
+        drop_last: drop the last global batch when it is not whole.
+        pad: as above: True reads a few samples twice so that the shards are equal; False
+            reads each sample once and weights the uneven step by samples.
+        group: the data-parallel group whose ranks share the dataset (None: the world).
+        device: where every batch is delivered (None: where the dataset puts it).
+        dtype: the dtype of the batches' floating-point tensors (None: theirs).
+        **loader_kwargs: passed to `DataLoader` (`num_workers`, `collate_fn`, ...).
+
+    Returns:
+        `(loader, per_rank_batch)`: this rank's loader, and the samples it reads per step
+        (`batch_size // size`).
+
+    Raises:
+        TypeError: an iterable dataset or one without `__len__`, a `batch_size` that is not an
+            int, or a `DataLoader` argument partition_dataset sets itself (sampler,
+            batch_sampler, shuffle, drop_last, batch_size).
+        ValueError: a `batch_size` below the group's size or not divisible by it (the message
+            names the nearest ones that are), a `dtype` that is not floating-point, or this
+            rank not a member of `group`.
     """
     target = torch.device(device) if device is not None else None
     floating = _floating_dtype(dtype)

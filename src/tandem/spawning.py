@@ -168,6 +168,21 @@ def spawn(
 
     `fn` may be defined anywhere, a notebook cell or `python -c` included (it is sent with
     cloudpickle); what it closes over and `args` must be picklable.
+
+    Args:
+        fn: the function each process runs after `td.init()`; its result must be picklable.
+        nprocs: the number of processes (ranks), on this machine.
+        args: the positional arguments of `fn`, the same for every rank.
+        backend: the backend each process's `td.init` uses (None: its default choice).
+
+    Returns:
+        `fn`'s results, a list in rank order.
+
+    Raises:
+        SpawnError: a rank raised or died; names the rank, with its traceback (the first
+            failure's) or its exit and its last output.
+        TypeError: `fn` or `args` cannot be pickled (the unpicklable part named).
+        ValueError: `nprocs` is below 1.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")

@@ -12,6 +12,16 @@ def local_rows(global_batch: int) -> slice:
     world size, which is what keeps an elastic job's result the one-process result. Unequal
     shares would weigh some rows more than others, so a batch the world cannot split evenly
     is an error: pick a global batch divisible by every size between --min-np and --max-np.
+
+    Args:
+        global_batch: the rows of the whole step's batch, over every rank.
+
+    Returns:
+        The slice of the global batch's rows this rank trains on (`batch[td.elastic.local_rows(n)]`).
+
+    Raises:
+        ValueError: `global_batch` does not split evenly over the world's ranks.
+        RuntimeError: `td.init()` has not been called.
     """
     size, rank = runtime.size(), runtime.rank()
     if global_batch % size:

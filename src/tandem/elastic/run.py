@@ -37,7 +37,29 @@ FAILURES = (PeerUnreachableError, WatchdogTimeout)  # what a lost peer looks lik
 
 
 def run(train: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate `train(state, *args, **kwargs)` so that it survives changes of world."""
+    """Decorate `train(state, *args, **kwargs)` so that it survives changes of world.
+
+    When a peer is lost (or ranks join), each surviving rank leaves the old world, joins the
+    launcher's next round, restores `state` from its last commit (or keeps it, when a commit
+    saw the change) and calls `train` again.
+
+    Args:
+        train: the training function; it takes a `td.elastic.State` first and commits it as it
+            goes.
+
+    Returns:
+        The decorated function: `elastic(state, *args, **kwargs)` returns what `train` returns.
+
+    Raises:
+        TypeError: (when called) its first argument is not a `td.elastic.State`.
+        RuntimeError: (when called) `td.init()` was not called, or the job was started with a
+            fixed world (MPI, torchrun) that cannot resize: use `tandem run --min-np A --max-np
+            B`.
+        PeerUnreachableError: (when called) a peer was lost and the launcher formed no next
+            round within the timeout.
+        WatchdogTimeout: (when called) as PeerUnreachableError, for a peer that stopped
+            answering.
+    """
 
     @functools.wraps(train)
     def elastic(state: State, *args: Any, **kwargs: Any) -> Any:

@@ -61,6 +61,23 @@ _OWN = ("model", "optimizer", "checkpointer")
 class State:
     """The model, the optimizer and any extras that `td.elastic.run` restores after a change
     of world. Extras are attributes: `State(model=m, optimizer=o, epoch=0)` then `state.epoch`.
+
+    Args:
+        model: the replicated model (or one td.fully_shard shards over the world).
+        optimizer: its optimizer (`td.DistributedOptimizer`, a torch optimizer of a
+            `DistributedDataParallel` model, or a `td.ZeroOptimizer` over the world).
+        checkpointer: a `td.Checkpointer` that each commit also saves to (on disk every
+            `every` commits): the fallback when no rank holds the last commit.
+        peer_backup: with sharded state, each commit also hands this rank's part to the next
+            rank, so that one lost rank's part is restored from memory.
+        **extras: anything else to restore (an epoch, a scheduler): picklable values, or
+            objects with `state_dict()`/`load_state_dict()`, by names without a leading "_".
+
+    Raises:
+        ValueError: an extra's name starts with "_", or the model or optimizer is reduced over
+            a group other than the world or split so that a dying rank takes its part (tensor
+            or pipeline parallel); use a replicated model, or a fixed -np with td.Checkpointer.
+        TypeError: `model` is not an `nn.Module`, or an extra is a class or cannot be pickled.
     """
 
     #: Each commit compares the ranks' extras, parameters and buffers (tandem's own API: ranks
