@@ -244,6 +244,43 @@ def _read_collectives(ctx: Context, log: str) -> Outcome:
                    tables=tables, notes=notes)
 
 
+def _throughput_commands(ctx: Context) -> list[list[str]]:
+    if ctx.device != "cuda":  # the wiring's test: every line of it, on a tiny model, in seconds
+        size = ["--dry-run"]
+    elif ctx.quick:
+        size = ["--compile", "off", "--steps", "5", "--reps", "2", "--warmup", "2"]
+    else:
+        size = ["--compile", "off,on", "--steps", "10", "--reps", "3", "--warmup", "3"]
+    return [[ctx.python, "benchmarks/gpt_throughput.py", "--device", ctx.device, *size,
+             "--out", str(ctx.out / "throughput.json")]]
+
+
+def _read_throughput(ctx: Context, log: str) -> Outcome:
+    result = json.loads((ctx.out / "throughput.json").read_text())
+    rows, targets = [], []
+    for row in result["rows"].values():
+        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}"
+        ratio = "-" if row["vs_torch"] is None else f"{row['vs_torch']:.3f}"
+        rows.append([row["method"], row["compile"], f"{1e3 * row['step_s']:.1f}",
+                     f"{row['tokens_per_s']:.0f}", mfu, ratio])
+        if row["method"].startswith("td_") and row["vs_torch"] is not None:
+            torch_own = "torch's fully_shard" if "fsdp" in row["method"] else "torch's DDP"
+            targets.append({"what": f"{row['method']} tokens/s vs {torch_own}, compile "
+                                    f"{row['compile']}", "value": round(row["vs_torch"], 3),
+                            "target": ">= 1.0 (at or above torch's own)",
+                            "met": row["vs_torch"] >= 0.99})  # within 1 %: the clock's noise
+    model = result["model"]
+    table = {"title": f"GPT ({model['layers']} layers, {model['dim']} wide, {model['seq']} tokens, "
+                      f"vocab {model['vocab']}) on {result['card']}, {result['config']['dtype']}, "
+                      f"batch {result['config']['batch']}; MFU against {result['peak_tflops']} "
+                      f"TFLOP/s dense bf16",
+             "columns": ["method", "compile", "ms/step", "tokens/s", "MFU %", "vs torch's own"],
+             "rows": rows}
+    notes = [f"{result['flops_per_token'] / 1e9:.2f} GFLOPs per token (6 N + 12 L d T); "
+             "vs torch's own: td_ddp and td_opt against torch_ddp, td_fsdp against torch_fsdp"]
+    return Outcome(numbers=result, tables=[table], targets=targets, notes=notes)
+
+
 def _scale_commands(ctx: Context) -> list[list[str]]:
     sizes, steps, warmup = ("1,2", "3", "1") if ctx.quick else ("1,2,4,8", "20", "3")
     script = ["--hidden", "16", "--batch", "64", "--samples", "512"] if ctx.quick else \
@@ -276,6 +313,10 @@ STEPS = (
          "decoder, bf16", _dp_commands, 70, 30, needs_cuda=True, read=_read_dp),
     Step("collectives", "all-reduce of CUDA tensors, 4 KB-256 MB: Gloo, MPI and NCCL, raw vs tandem",
          _collectives_commands, 110, 30, needs_cuda=True, needs=("cloudpickle",), read=_read_collectives),
+    Step("throughput", "tokens/s and MFU of a GPT-2-small-sized model, bf16, compile off and on, "
+         "one GPU: td.DistributedDataParallel, td.DistributedOptimizer, td.fully_shard against "
+         "torch's DistributedDataParallel and fully_shard", _throughput_commands, 240, 60,
+         needs_cuda=True, read=_read_throughput),
     # The CPU cores, also on a GPU machine: the GPU hidden, so ranks need not share it.
     Step("scale", "tandem scale on the CPU cores (GPU hidden)", _scale_commands, 80, 45,
          env={"CUDA_VISIBLE_DEVICES": ""}, read=_read_scale),

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 from gpu_check_steps import STEPS, Context, Outcome, Step  # noqa: E402
 
-NAMES = ["environment", "doctor", "cuda-tests", "dp-overhead", "collectives", "scale"]
+NAMES = ["environment", "doctor", "cuda-tests", "dp-overhead", "collectives", "throughput", "scale"]
 
 
 def _env() -> dict[str, str]:
@@ -40,13 +40,13 @@ def test_the_quick_run_skips_the_cuda_steps_and_passes_the_cpu_ones(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     assert done.stdout.splitlines()[-1] == report["summary"]
-    assert report["summary"].startswith("gpu-check PASS: 3 passed, 0 failed, 3 skipped;"), report["summary"]
+    assert report["summary"].startswith("gpu-check PASS: 3 passed, 0 failed, 4 skipped;"), report["summary"]
     steps = {r["name"]: r for r in report["steps"]}
     assert [r["name"] for r in report["steps"]] == NAMES
     assert report["mode"] == "quick" and report["cuda"] is False and report["exit_code"] == 0
     for name in ("environment", "doctor", "scale"):
         assert steps[name]["status"] == "passed", steps[name]
-    for name in ("dp-overhead", "collectives"):
+    for name in ("dp-overhead", "collectives", "throughput"):
         assert steps[name]["status"] == "skipped", steps[name]
         assert steps[name]["reason"].startswith("needs a CUDA GPU: none visible"), steps[name]
     # The CUDA tests ran (pytest collected them) and every one said why it skipped.
@@ -67,7 +67,7 @@ def test_the_quick_run_skips_the_cuda_steps_and_passes_the_cpu_ones(tmp_path):
         f"{name}.log" for name in NAMES if steps[name]["status"] != "skipped" or name == "cuda-tests")
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(360)
 def test_the_gpu_benchmarks_commands_run_and_are_read_on_the_cpu(tmp_path):
     ctx = Context(out=tmp_path, quick=True, python=sys.executable, device="cpu")
     by_name = {step.name: step for step in STEPS}
@@ -83,6 +83,17 @@ def test_the_gpu_benchmarks_commands_run_and_are_read_on_the_cpu(tmp_path):
     assert titles[0] == "gloo: tensors on cpu, 2 rank(s), us per all-reduce", titles
     assert len(titles) == 2 or collectives["notes"], "MPI neither measured nor said to be skipped"
     assert [row[0] for row in collectives["tables"][0]["rows"]] == ["4 KB", "16 KB", "64 KB"]
+    # the GPT throughput step: its --dry-run (a tiny model, eager and compiled) on the CPU
+    throughput = gpu_check.run_step(by_name["throughput"], ctx, 150, tmp_path / "gpt.log")
+    assert throughput["status"] == "passed", throughput
+    rows = throughput["tables"][0]["rows"]
+    assert [(row[0], row[1]) for row in rows] == [
+        (method, compiled) for compiled in ("off", "eager")
+        for method in ("torch_ddp", "td_ddp", "td_opt", "td_fsdp", "torch_fsdp")]
+    assert all(row[4] == "-" for row in rows), "an MFU without a GPU's peak"
+    assert len(throughput["targets"]) == 6 and all(
+        isinstance(t["value"], float) and t["target"].startswith(">= 1.0") for t in throughput["targets"])
+    assert throughput["numbers"]["flops_per_token"] > 0
 
 
 def _probe_step(ctx: Context, log: str) -> Outcome:
