@@ -230,6 +230,9 @@ def _tell_the_launcher() -> None:
 
     report_joined(job.master_addr or "127.0.0.1", job.master_port, job.store_key,
                   dist.get_rank(), dist.get_world_size())
+    from tandem.comm.torch_pg.copies import report_at_exit  # a framework that ran it as a copy
+
+    report_at_exit(job.master_addr or "127.0.0.1", job.master_port, job.store_key, dist.get_rank())
 
 
 # torch's own: under the first-call wrapper of `hooks/torch_backends.py`, which keeps it there.

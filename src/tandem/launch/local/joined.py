@@ -18,12 +18,65 @@ no port is watched (a listener on MASTER_PORT could come and go between two look
 that picks its own port has none to watch).
 
 `JoinWatch.verdict()` is the line printed at the end of a job that exited 0 without anyone
-joining: a warning, or with `--require-join` an error (exit code 1).
+joining: a warning, or with `--require-join` an error (exit code 1). When the script imports a
+framework that falls back to one process by itself (Accelerate without `cpu=True` on a machine
+without GPUs, Lightning without a strategy), the line names it and the line to add
+(`framework_hints`): the launcher reads the script's own imports once, at the end of such a
+job (the ranks never reached the store, so they cannot report what they imported).
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+from tandem.launch.programs import is_python, python_target
 from tandem.rendezvous import StoreServer
+
+#: (the import a script makes, what it needs to join the job under `tandem run`).
+FRAMEWORKS = (
+    (re.compile(r"^[ \t]*(?:from|import)[ \t]+accelerate\b", re.M),
+     "it imports Accelerate, which runs one process per copy (DistributedType.NO) when it "
+     "finds no GPU unless told to join on CPU: `Accelerator(cpu=True)` (the HF Trainer: "
+     "`TrainingArguments(..., use_cpu=True)`), or `td.init()` before `Accelerator()` to "
+     "train on tandem's engine"),
+    (re.compile(r"^[ \t]*(?:from|import)[ \t]+(?:lightning|pytorch_lightning|lightning_fabric)\b",
+                re.M),
+     "it imports Lightning, whose Fabric and Trainer without a strategy run alone on CPU: "
+     "`Fabric(..., strategy=\"tandem\")` or `Trainer(..., strategy=\"tandem\")`"),
+)
+#: What a rank's report of a framework's fallback names (`comm/torch_pg/copies.py`).
+FRAMEWORK_LINES = (
+    ("accelerate", "on a machine without GPUs Accelerate joins only when told "
+                   "`Accelerator(cpu=True)` (the HF Trainer: `TrainingArguments(..., "
+                   "use_cpu=True)`)"),
+)
+COPIES_KEY = "tandem/copies/"  # comm/torch_pg/copies.py's KEY (the launcher imports no comm)
+_READ_BYTES = 1 << 20  # a script's first MiB: its imports are at its top
+
+
+def script_of(config: Any) -> str | None:
+    """The Python script a job's ranks run (None: a module, or a program that is not Python)."""
+    if getattr(config, "module", False):
+        return None
+    if getattr(config, "executable", False):
+        if not is_python(config.program):
+            return None
+        target = python_target(config.args)
+        return target[1] if target is not None and target[0] == "script" else None
+    return config.program
+
+
+def framework_hints(script: str | None) -> list[str]:
+    """What the script's imports say it needs to join (`FRAMEWORKS`); [] when nothing."""
+    if not script:
+        return []
+    try:
+        with open(script, encoding="utf-8", errors="replace") as file:
+            source = file.read(_READ_BYTES)
+    except OSError:
+        return []
+    return [hint for pattern, hint in FRAMEWORKS if pattern.search(source)]
 
 _LISTEN = "0A"  # the state column of a listening socket in /proc/net/tcp
 
@@ -56,10 +109,24 @@ class JoinWatch:
     def joined(self) -> bool:
         return self.store.clients > self._clients_before
 
-    def verdict(self, np: int, program: str, required: bool) -> str | None:
-        """None when a rank joined (or there is one rank); else the line to print."""
-        if np < 2 or self.joined():
+    def copies(self, np: int) -> dict[int, str]:
+        """Rank -> the framework that ran it as a copy of its own though it joined (Accelerate's
+        DistributedType.NO: `comm/torch_pg/copies.py` sets the key at the rank's exit)."""
+        found = {rank: self.store.get(f"{COPIES_KEY}{rank}") for rank in range(np)}
+        return {rank: value.decode() for rank, value in found.items() if value is not None}
+
+    def verdict(self, np: int, program: str, required: bool,
+                script: str | None = None) -> str | None:
+        """None when the ranks joined and computed together (or there is one rank); else the
+        line to print, with what `script`'s imports need to join (`framework_hints`)."""
+        if np < 2:
             return None
+        copies = self.copies(np) if self.joined() else {}
+        if copies:
+            return self._copies_line(np, program, required, copies)
+        if self.joined():
+            return None
+        hints = "".join(f" In {script}: {hint}." for hint in framework_hints(script))
         head = "error" if required else "warning"
         tail = ("" if required else " (--require-join or TANDEM_REQUIRE_JOIN=1 makes this an "
                 "error)")
@@ -67,4 +134,15 @@ class JoinWatch:
                 "the job (neither td.init() nor torch.distributed's init_process_group was "
                 "called), so each one computed alone. Call td.init(), or "
                 "dist.init_process_group(), in the script; a script for one process is run with "
-                f"-np 1{tail}.")
+                f"-np 1{tail}.{hints}")
+
+    @staticmethod
+    def _copies_line(np: int, program: str, required: bool, copies: dict[int, str]) -> str:
+        head = "error" if required else "warning"
+        ranks = ", ".join(str(rank) for rank in sorted(copies))
+        hint = dict(FRAMEWORK_LINES).get(next(iter(copies.values())), "")
+        return (f"tandem run: {head}: {program}: rank(s) {ranks} of {np} joined torch.distributed, "
+                f"but {', '.join(sorted(set(copies.values())))} ran each as a copy of its own "
+                f"(DistributedType.NO), so each one computed alone: {hint}" +
+                ("" if required else " (--require-join or TANDEM_REQUIRE_JOIN=1 makes this an "
+                 "error)") + ".")

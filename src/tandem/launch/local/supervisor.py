@@ -34,7 +34,7 @@ from tandem import rendezvous
 from tandem.job import preemption
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig
-from tandem.launch.local.joined import JoinWatch
+from tandem.launch.local.joined import JoinWatch, script_of
 from tandem.launch.local.output import AGENT_SIGNALS, RankOutput, signals_blocked
 from tandem.launch.local.processes import KILL_WAIT_S, STOP_GRACE_S, describe, exit_code
 from tandem.launch.local.ranks import MASTER_ADDR, LocalRanks, Placement
@@ -318,7 +318,8 @@ class Agent:
         if watch is None:
             return 0
         program = " ".join((self.config.program, *self.config.args))
-        line = watch.verdict(self.config.np, program, self.config.require_join)
+        line = watch.verdict(self.config.np, program, self.config.require_join,
+                             script_of(self.config))
         if line is None:
             return 0
         self.output.message(line)
