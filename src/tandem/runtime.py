@@ -366,7 +366,7 @@ def shutdown() -> None:
     """Leave the job and release the backend. Safe to call when not initialised.
 
     Raises:
-        Nothing of its own: a second call, or one without `td.init`, returns at once.
+        Nothing: a second call, or one without `td.init`, returns at once.
     """
     global _state
     if _state is None:

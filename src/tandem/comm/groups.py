@@ -134,11 +134,22 @@ class Mesh:
     Made by `td.mesh`, not by users; every field is one of its attributes.
 
     Args:
-        dp, pp, tp, shard, cp: the sizes: replicas, pipeline stages, tensor-parallel ranks,
-            sharding ranks and context-parallel ranks.
-        dp_rank, pp_rank, tp_rank, shard_rank, cp_rank: this rank's position along each.
-        dp_group, pp_group, tp_group, shard_group, cp_group, dp_cp_group: this rank's group
-            along each, as described above.
+        dp: the number of replicas.
+        pp: the number of pipeline stages.
+        dp_rank: this rank's replica.
+        pp_rank: this rank's stage.
+        dp_group: the replicas of this rank's shard, over which gradients are averaged.
+        pp_group: the stages of this rank's pipeline.
+        tp: the number of tensor-parallel ranks.
+        tp_rank: this rank's position among them.
+        tp_group: the ranks that split this rank's layers.
+        shard: the number of ranks each replica is sharded over.
+        shard_rank: this rank's position among them.
+        shard_group: the ranks that share this replica's shards (None when `shard` is 1).
+        cp: the number of context-parallel ranks.
+        cp_rank: this rank's position among them.
+        cp_group: the ranks that share this rank's sequences.
+        dp_cp_group: the ranks of every dp and cp position (same stage, shard and tp position).
     """
 
     dp: int

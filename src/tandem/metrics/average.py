@@ -75,7 +75,7 @@ def progress(iterable: Iterable[T], group: Group | None = None, *, disable: bool
         The items of `iterable`, unchanged, on every rank.
 
     Raises:
-        Nothing of its own: tqdm's errors for keyword arguments it does not take.
+        Nothing: keyword arguments tqdm does not take raise tqdm's own error.
     """
     first = not runtime.is_initialized() or group_rank(group) == 0
     stream = tqdm_kwargs.pop("file", None) or sys.stderr

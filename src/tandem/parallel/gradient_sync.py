@@ -79,7 +79,7 @@ def no_sync(model: Any) -> Iterator[None]:
         model: as for `set_requires_gradient_sync`.
 
     Yields:
-        Nothing: the block runs with gradient reduction off.
+        None, while the block runs with gradient reduction off.
 
     Raises:
         ValueError: nothing reduces this model's gradients in backward (as for
