@@ -190,6 +190,13 @@ class Reducer(JoinRounds):
         self._local_passes = False
         self._callback_queued = False  # also after a backward that raised before its end
         self._samples.reset()
+        self._grad_scale = self._scale  # what _move_in multiplies by: see _take_samples
+
+    def _take_samples(self) -> None:
+        """A batch handed out since the last backward pass: its samples count. Once per pass
+        (a report comes from the loader or `td.samples`, between passes), not per gradient."""
+        self._samples.update()
+        self._grad_scale = self._samples.scale(self._scale)
 
     def has_pending(self) -> bool:
         """Whether reductions were launched and not yet waited for."""
@@ -223,8 +230,8 @@ class Reducer(JoinRounds):
 
     # -- backward ----------------------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
-        self._samples.update()  # a batch handed out since the last gradient: its samples count
         if not self._sync_enabled:
+            self._take_samples()
             if self._next > 0:  # autograd just accumulated into a buffer being reduced
                 raise RuntimeError(
                     f"{self._owner}: backward() inside no_sync() while reductions launched by an "
@@ -237,6 +244,7 @@ class Reducer(JoinRounds):
             # Once per backward pass: its end finishes the round (see the module docstring).
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._take_samples()
         b = self._bucket_of[i]
         count = self._counts[i] + 1
         if b < self._next or count > self._accumulate:
@@ -266,7 +274,7 @@ class Reducer(JoinRounds):
 
     def _move_in(self, i: int) -> None:
         """Make param i's gradient (times the scale) live in its bucket slot."""
-        param, view, scale = self._params[i], self._views[i], self._samples.scale(self._scale)
+        param, view, scale = self._params[i], self._views[i], self._grad_scale
         grad = param.grad
         if grad is view:
             if scale != 1.0:
@@ -312,6 +320,7 @@ class Reducer(JoinRounds):
     # -- completion --------------------------------------------------------------------------
     def finish_round(self) -> float:
         """Launch what backward did not, wait for every bucket in order; return seconds waited."""
+        self._grad_scale = self._samples.scale(self._scale)  # (td.join may have changed it)
         for b in range(self._next, len(self.buckets)):
             if not self._ready[b]:
                 self._fill_missing(b)
