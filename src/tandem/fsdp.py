@@ -9,10 +9,12 @@ lives in `tandem.parallel.fully_shard`).
 `fully_shard` (also `td.fully_shard`) and its policies, `materialize` for a model built on the
 meta device, and the unsharded state: `full_state_dict`, `full_optimizer_state_dict`,
 `load_full_state_dict` (`td.get_state_dict` / `td.set_state_dict` do the same for any split).
+`FSDPModule` answers `isinstance(model, FSDPModule)` for a fully sharded module (FSDP2's check).
 """
 
 from tandem.parallel.fully_shard import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     clip_grad_norm_,
     full_optimizer_state_dict,
@@ -23,6 +25,7 @@ from tandem.parallel.fully_shard import (
 )
 from tandem.parallel.gradient_sync import set_requires_gradient_sync
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "clip_grad_norm_", "full_optimizer_state_dict",
-           "full_state_dict", "fully_shard", "load_full_state_dict", "materialize",
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_",
+           "full_optimizer_state_dict", "full_state_dict", "fully_shard", "load_full_state_dict",
+           "materialize",
            "set_requires_gradient_sync"]
