@@ -106,7 +106,8 @@ def check_scattered_group():
     members = list(group.ranks)
     assert group.rank == members.index(me)
     value = torch.tensor([float(me + 1)])
-    assert td.allreduce(value, op="sum", group=group).item() == sum(r + 1 for r in members)
+    # in place and returned: the sum lands in the tensor given (a copy keeps `value`)
+    assert td.allreduce(value.clone(), op="sum", group=group).item() == sum(r + 1 for r in members)
     assert td.broadcast(value, root=members[1], group=group).item() == members[1] + 1
     reduced = td.reduce(value, root=members[1], op="max", group=group)
     if me == members[1]:
