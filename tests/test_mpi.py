@@ -108,7 +108,7 @@ def check_scattered_group():
     value = torch.tensor([float(me + 1)])
     # in place and returned: the sum lands in the tensor given (a copy keeps `value`)
     assert td.allreduce(value.clone(), op="sum", group=group).item() == sum(r + 1 for r in members)
-    assert td.broadcast(value, root=members[1], group=group).item() == members[1] + 1
+    assert td.broadcast(value.clone(), root=members[1], group=group).item() == members[1] + 1
     reduced = td.reduce(value, root=members[1], op="max", group=group)
     if me == members[1]:
         assert reduced.item() == max(members) + 1
