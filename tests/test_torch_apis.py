@@ -235,7 +235,8 @@ def test_import_torch_alone_names_the_backends_and_loads_nothing_else():
     done = subprocess.run([sys.executable, "-c", code], env=_no_tandem_env(), capture_output=True,
                           text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "[]"], done.stdout
+    # "mpi" waits for a group that asks for it outside an MPI launcher (hooks/torch_backends)
+    assert done.stdout.split() == ["True", "False", "[]"], done.stdout
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**_no_tandem_env(), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
                          timeout=JOB_TIMEOUT_S)

@@ -13,7 +13,8 @@ Two ways in:
 
 Either way `name_backends()` only tells torch the names: "tandem" through
 `Backend.register_backend`, "mpi" through the two names torch reads for its own MPI build
-(`_MPI_AVAILABLE`, `ProcessGroupMPI`, where torch has none), and a first-call wrapper on
+(`_MPI_AVAILABLE`, `ProcessGroupMPI`, where torch has none: at once in a process an MPI
+launcher started, else when `init_process_group` asks for "mpi"), and a first-call wrapper on
 `init_process_group`. Each of these loads `comm.torch_pg.register` (the engines, the watchdog,
 the agreement) on its first use and hands over to it; an interpreter that never starts a group
 pays a few microseconds and three small modules. Nothing here may raise: an error in an entry
@@ -24,6 +25,7 @@ point makes `import torch` itself fail, so it is a warning. Standard library onl
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 from typing import Any
@@ -54,8 +56,24 @@ class FirstUseMPI:
         return _full().TandemMPI.create(ranks)
 
 
-def name_backends() -> None:
-    """Tell torch.distributed the names "tandem" and "mpi"; their code loads on first use."""
+def _name_mpi(c10d: Any) -> None:
+    """torch's own two names for its MPI build, where it has none: tandem's stands in."""
+    if not c10d.is_mpi_available():
+        c10d.ProcessGroupMPI = FirstUseMPI
+        c10d._MPI_AVAILABLE = True
+
+
+def _asks_for_mpi(args: tuple, kwargs: dict) -> bool:
+    backend = kwargs.get("backend", args[0] if args else None)
+    return backend is not None and "mpi" in str(backend).lower()
+
+
+def name_backends(mpi_now: bool = True) -> None:
+    """Tell torch.distributed the names "tandem" and "mpi"; their code loads on first use.
+
+    `mpi_now=False` (a process no MPI launcher started): "mpi" is named when
+    `init_process_group` asks for it, not before, so that `dist.is_mpi_available()` stays what
+    torch says until then (see `_MPI_LAUNCHED`)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -64,9 +82,8 @@ def name_backends() -> None:
     if "tandem" not in dist.Backend.backend_list:
         dist.Backend.register_backend("tandem", _create_tandem, extended_api=True,
                                       devices=["cpu", "cuda"])
-    if not dist.is_mpi_available():
-        c10d.ProcessGroupMPI = FirstUseMPI
-        c10d._MPI_AVAILABLE = True
+    if mpi_now:
+        _name_mpi(c10d)
     loaded = sys.modules.get("tandem.comm.torch_pg.register")
     if not hasattr(dist.init_process_group, UNWRAPPED) \
             and not (loaded is not None and loaded.is_registered()):
@@ -74,6 +91,8 @@ def name_backends() -> None:
 
         @functools.wraps(original)
         def init_process_group(*args: Any, **kwargs: Any) -> None:
+            if _asks_for_mpi(args, kwargs):
+                _name_mpi(c10d)
             _full()  # replaces this wrapper with tandem's (`register.guarded_init`)
             return dist.init_process_group(*args, **kwargs)
 
@@ -81,11 +100,11 @@ def name_backends() -> None:
         dist.init_process_group = c10d.init_process_group = init_process_group
 
 
-def register() -> None:
+def register(mpi_now: bool | None = None) -> None:
     """Name the backends now; a torch without torch.distributed (or another than expected) is
     a warning, never an error."""
     try:
-        name_backends()
+        name_backends(_mpi_launched() if mpi_now is None else mpi_now)
     except Exception as error:  # noqa: BLE001 - importing torch must never fail because of us
         warnings.warn(f"tandem could not register its torch.distributed backends: {error!r}",
                       stacklevel=2)
@@ -96,10 +115,23 @@ def autoload() -> None:
     install()
 
 
+# Set by every MPI launcher tandem knows (Open MPI, MPICH/Hydra, PMIx): in such a process a
+# framework that asks `dist.is_mpi_available()` should hear yes. Elsewhere MPI cannot join the
+# process to anything (tandem's MPI engine refuses a process its launcher did not start), so
+# the answer stays torch's own until a group asks for "mpi": Accelerate, for one, takes "mpi"
+# on CPU whenever it is available, and a torchrun or `tandem run --backend gloo` job of its
+# would fail.
+_MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def _mpi_launched() -> bool:
+    return any(name in os.environ for name in _MPI_LAUNCHED)
+
+
 def install() -> None:
     """Register tandem's backends with torch.distributed now, or as soon as torch is imported."""
     if "torch.distributed" in sys.modules or TARGET in sys.modules:
         if TARGET in sys.modules and getattr(sys.modules[TARGET], "distributed", None) is not None:
-            register()
+            register(mpi_now=_mpi_launched())
         return  # torch is being imported right now: nothing safe to do but wait for a later call
     after_import(TARGET, register)
