@@ -14,6 +14,7 @@ openssh-server). Every test ends with nothing left running on the hosts.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -271,7 +272,7 @@ def _ends_naming_h2(hosts: Cluster, fault) -> str:
 @pytest.mark.timeout(150)
 def test_a_cut_link_ends_the_job_naming_the_silent_host(hosts):
     err = _ends_naming_h2(hosts, lambda _: hosts.link("h2", up=False))
-    assert "no word from it for 5 s (the network between the nodes is cut" in err
+    assert "(the network between the nodes is cut" in err
     # h2, cut off, ends its side too: its agent hears nothing from node 0 and stops its rank
     deadline = time.monotonic() + STOP_BOUND_S
     while (left := hosts.job_processes("h2")) and time.monotonic() < deadline:
@@ -353,7 +354,7 @@ def test_a_slow_lossy_link_trains_on_and_a_silent_one_ends_the_job(hosts):
         hosts.shape("h2", loss_pct=100.0)
 
     err = _ends_naming_h2(hosts, slow_then_silent)
-    assert "no word from it for 5 s" in err
+    assert re.search(r"no word from it for [0-9.]+ s", err), err
 
 
 @pytest.mark.timeout(120)

@@ -24,6 +24,7 @@ first line); they are not run twice.
 from __future__ import annotations
 
 import functools
+import gc
 import http.server
 import os
 import re
@@ -151,15 +152,20 @@ def exec_block(code: str, where: str, directory: str) -> str:
     before = os.getcwd()
     os.chdir(directory)
     out = io.StringIO()
+    module = types.ModuleType("docs_block")  # a real module: torch.compile imports its globals'
+    sys.modules[module.__name__] = module
+    namespace = module.__dict__
     try:
-        module = types.ModuleType("docs_block")  # a real module: torch.compile imports its globals'
-        sys.modules[module.__name__] = module
-        namespace = module.__dict__
         with contextlib.redirect_stdout(out):
             exec(compile(PRELUDE, "<prelude>", "exec"), namespace)
             exec(compile(code, where, "exec"), namespace)
     finally:
         os.chdir(before)
+        # The shared world runs other tests next: the block's models and optimizers must go
+        # (a td.join of a later test would see two data-parallel optimizers alive).
+        sys.modules.pop(module.__name__, None)
+        namespace.clear()
+        gc.collect()
     return out.getvalue()
 
 

@@ -251,8 +251,9 @@ def test_init_process_group_mpi_without_import_tandem_under_mpiexec(tmp_path):
                           env=_no_tandem_env(), capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
-    assert lines == [f"rank {r} mpi TandemProcessGroup [3.0, 3.0]" for r in (0, 1)], done.stdout
+    # two processes print to one pipe and their words may interleave ("rankrank 1 ... 0 ..."):
+    # count the whole results instead of matching lines
+    assert done.stdout.count("mpi TandemProcessGroup [3.0, 3.0]") == 2, done.stdout
 
 
 def test_init_process_group_tandem_without_import_tandem_under_tandem_run(tmp_path):

@@ -18,6 +18,7 @@ calls its methods as torch's functions do (DDP takes it as `process_group=`).
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -173,10 +174,14 @@ def test_torch_ddp_names_the_rank_that_skipped_a_backward(engine):
     assert said[0].startswith("step 1: DivergedError") and said[1].startswith("step 2: "), said
     for text in said:
         assert "the ranks are reducing the gradients of different steps" in text, text
-        assert "rank 0: torch DDP gradient reduction #2 after 2 training forwards" in text
-        assert "rank 1: torch DDP gradient reduction #2 after 3 training forwards" in text
-        assert ("rank 1 skipped the backward (and optimizer step) of its training forward #2 "
-                "(step 1 counting from 0)") in text
+        # The counts are the group's since it was made: a shared world may have run DDP before.
+        zero = re.search(r"rank 0: torch DDP gradient reduction #(\d+) after (\d+) training "
+                         r"forwards", text)
+        one = re.search(r"rank 1: torch DDP gradient reduction #(\d+) after (\d+) training "
+                        r"forwards", text)
+        assert zero and one, text
+        assert zero.group(1) == one.group(1) and int(one.group(2)) == int(zero.group(2)) + 1, text
+        assert "rank 1 skipped the backward (and optimizer step) of its training forward #" in text
         assert "td.all_finite(loss)" in text
 
 

@@ -27,6 +27,8 @@ if td.rank() == 0:
                     parents[name] = int(stat.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue  # gone meanwhile
-    print("LISTENERS " + json.dumps({"ss": listening.stdout, "rc": listening.returncode,
+    # ss pads its columns with spaces: squeezed, the one line stays short on a busy machine
+    squeezed = "\n".join(" ".join(line.split()) for line in listening.stdout.splitlines())
+    print("LISTENERS " + json.dumps({"ss": squeezed, "rc": listening.returncode,
                                       "parents": parents}), flush=True)
 td.barrier()
