@@ -309,10 +309,13 @@ def agree_layout(what: str, layout: list[str], group: Group | None = None, *, al
     Skipped when argument checks are off (`td.init(checks=False)`) unless `always`.
     """
     if always or context.current().checks:
-        agree(layout, group, explain=functools.partial(_explain_layout, what), error=LayoutMismatchError)
+        agree(layout, group, explain=functools.partial(explain_layout, what), error=LayoutMismatchError)
 
 
-def _explain_layout(what: str, ranks: tuple[int, ...], layouts: list[list[str]]) -> str:
+def explain_layout(what: str, ranks: tuple[int, ...], layouts: list[list[str]],
+                   advice: str = "Build the same model (and optimizer) on every rank before this "
+                                 "call.") -> str:
+    """Which rank holds which tensor where the ranks' layouts first differ, then `advice`."""
     reference = layouts[0]
     lines = [f"{what}: the ranks hold different tensors (compared with rank {ranks[0]}):"]
     for rank, theirs in zip(ranks[1:], layouts[1:], strict=True):
@@ -324,5 +327,5 @@ def _explain_layout(what: str, ranks: tuple[int, ...], layouts: list[list[str]])
             if mine != other:
                 lines.append(f"  tensor #{i}: rank {ranks[0]} has {mine}; rank {rank} has {other}")
                 break
-    lines.append("Build the same model (and optimizer) on every rank before this call.")
+    lines.append(advice)
     return "\n".join(lines)

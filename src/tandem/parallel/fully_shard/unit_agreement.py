@@ -65,7 +65,8 @@ def agree(what: str, named: list[tuple[str, torch.Tensor]], policy: MixedPrecisi
 
 def _explain(what: str, ranks: tuple[int, ...], said: list[dict[str, Any]]) -> str:
     if any(s["tensors"] != said[0]["tensors"] for s in said):
-        return _explain_tensors(what, ranks, [s["tensors"] for s in said])
+        return agreement.explain_layout(what, ranks, [s["tensors"] for s in said],
+                                        "Build the same model on every rank before td.fully_shard.")
     lines = [f"{what}: the ranks passed different settings to td.fully_shard (the unit's "
              f"gathers and reductions would send different things):"]
     for key in SETTINGS:
@@ -76,18 +77,4 @@ def _explain(what: str, ranks: tuple[int, ...], said: list[dict[str, Any]]) -> s
     lines.append("Pass the same mp_policy, offload_policy, reshard_after_forward and group/mesh to "
                  "td.fully_shard on every rank (a setting chosen by rank, e.g. `mp_policy=... if "
                  "td.rank() == 0 else None`, must be chosen the same way everywhere).")
-    return "\n".join(lines)
-
-
-def _explain_tensors(what: str, ranks: tuple[int, ...], layouts: list[list[str]]) -> str:
-    reference = layouts[0]
-    lines = [f"{what}: the ranks hold different tensors (compared with rank {ranks[0]}):"]
-    for rank, theirs in zip(ranks[1:], layouts[1:], strict=True):
-        if len(theirs) != len(reference):
-            lines.append(f"  rank {rank} has {len(theirs)} tensors, rank {ranks[0]} has {len(reference)}")
-        for i, (mine, other) in enumerate(zip(reference, theirs, strict=False)):
-            if mine != other:
-                lines.append(f"  tensor #{i}: rank {ranks[0]} has {mine}; rank {rank} has {other}")
-                break
-    lines.append("Build the same model on every rank before td.fully_shard.")
     return "\n".join(lines)
