@@ -114,6 +114,22 @@ def test_timeout_report_names_who_arrived_and_groups_identical_stacks():
     assert report.splitlines()[-1].startswith("tandem watchdog: rank 0 gives up on allreduce #7")
 
 
+def test_a_stopped_rank_is_the_cause_even_when_another_waits_elsewhere():
+    # Rank 2 is stopped (SIGSTOP: it never answers); rank 1 waits at the same place in another
+    # operation it cannot finish either. The rank to blame is the one that never arrived.
+    allreduce = _op("allreduce", "world", 4, [0, 1, 2])
+    answers = {0: _answer(0, {"world": 4}, [_wait(allreduce)]),
+               1: _answer(1, {"world": 4}, [_wait(_op("barrier", "world", 4, [0, 1, 2],
+                                                      detail=""))]),
+               2: None}
+    last = waitgraph.timeout_report(0, answers[0]["waits"][0], answers).splitlines()[-1]
+    assert "waiting for rank 2" in last and "different operation" not in last, last
+    # with every member there, the different operation is the answer
+    answers[2] = _answer(2, {"world": 4}, [_wait(allreduce)])
+    last = waitgraph.timeout_report(0, answers[0]["waits"][0], answers).splitlines()[-1]
+    assert "rank 1 called a different operation there" in last, last
+
+
 def test_call_sites_skip_tandem_frames():
     def user_code():
         return fingerprints.call_site()

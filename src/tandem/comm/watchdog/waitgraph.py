@@ -252,12 +252,15 @@ def timeout_report(me: int, wait: Mapping, answers: Answers, with_stacks: bool =
         if text:
             lines.append("Python stacks (innermost call last):")
             lines.append(text)
-    if elsewhere:
-        why = (f"{ranks_text(elsewhere)} called a different operation there: make every rank "
-               "call the same collectives in the same order (TANDEM_DEBUG=1 names the lines)")
-    else:
+    # A rank that never arrived (stopped, hung, computing) holds everyone up, whatever the
+    # others wait in: a rank stuck in an operation it cannot finish is waiting too, not the
+    # cause. A desync is the answer only when every member reached the place.
+    if missing or unknown:
         why = (f"waiting for {ranks_text(missing + unknown)}. If this wait is legitimate, raise "
                "the timeout (td.init(timeout=...), TANDEM_TIMEOUT or tandem run --timeout)")
+    else:
+        why = (f"{ranks_text(elsewhere)} called a different operation there: make every rank "
+               "call the same collectives in the same order (TANDEM_DEBUG=1 names the lines)")
     lines.append(f"tandem watchdog: rank {me} gives up on {describe_op(op)} after "
                  f"{wait['timeout']:g} s; {why}.")
     return "\n".join(lines)
