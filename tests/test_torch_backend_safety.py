@@ -79,6 +79,7 @@ def test_an_async_all_reduce_of_other_shapes_raises_at_wait_naming_each_rank():
         assert "ranks called a collective with different arguments" in said, said
         assert "rank 0: all_reduce(shape=(1000,), dtype=float32, op='sum') (async_op=True)" in said
         assert "rank 1: all_reduce(shape=(1001,), dtype=float32, op='sum') (async_op=True)" in said
+        assert "(async_op=True) at test_torch_backend_safety.py:" in said, said  # the line
 
 
 # --- 4b: a barrier completes earlier work ----------------------------------------------------

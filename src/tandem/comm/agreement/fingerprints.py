@@ -114,11 +114,12 @@ def site_code(key: tuple[str, int]) -> int:
     """A 31-bit code of a `site_key` (its base name and line: the same on every rank)."""
     found = _codes.get(key)
     if found is None:
-        found = _codes[key] = zlib.crc32(_site_text(key).encode()) & 0x7FFFFFFF
+        found = _codes[key] = zlib.crc32(site_text(key).encode()) & 0x7FFFFFFF
     return found
 
 
-def _site_text(key: tuple[str, int]) -> str:
+def site_text(key: tuple[str, int]) -> str:
+    """`file:line` of a `site_key`, as messages print it."""
     return f"{os.path.basename(key[0])}:{key[1]}"
 
 
@@ -135,7 +136,7 @@ class Site:
 
     @classmethod
     def of(cls, key: tuple[str, int]) -> Site:
-        return cls(_site_text(key), os.path.basename(key[0]), key[1], _source_code(key[0]))
+        return cls(site_text(key), os.path.basename(key[0]), key[1], _source_code(key[0]))
 
 
 def _source_code(path: str) -> int | None:
@@ -154,7 +155,7 @@ def source_of(site: Site, path: str) -> str | None:
 def call_site() -> str:
     """Where the user's code called into tandem (or into torch.distributed on backend
     "tandem"), as `file:line`."""
-    return _site_text(site_key())
+    return site_text(site_key())
 
 
 def entry_point(frame: FrameType | None) -> str | None:
@@ -201,7 +202,7 @@ def next_fingerprint(collective: str, stream: object,
     (`site`: its `site_key`, when the caller has it)."""
     seq = _sequence.get(stream, 0) + 1
     _sequence[stream] = seq
-    fingerprint = Fingerprint(collective, seq, call_site() if site is None else _site_text(site))
+    fingerprint = Fingerprint(collective, seq, call_site() if site is None else site_text(site))
     _last[threading.get_ident()] = fingerprint
     return fingerprint
 

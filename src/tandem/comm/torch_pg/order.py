@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from tandem.comm.agreement import agree as agreement
-from tandem.comm.agreement import checks
+from tandem.comm.agreement import checks, fingerprints
 from tandem.comm.agreement.agree import CollectiveMismatchError, DivergedError
 
 _HERE = os.path.dirname(__file__) + os.sep  # the frames of this folder: the process group's
@@ -119,9 +119,10 @@ def post_check(collective: str, tensor: torch.Tensor, group: Any, engine: Any,
         text = checks.describe(collective, tensor, op, root, ignore_dim0)
         call = _CALLS[key] = (text, [_ASYNC, agreement.checksum(f"{text} {key[3]}")])
     posted = agreement.post(call[1], group, engine)
+    site = fingerprints.site_key()  # the user's line, put into words only on a mismatch
 
     def mine() -> str:
-        return f"{call[0]} (async_op=True)"
+        return f"{call[0]} (async_op=True) at {fingerprints.site_text(site)}"
 
     def finish() -> None:
         agreement.agree(mine, group, explain=_explain_async, engine=engine, posted=posted)
