@@ -252,6 +252,10 @@ SLOW: dict[str, str] = {
         "a venv without them",
     "tests/test_architecture.py::test_the_layers_contract_fails_on_a_planted_upward_import":
         "import-linter on a copy of the tree (fast: the contract on the tree itself)",
+    "tests/test_preemption_launcher.py::test_resume_on_preempt_restarts_after_sigterm_and_ends_as_one_process":
+        "two tandem run jobs (preempted, then restarted by --resume-on-preempt) per backend",
+    "tests/test_preemption_launcher.py::test_a_second_signal_to_the_launcher_stops_for_good":
+        "a tandem run job stopped by two signals",
 }
 
 

@@ -4,8 +4,13 @@ SIGUSR1 to the launcher (what `#SBATCH --signal=B:USR1@120` sends the batch shel
 rank; the ranks agree on a step, save there and exit 75; the launcher waits for the save (the
 preemption lead, not the 2 s of a Ctrl-C) and exits 75 too. The next run, on another number of
 ranks, resumes at the exact sample and ends with the one-process parameters.
+
+`tandem run --resume-on-preempt N` does that restart itself: SIGTERM to the launcher mid-epoch,
+the ranks save and exit 75, the launcher starts the job again, and it ends with exit 0 and the
+one-process parameters (Gloo and MPI). Two signals in a row stop it for good.
 """
 
+import importlib.util
 import os
 import select
 import signal
@@ -14,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tandem.job.preemption import EXIT_PREEMPTED
@@ -21,6 +27,8 @@ from tandem.job.preemption import EXIT_PREEMPTED
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "preemptible_train.py")
 JOB_S = 120
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None, reason="no mpi4py"))]
 
 
 def _env() -> dict[str, str]:
@@ -67,3 +75,57 @@ def test_sigusr1_to_tandem_run_saves_exits_75_and_the_next_run_resumes_exactly(t
     assert first > 3  # resumed where it stopped, not from the start
     for name, expected in torch.load(reference).items():
         torch.testing.assert_close(torch.load(out)[name], expected, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The script's parameters after one uninterrupted process."""
+    where = tmp_path_factory.mktemp("reference")
+    subprocess.run([sys.executable, SCRIPT, str(where / "ck"), str(where / "out.pt")],
+                   env=_env(), check=True, timeout=JOB_S, capture_output=True)
+    return torch.load(where / "out.pt")
+
+
+def _resumable(backend: str, directory: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tandem", "run", "-np", "2", "--backend",
+                             backend, "--resume-on-preempt", "2", SCRIPT, str(directory),
+                             str(out)], env=_env(), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_on_preempt_restarts_after_sigterm_and_ends_as_one_process(tmp_path, backend,
+                                                                          reference):
+    out = tmp_path / "out.pt"
+    job = _resumable(backend, tmp_path / "ckpt", out)
+    try:
+        _until_step(job, 3)
+        job.send_signal(signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=2 * JOB_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr
+    assert "starting the job again (1 of 2, --resume-on-preempt 2)" in stderr, stderr
+    # After step 3, both runs' steps: the second resumed where the first saved (no step
+    # again, none from the start), and ended after 4 epochs of 8 steps.
+    steps = [int(line.split()[-1]) for line in stdout.splitlines() if "] step " in line]
+    assert steps == sorted(set(steps)) and steps[0] > 3 and steps[-1] == 32, steps
+    for name, expected in reference.items():
+        torch.testing.assert_close(torch.load(out)[name], expected, rtol=0, atol=1e-6)
+
+
+def test_a_second_signal_to_the_launcher_stops_for_good(tmp_path):
+    out = tmp_path / "out.pt"
+    job = _resumable("gloo", tmp_path / "ckpt", out)
+    try:
+        _until_step(job, 3)
+        job.send_signal(signal.SIGTERM)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=JOB_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode in (EXIT_PREEMPTED, 128 + signal.SIGTERM), stderr
+    assert "starting the job again" not in stderr, stderr
+    assert not out.exists()

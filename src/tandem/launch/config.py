@@ -145,6 +145,11 @@ OPTIONS: tuple[Option, ...] = (
            "when a rank fails or a node is lost, stop every rank and restart the whole job, "
            "up to K times (a lost node's place goes to a host of -H without ranks, or to an "
            "agent started with its --node-rank)"),
+    Option("resume_on_preempt", ("--resume-on-preempt",), _integer, "N",
+           "when the job exits 75 (preempted: its ranks saved at the step they agreed on), "
+           "start it again, up to N times, on the same ranks; the script resumes from its "
+           "newest checkpoint. A second signal to tandem run (or one while it restarts) stops "
+           "it for good"),
     Option("nnodes", ("--nnodes",), _nodes, "N",
            "machines in the job, each running its own `tandem run` (an agent); default 1. "
            "MIN:MAX (torchrun's): an elastic job of MIN to MAX machines"),
@@ -176,6 +181,7 @@ class LaunchConfig:
     timeout: float | None = None  # None: the runtime's default
     hosts: tuple[Host, ...] = ()  # empty: this machine only
     max_restarts: int = 0
+    resume_on_preempt: int = 0  # restarts after an exit 75 (preempted), `launcher.launch`
     nnodes: int = 1
     node_rank: int = 0
     master: tuple[str, int] | None = None  # node 0's rendezvous store, for multi-node jobs
@@ -214,6 +220,9 @@ class LaunchConfig:
             raise LaunchError(f"--timeout {self.timeout}: give a positive number of seconds")
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        if self.resume_on_preempt < 0:
+            raise LaunchError(f"--resume-on-preempt {self.resume_on_preempt}: give the most "
+                              f"restarts after a preemption, 0 or more (e.g. 3)")
         if self.nnodes < 1:
             raise LaunchError(f"--nnodes {self.nnodes}: a job needs at least one node")
         if not 0 <= self.node_rank < self.nnodes:
@@ -361,6 +370,7 @@ def config_from_args(
         timeout=values["timeout"],
         hosts=hosts,
         max_restarts=values["max_restarts"] or 0,
+        resume_on_preempt=values["resume_on_preempt"] or 0,
         nnodes=nnodes or 1,
         node_rank=values["node_rank"] or 0,
         master=values["master"],

@@ -7,6 +7,11 @@ this job, else Gloo. MPI jobs go to `mpiexec.launch`; Gloo and NCCL jobs to the 
 supervisor (`supervisor.LocalJob`), or, with `--max-restarts`, `--nnodes` or remote hosts
 (`-H node1:4`), to `multinode.launch`. Nothing here imports torch: the machine is probed
 without it (`cuda_available`), and the rendezvous store is hosted once the ranks are started.
+
+`--resume-on-preempt N` (`resumed`) runs the job again when it exits EXIT_PREEMPTED (75: its
+ranks saved at the step they agreed on), up to N times: the script restores its newest
+checkpoint. Two signals to this process during one attempt (the second kills the ranks at once:
+the previous checkpoint stands), or one while it restarts, stop it for good.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from tandem.job import settings
+from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
 from tandem.launch.local.supervisor import LocalJob
 from tandem.launch.mpi import mpiexec, shm
@@ -73,7 +83,86 @@ def with_backend(config: LaunchConfig) -> LaunchConfig:
 
 
 def launch(config: LaunchConfig) -> int:
-    """Run the job `config` describes; return its exit code (0, or the first failing rank's)."""
+    """Run the job `config` describes; return its exit code (0, or the first failing rank's).
+    With `--resume-on-preempt N`, a job that exits 75 (preempted) is run again (`resumed`)."""
+    if config.resume_on_preempt:
+        return resumed(config)
+    return launch_once(config)
+
+
+def resumed(config: LaunchConfig) -> int:
+    """Run the job until it ends otherwise than preempted (exit 75), restarting it up to
+    `config.resume_on_preempt` times. Each attempt is the same job (`launch_once`): the same
+    ranks, or what -np/--min-np allow; the script restores its newest checkpoint itself.
+
+    The signals this process hears are counted through a wakeup file descriptor (the C-level
+    handler writes one byte per signal, whichever Python handler the attempt's agent set), so
+    the agent's own handling is untouched: the first signal of an attempt is the preemption
+    (passed on to the ranks, which save and exit 75); a second one in the same attempt, or any
+    while restarting, stops for good (exit 75: the newest checkpoint stands)."""
+    limit, restarts = config.resume_on_preempt, 0
+    with _signals_counted() as heard:
+        while True:
+            code = launch_once(config)
+            signals = heard()
+            if code != EXIT_PREEMPTED:
+                return code
+            why = None
+            if len(signals) > 1:
+                names = " then ".join(signal.Signals(s).name for s in signals)
+                why = f"tandem run received {names}: a second signal stops for good"
+            elif restarts >= limit:
+                why = (f"it was restarted {restarts} time(s) already (--resume-on-preempt "
+                       f"{limit}); raise N to restart more")
+            if why is None:
+                restarts += 1
+                _say(f"tandem run: preempted; starting the job again ({restarts} of {limit}, "
+                     f"--resume-on-preempt {limit}): it resumes from its newest checkpoint")
+                if heard():  # a signal while restarting: stop for good
+                    why = "a signal reached tandem run while it restarted the job"
+            if why is not None:
+                _say(f"tandem run: preempted; not restarting: {why}. The newest checkpoint "
+                     f"stands; exit {EXIT_PREEMPTED}")
+                return EXIT_PREEMPTED
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _signals_counted():
+    """While inside, `heard()` returns the signals this process received since its last call.
+    Between attempts (no agent running) SIGINT/SIGTERM/SIGHUP/SIGUSR1/2 are only noted."""
+    if threading.current_thread() is not threading.main_thread():
+        yield list  # signals reach the main thread only: nothing to count here
+        return
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    os.set_blocking(writer, False)
+    noted = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in noted
+                if signal.getsignal(s) is not signal.SIG_IGN}
+    old_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+
+    def heard() -> list[int]:
+        try:
+            return list(os.read(reader, 4096))
+        except BlockingIOError:
+            return []
+
+    try:
+        yield heard
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        os.close(reader)
+        os.close(writer)
+
+
+def launch_once(config: LaunchConfig) -> int:
+    """One run of the job `config` describes; its exit code."""
     # Decided here, once, and handed to every rank as TANDEM_BACKEND: td.init() then agrees
     # with the front end that started the ranks (mpiexec or not).
     config = with_backend(config)
