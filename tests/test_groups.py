@@ -56,8 +56,7 @@ def check_different_groups():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ranks_that_create_different_groups_are_named(backend):
-    results = run_distributed(check_different_groups, world_size=2, backend=backend,
-                              env={"TANDEM_TIMEOUT": "30"})
+    results = run_distributed(check_different_groups, world_size=2, backend=backend)
     assert results[0] == results[1]  # every rank raises the same errors, and goes on
     found, total, tp_ranks = results[0]
     assert (total, tp_ranks) == (3.0, [0, 1])

@@ -8,11 +8,11 @@ worker runs it on a single-process reference with the full global batch and on t
 model with this rank's shard, side by side, and returns the largest difference and what the
 recipe logged (gradient norms, loss scales, learning rates, whether the parameters moved).
 
-Every check runs on Gloo and MPI, with 2 and 3 ranks, in a world whose watchdog timeout is
-short (TANDEM_TIMEOUT below): a collective that one rank makes and the others do not (an
-evaluation forward that communicates) fails in seconds instead of hanging for the default
-minute. One call of that world runs all recipes; the evaluation, BatchNorm and misuse checks
-are one call each.
+Every check runs on Gloo and MPI, with 2 and 3 ranks, in the suite's shared worlds (a world
+of their own would cost a start of every rank, for nothing but a shorter watchdog timeout): a
+collective that one rank makes and the others do not (an evaluation forward that communicates)
+fails at the worlds' watchdog timeout (60 s), within each call's deadline. One call runs all
+recipes; the evaluation, BatchNorm and misuse checks are one call each.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from tandem.testing import run_distributed
 G = 12  # global batch: divisible by 2 and 3 ranks (and by 2 micro-batches per rank)
 STEPS = 6
 SMALL_BUCKETS = {"bucket_mb": 2 / 1024, "first_bucket_mb": 0.5 / 1024}  # several buckets
-ENV = {"TANDEM_TIMEOUT": "20"}  # every wait's deadline in these worlds (the default is 60 s)
 CONFIGS = [
     pytest.param(backend, k, id=f"{backend}-{k}", marks=pytest.mark.timeout(240))
     for backend in ("gloo", "mpi") for k in (2, 3)
@@ -365,7 +364,7 @@ def _skip_without_mpi(backend: str) -> None:
 @pytest.mark.parametrize("backend, k", CONFIGS)
 def test_recipes_give_the_one_process_result(backend, k):
     _skip_without_mpi(backend)
-    results = run_distributed(check_recipes, world_size=k, backend=backend, timeout=200, env=ENV)
+    results = run_distributed(check_recipes, world_size=k, backend=backend, timeout=200)
     failures = recipe_failures(results)
     assert not failures, "\n".join(failures)
     rank0 = results[0]
@@ -435,9 +434,9 @@ def check_ddp_evaluation() -> dict:
 @pytest.mark.parametrize("backend, k", CONFIGS)
 def test_ddp_evaluation_on_one_rank_or_uneven_makes_no_collective(backend, k):
     _skip_without_mpi(backend)
-    # A forward that communicated would make the others wait (the 20 s timeout of ENV fails
-    # it) and would show up in the count of operations issued during the evaluation.
-    results = run_distributed(check_ddp_evaluation, world_size=k, backend=backend, timeout=120, env=ENV)
+    # A forward that communicated would make the others wait (the worlds' 60 s watchdog timeout
+    # fails it) and would show up in the count of operations issued during the evaluation.
+    results = run_distributed(check_ddp_evaluation, world_size=k, backend=backend, timeout=120)
     for rank, result in enumerate(results):
         assert result["diff"] <= TOL, f"rank {rank}: max |difference| {result['diff']:.3g}"
         assert all(n == 0 for n in result["issued"].values()), f"rank {rank}: {result['issued']}"
@@ -504,7 +503,7 @@ def replica_warnings(model: nn.Module, **kwargs) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("backend, k", CONFIGS)
 def test_batchnorm_statistics_and_check_replicas(backend, k):
     _skip_without_mpi(backend)
-    results = run_distributed(check_batchnorm, world_size=k, backend=backend, timeout=120, env=ENV)
+    results = run_distributed(check_batchnorm, world_size=k, backend=backend, timeout=120)
     for rank, out in enumerate(results):
         assert out["param_diff"] <= TOL, out["param_diff"]
         # Default: parameters identical, so no error; the statistics are named in one warning.
@@ -672,7 +671,7 @@ def check_orders() -> dict:
 @pytest.mark.parametrize("backend, k", CONFIGS)
 def test_zero_grad_and_step_orders(backend, k):
     _skip_without_mpi(backend)
-    results = run_distributed(check_orders, world_size=k, backend=backend, timeout=120, env=ENV)
+    results = run_distributed(check_orders, world_size=k, backend=backend, timeout=120)
     for rank, out in enumerate(results):
         assert out["none_after_zero_grad"], rank
         assert out["two_backward_diff"] <= TOL, f"rank {rank}: {out['two_backward_diff']:.3g}"
