@@ -256,6 +256,9 @@ SLOW: dict[str, str] = {
         "two tandem run jobs (preempted, then restarted by --resume-on-preempt) per backend",
     "tests/test_preemption_launcher.py::test_a_second_signal_to_the_launcher_stops_for_good":
         "a tandem run job stopped by two signals",
+    "tests/test_testing_harness.py::test_a_closed_world_exits_zero": "a world of its own per backend",
+    "tests/test_fsdp2_parity.py::test_the_fsdp2_examples_flow_ported_resumes_bit_identically":
+        "a tandem run job per backend: the FSDP2 example's flow, 12 trainings (~40 s)",
 }
 
 
