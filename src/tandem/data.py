@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from tandem.comm import context
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps, timeline
 from tandem.diagnostics.batches import record as record_batch
@@ -121,12 +122,32 @@ class ShardSampler(Sampler[int]):
         self._start = 0  # the position in its epoch's order where the next pass starts
         self._pass: tuple[int, int] | None = None  # (epoch, start) of the pass being read
         self._taken = 0  # batches of that pass handed to the script
-        if drop_last:
-            self._used = length - length % batch_size
-        elif pad:
-            self._used = -(-length // size) * size  # rounded up to a multiple of size
-        else:
-            self._used = length
+        self._used = self._samples_used()
+
+    def _samples_used(self) -> int:
+        """How many positions of each epoch's order the ranks read together."""
+        if self.drop_last:
+            return self.length - self.length % self.batch_size
+        if self.pad:
+            return -(-self.length // self.size) * self.size  # rounded up to a multiple of size
+        return self.length
+
+    def resize(self, rank: int, size: int) -> None:
+        """Be rank `rank` of `size` from now on, at the same data position: the rest of the
+        epoch is split over the new number of ranks exactly as a restore on that many ranks
+        splits it (`load_state_dict` of this sampler's own `state_dict`). An elastic job's
+        `td.elastic.State` calls it (through the loader) after each change of world."""
+        if not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        if self.batch_size % size:
+            raise ValueError(
+                f"rank {rank}: the global batch {self.batch_size} does not split over {size} "
+                f"ranks: give partition_dataset a batch_size divisible by every world size the "
+                f"job may have (e.g. a multiple of 12 for 2 to 4 ranks)")
+        position = self.state_dict()
+        self.rank, self.size = rank, size
+        self._used = self._samples_used()
+        self.load_state_dict(position)
 
     @property
     def epoch(self) -> int:
@@ -247,10 +268,28 @@ class ShardedLoader(DataLoader):
         """Resume at the saved data position, on any number of ranks."""
         self.sampler.load_state_dict(state)
 
+    group: Group | None = None  # the ranks that share the dataset (partition_dataset's)
+
+    def follow_world(self) -> None:
+        """After a change of world (an elastic job): read this rank's share of the new world
+        from the same data position, and its share of each global batch. Each pass starts with
+        it (one look at the world's rank and size), so a loader kept in a `td.elastic.State`
+        resumes at the exact sample whether the State rolled it back or not."""
+        if self.group is not None or not context.installed():
+            return  # a group's ranks are fixed (an elastic job reduces over the world)
+        rank, size = group_rank(None), group_size(None)
+        if (rank, size) == (self.sampler.rank, self.sampler.size):
+            return
+        per_rank = check_batch_size(self.sampler.batch_size, size)
+        self.sampler.resize(rank, size)
+        self.batch_sampler.batch_size = per_rank
+        object.__setattr__(self, "batch_size", per_rank)  # DataLoader refuses it after init
+
     device: torch.device | None = None  # where each batch is delivered (partition_dataset)
     dtype: torch.dtype | None = None  # the dtype of its floating-point tensors
 
     def __iter__(self) -> Iterator[Any]:
+        self.follow_world()
         # The base iterator is made now (not at the first batch): iter() starts the epoch.
         batches = _timed(super().__iter__(), self.batch_size, self.sampler)
         if self.device is None and self.dtype is None:
@@ -414,5 +453,5 @@ def partition_dataset(
     loader = ShardedLoader(
         dataset, batch_size=per_rank, sampler=sampler, drop_last=False, **loader_kwargs
     )
-    loader.device, loader.dtype = target, floating
+    loader.device, loader.dtype, loader.group = target, floating, group
     return loader, per_rank
