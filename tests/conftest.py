@@ -259,6 +259,8 @@ SLOW: dict[str, str] = {
     "tests/test_testing_harness.py::test_a_closed_world_exits_zero": "a world of its own per backend",
     "tests/test_fsdp2_parity.py::test_the_fsdp2_examples_flow_ported_resumes_bit_identically":
         "a tandem run job per backend: the FSDP2 example's flow, 12 trainings (~40 s)",
+    "tests/test_elastic_loader.py::test_a_loader_in_the_elastic_state_resumes_at_the_exact_sample_when_the_job_shrinks":
+        "an elastic tandem run job that loses a rank, and its one-process reference",
 }
 
 
