@@ -34,9 +34,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tandem import rendezvous
-from tandem.job.environments import tandem_variables
 from tandem.launch.local.output import RankOutput
-from tandem.launch.local.processes import cores, describe, start_ranks, stop_processes
+from tandem.launch.local.processes import describe, start_ranks, stop_processes
+from tandem.launch.local.ranks import local_rank_environment
 
 # How long a reported error waits for a peer death that would explain it.
 _CAUSE_GRACE_S = 3.0
@@ -134,14 +134,12 @@ def _start(nprocs: int, store: rendezvous.StoreServer, backend: str | None,
     """Start the children, their output copied by `output`; return them and the pipes to
     send each its work."""
     pipes = [(os.pipe(), os.pipe()) for _ in range(nprocs)]  # (work r/w, report r/w)
-    # nprocs processes each running one thread per core would oversubscribe the machine
-    # nprocs times (`tandem run` does the same, unless told otherwise).
-    threads = {name: os.environ.get(name, str(max(1, cores() // nprocs)))
-               for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    envs = [{**os.environ, **threads, **tandem_variables(
-        rank=rank, size=nprocs, local_rank=rank, local_size=nprocs, master_addr="127.0.0.1",
-        master_port=store.port, backend=backend, store_key=store.key), _FDS: f"{work_r} {report_w}"}
-        for rank, ((work_r, _), (_, report_w)) in enumerate(pipes)]
+    # The environment and thread rule of `tandem run`'s ranks (`local_rank_environment`).
+    envs = [{**local_rank_environment(os.environ, rank=rank, size=nprocs, local_rank=rank,
+                                      local_size=nprocs, store=("127.0.0.1", store.port),
+                                      store_key=store.key, backend=backend),
+             _FDS: f"{work_r} {report_w}"}
+            for rank, ((work_r, _), (_, report_w)) in enumerate(pipes)]
     try:
         processes = start_ranks(
             [sys.executable, "-u", "-m", "tandem.spawning"], envs,

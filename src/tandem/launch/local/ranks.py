@@ -38,6 +38,7 @@ from tandem.launch.local.processes import (
 
 MASTER_ADDR = "127.0.0.1"
 # Put first on every rank's PYTHONPATH: its sitecustomize imports tandem (see rank_site/).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what `thread_limits` sets
 RANK_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rank_site")
 
 
@@ -92,6 +93,34 @@ def rank_command(config: LaunchConfig) -> list[str]:
     return [sys.executable, "-u", config.program, *config.args]
 
 
+def thread_limits(base: Mapping[str, str], ranks_here: int,
+                  per_rank: int | None = None) -> dict[str, str]:
+    """The one thread rule of every rank tandem starts (`tandem run`'s, `td.spawn`'s and
+    `tandem.testing`'s worlds): OMP_NUM_THREADS and MKL_NUM_THREADS are `per_rank` when given;
+    else what `base` already says; else the machine's cores shared among the `ranks_here`
+    ranks on it (N ranks each running one thread per core would oversubscribe it N times)."""
+    threads = str(per_rank or max(1, cores() // max(1, ranks_here)))
+    return {name: threads for name in THREAD_VARIABLES if per_rank is not None or name not in base}
+
+
+def local_rank_environment(base: Mapping[str, str], *, rank: int, size: int, local_rank: int,
+                           local_size: int, store: tuple[str, int], store_key: str,
+                           backend: str | None = None,
+                           threads: int | None = None) -> dict[str, str]:
+    """The one rank-environment builder: `base`, the thread rule (`thread_limits`, `threads`
+    per rank when given) and the TANDEM_* variables `td.init()` joins the job with: rank
+    `rank` of `size`, `local_rank` of the `local_size` ranks on this machine, the store at
+    `store` that the launcher hosts. `td.spawn` and `tandem.testing` start their ranks with
+    it as it is; `tandem run` adds the job's own variables (`rank_environment`)."""
+    env = dict(base)
+    env.update(thread_limits(base, local_size, threads))
+    env.update(tandem_variables(rank=rank, size=size, local_rank=local_rank,
+                                local_size=local_size, master_addr=store[0],
+                                master_port=store[1], store_hosted=True, backend=backend,
+                                store_key=store_key))
+    return env
+
+
 def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, str]:
     """What every rank gets whoever starts it (us, or mpiexec): timeout, threads, unbuffered."""
     env = dict(base)
@@ -100,11 +129,7 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str]) -> dict[str, 
         env["TANDEM_TIMEOUT"] = str(config.timeout)
     if config.timeline is not None:
         env["TANDEM_TIMELINE"] = os.path.abspath(config.timeline)
-    # N ranks each running one thread per core would oversubscribe the machine N times.
-    threads = config.threads_per_rank or max(1, cores() // config.np)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        if config.threads_per_rank is not None or name not in base:
-            env[name] = str(threads)
+    env.update(thread_limits(base, config.np, config.threads_per_rank))
     env["PYTHONUNBUFFERED"] = "1"
     # A script that uses torch.distributed alone gets tandem's binding of rank 0's store to
     # MASTER_ADDR and tells the launcher that it joined (`rank_site`, `launch.local.joined`).
@@ -119,14 +144,12 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
     """The environment of this node's rank `local` (of `nproc`, default `config.np`):
     `job_environment` plus its place in the job: global rank `rank`, by default the node's
     offset + `local` (an elastic job's new worker takes a free local slot instead)."""
-    env = job_environment(config, base)
-    host, port = placement.store
+    host, _ = placement.store
     rank = placement.offset + local if rank is None else rank
-    env.update(tandem_variables(
-        rank=rank, size=placement.world, local_rank=local,
-        local_size=nproc or config.np, master_addr=host, master_port=port, store_hosted=True,
-        backend=config.backend, store_key=placement.store_key,
-    ))
+    env = local_rank_environment(job_environment(config, base), rank=rank, size=placement.world,
+                                 local_rank=local, local_size=nproc or config.np,
+                                 store=placement.store, store_key=placement.store_key,
+                                 backend=config.backend, threads=config.threads_per_rank)
     env.update(horovod_variables(rank=rank, size=placement.world,
                                  local_rank=local, local_size=nproc or config.np))
     if placement.torch_port is not None:
