@@ -3,6 +3,7 @@ load_state_dict()) given as an extra acts on the real optimizer, is restored in 
 compared by value across ranks. The 3 -> 2 -> 3 journey with a scheduler is in test_elastic.py."""
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -113,3 +114,30 @@ def test_an_extra_that_can_be_neither_copied_nor_state_dicted_is_named(value, na
     with pytest.raises(TypeError, match="extra 'thing'"):
         state.thing = value
     assert state.step == 0  # nothing was lost
+
+
+def check_a_plain_loader_is_warned_once_and_left_out():
+    td.init()
+    model = torch.nn.Linear(2, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    plain = torch.utils.data.DataLoader(data, batch_size=2)
+    kept, _ = td.partition_dataset(data, batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = td.elastic.State(model=model, loader=plain, kept=kept, step=0)
+        for _ in range(3):
+            state.step += 1
+            state.commit()
+        state.restore()
+    return ([str(w.message) for w in caught], sorted(extras.values(state._extras)),
+            state.loader is plain)
+
+
+def test_a_loader_without_state_in_an_elastic_state_is_warned_once_and_left_out():
+    """A plain DataLoader keeps no position: one warning, and the commits leave it out (no
+    copy of its dataset per commit); td.partition_dataset's loader is kept by its position."""
+    for messages, names, same in run_distributed(check_a_plain_loader_is_warned_once_and_left_out, 1):
+        assert len(messages) == 1, messages
+        assert "loader=DataLoader keeps no data position" in messages[0]
+        assert "td.elastic.State's commits" in messages[0] and "epoch's start" in messages[0]
+        assert names == ["kept", "step"] and same

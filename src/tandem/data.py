@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,6 +346,28 @@ def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iter
             record_batch(mine / global_batch, uneven, global_batch)
         sampler.batch_taken()
         yield batch
+
+
+_warned_positionless: set[tuple[str, str]] = set()
+
+
+def keeps_position(name: str, obj: Any, where: str = "the checkpoint") -> bool:
+    """Whether `obj` can be kept as state: False for a data loader or sampler without
+    `state_dict()`/`load_state_dict()` (a plain `DataLoader`), said once per name and place
+    (`td.Checkpointer`'s checkpoint, `td.elastic.State`'s commits): left out, it restarts at
+    its epoch's start, which is what it would do anyway."""
+    stateless = not (callable(getattr(obj, "state_dict", None))
+                     and callable(getattr(obj, "load_state_dict", None)))
+    if not (stateless and isinstance(obj, (DataLoader, Sampler))):
+        return True
+    if (where, name) not in _warned_positionless:
+        _warned_positionless.add((where, name))
+        warnings.warn(
+            f"{name}={type(obj).__name__} keeps no data position (no state_dict()): it is left "
+            f"out of {where}, and a resumed job starts it at its epoch's start (samples of the "
+            f"interrupted epoch are read again). Make it with td.partition_dataset, or give it "
+            f"state_dict()/load_state_dict()", UserWarning, stacklevel=4)
+    return False
 
 
 def check_batch_size(batch_size: int, size: int) -> int:

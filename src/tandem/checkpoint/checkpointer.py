@@ -67,7 +67,6 @@ import itertools
 import os
 import secrets
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -84,6 +83,7 @@ from tandem.checkpoint import sharded as sharded
 from tandem.checkpoint.durable import CheckpointError, CorruptCheckpointError, no_space
 from tandem.checkpoint.durable import fsync_directory as _fsync_directory
 from tandem.comm.collectives import user as collectives
+from tandem.data import keeps_position
 from tandem.job import preemption
 
 PathLike = str | os.PathLike
@@ -422,23 +422,12 @@ class Checkpointer:
 
 
 _holders = itertools.count()
-_warned_loaders: set[str] = set()
 
 
 def _with_state(objects: dict[str, Any]) -> dict[str, Any]:
-    """`objects` without data loaders that keep no position (warned once per name): they
-    restart at their epoch's start, which is what they would do anyway."""
+    """`objects` without data loaders that keep no position (warned once per name)."""
     kept = {}
-    for name, obj in objects.items():
-        stateless = not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
-        if stateless and isinstance(obj, (torch.utils.data.DataLoader, torch.utils.data.Sampler)):
-            if name not in _warned_loaders:
-                _warned_loaders.add(name)
-                warnings.warn(
-                    f"{name}={type(obj).__name__} keeps no data position (no state_dict()): it is "
-                    f"not checkpointed, and a resumed job starts it at its epoch's start (samples "
-                    f"of the interrupted epoch are read again). Make it with td.partition_dataset, "
-                    f"or give it state_dict()/load_state_dict()", UserWarning, stacklevel=3)
-            continue
-        kept[name] = obj
+    for name, obj in objects.items():  # a loop, not a comprehension: the warning's stacklevel
+        if keeps_position(name, obj):
+            kept[name] = obj
     return kept

@@ -7,6 +7,11 @@ copied: a copy of a scheduler holds a copy of its optimizer, so the copy would s
 optimizer the training loop does not use and the real learning rate would never change.
 Its snapshot is its state dict; a restore loads that into the same object, in place; ranks
 compare and exchange its state dict, never its identity.
+
+A data loader is a stateful object when it keeps its position (`td.partition_dataset`'s: its
+epoch and place in the epoch's order; after a change of world the rest of the epoch is split
+over the new ranks). One without (a plain `DataLoader`) is warned about once and left out of
+the snapshots: it restarts at its epoch's start, as it would anyway.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from __future__ import annotations
 import copy
 import pickle
 from typing import Any
+
+from tandem.data import keeps_position
+
+_WHERE = "td.elastic.State's commits"
 
 
 def is_stateful(value: Any) -> bool:
@@ -24,6 +33,8 @@ def is_stateful(value: Any) -> bool:
 
 def check(name: str, value: Any) -> None:
     """Refuse an extra that can be neither copied by value nor kept by its state dict."""
+    if not keeps_position(name, value, _WHERE):
+        return  # warned: left out of the snapshots
     if isinstance(value, type):
         raise TypeError(f"td.elastic.State: extra {name!r} is a class ({value.__name__}); give an "
                         f"instance, or keep it outside the State")
@@ -43,7 +54,7 @@ def check(name: str, value: Any) -> None:
 def values(extras: dict[str, Any]) -> dict[str, Any]:
     """A copy of the extras by value: each stateful object's state dict, each other value."""
     return {name: copy.deepcopy(value.state_dict() if is_stateful(value) else value)
-            for name, value in extras.items()}
+            for name, value in extras.items() if keeps_position(name, value, _WHERE)}
 
 
 def load(extras: dict[str, Any], saved: dict[str, Any]) -> None:
