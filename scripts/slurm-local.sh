@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A single-node SLURM cluster on this machine, for examples/slurm/train.sbatch and its test.
 #
-#   bash scripts/slurm-local.sh          # install (once), configure, start; idempotent
+#   bash scripts/slurm-local.sh          # install (once), configure, start; idempotent (a
+#                                        # changed configuration restarts the daemons with it)
 #   bash scripts/slurm-local.sh stop     # stop slurmctld, slurmd and munged
 #
 # Needs root (apt-get, daemons). Installs Debian's slurm-wlm and munge when missing, writes
@@ -32,11 +33,6 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
 fi
 
 mkdir -p "$STATE/ctld" "$STATE/d" /etc/slurm /run/munge /var/log/munge /var/lib/munge
-if pgrep -x slurmctld >/dev/null && pgrep -x slurmd >/dev/null \
-    && sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
-  exit 0  # already running
-fi
-
 # -- munge: SLURM's authentication ------------------------------------------------------------
 if [ ! -s /etc/munge/munge.key ]; then
   mungekey --create 2>/dev/null || dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
@@ -51,7 +47,7 @@ fi
 # -- slurm.conf: this host is the controller and the only node ---------------------------------
 HOST=$(hostname -s)
 NODE=$(slurmd -C | head -1)  # NodeName=<host> CPUs=N ... RealMemory=M, as slurmd sees them
-cat > "$CONF" <<CONFEOF
+cat > "$CONF.new" <<CONFEOF
 # written by tandem's scripts/slurm-local.sh: a one-node cluster for tests and examples
 ClusterName=tandem
 SlurmctldHost=$HOST
@@ -74,12 +70,35 @@ ReturnToService=2
 # a job asking for more than the node has is refused at submission, not left pending forever
 EnforcePartLimits=ALL
 SlurmdTimeout=60
+# Requeue (sbatch --requeue, scontrol requeue: a preempted tandem job requeues itself) is on. A
+# requeued job may start again cred_expire seconds later, seen by a scheduling pass every
+# sched_interval seconds: SLURM's defaults (120 s, 60 s) would make every requeue test wait
+# minutes; a real cluster keeps its own.
+JobRequeue=1
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=2
 $NODE State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONFEOF
 
-if pgrep -x slurmctld >/dev/null; then scontrol reconfigure >/dev/null 2>&1 || true
-else slurmctld -i >/dev/null 2>&1 || fail "slurmctld did not start: see $STATE/slurmctld.log"; fi
+if cmp -s "$CONF.new" "$CONF" && pgrep -x slurmctld >/dev/null && pgrep -x slurmd >/dev/null \
+    && sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
+  rm -f "$CONF.new"
+  exit 0  # already running, with this configuration
+fi
+if ! cmp -s "$CONF.new" "$CONF"; then  # another configuration: the daemons start again with it
+  for daemon in slurmd slurmctld; do  # by the pid each wrote, never by name
+    if [ -f "$STATE/$daemon.pid" ]; then
+      pid=$(cat "$STATE/$daemon.pid")
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    fi
+  done
+fi
+mv "$CONF.new" "$CONF"
+
+pgrep -x slurmctld >/dev/null || slurmctld -i >/dev/null 2>&1 \
+  || fail "slurmctld did not start: see $STATE/slurmctld.log"
 pgrep -x slurmd >/dev/null || slurmd >/dev/null 2>&1 || fail "slurmd did not start: see $STATE/slurmd.log"
 
 for _ in $(seq 60); do  # the node registers, then becomes idle

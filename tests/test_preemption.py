@@ -108,14 +108,14 @@ ckpt = td.Checkpointer(sys.argv[1])
 model = torch.nn.Linear(2, 2)
 ckpt.save(0, model=model)                      # a boundary, and the checkpoint that stands
 os.kill(os.getpid(), signal.SIGUSR1)           # noted: the next boundary would save
-os.kill(os.getpid(), signal.SIGUSR1)           # the second: stop now
+os.kill(os.getpid(), signal.SIGTERM)           # the second: stop now
 print("not reached")
 """
 
 
 @pytest.mark.parametrize("script, said", [
     (_STARTUP, "during start-up, before the first step"),
-    (_SECOND, "SIGUSR1 after SIGUSR1: stopping now"),
+    (_SECOND, "SIGTERM after SIGUSR1: stopping now"),
 ])
 def test_a_signal_before_the_first_step_or_a_second_signal_exits_at_once(tmp_path, script, said):
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,

@@ -18,11 +18,13 @@ Checkpointer's save call agrees with one small all-reduce of the flag, only whil
 
 What is heard:
 - the signals of TANDEM_PREEMPT_SIGNALS (default `TERM,USR1`; e.g. `USR2`, or `TERM,USR1,USR2`);
-- a known walltime: SLURM_JOB_END_TIME (seconds since the epoch, set by SLURM), or
+- a known walltime: SLURM_JOB_END_TIME (seconds since the epoch, set by SLURM 23.02 and later;
+  under an older SLURM, the first rank asks `squeue` once for the job's time left), or
   TANDEM_TIME_LIMIT (seconds after arming, e.g. `tandem run`'s time limit), minus the lead
   TANDEM_PREEMPT_LEAD (seconds, default 120: the time a step and a save need).
 
-A second signal means stop now: the process exits at once with EXIT_PREEMPTED, and the
+A second signal means stop now (the same signal again within REPEAT_S is the first one delivered
+twice, as SLURM does at a time limit): the process exits at once with EXIT_PREEMPTED, and the
 previous checkpoint stands (a save in progress is never published: it is written under a
 temporary name). A signal before the first step (start-up: `arm` was called, no step yet)
 exits at once with EXIT_PREEMPTED and the reason: there is nothing to save yet.
@@ -45,6 +47,9 @@ from collections.abc import Mapping
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, run me again
 DEFAULT_SIGNALS = ("TERM", "USR1")
 DEFAULT_LEAD_S = 120.0
+# The same signal again this soon is one signal delivered twice, not a second one: at a time
+# limit SLURM signals every task and srun passes the signal on to them too.
+REPEAT_S = 2.0
 
 
 class Preempted(SystemExit):
@@ -64,6 +69,7 @@ class _State:
     armed = False
     signals: tuple[int, ...] = ()
     heard: str | None = None  # what this rank heard: "SIGUSR1", "walltime"
+    heard_at = 0.0  # time.monotonic() when it was heard
     deadline: float | None = None  # time.time() at which the walltime lead begins
     agreed = False  # the ranks agreed to stop at this step boundary
     boundaries = 0  # step boundaries reached (a signal before the first one: start-up)
@@ -100,6 +106,45 @@ def deadline_of(env: Mapping[str, str], now: float) -> float | None:
     return None if end is None else end - lead
 
 
+_RANK_VARIABLES = ("TANDEM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def time_left(text: str) -> float | None:
+    """squeue's `%L` (`MM:SS`, `H:MM:SS`, `D-HH:MM:SS`) in seconds; None for UNLIMITED and the like."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if not days.isdigit() and days or not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return int(days or 0) * 86400 + seconds
+
+
+def slurm_end_time(env: Mapping[str, str], now: float) -> float | None:
+    """The job's end (time.time()) from `squeue -j $SLURM_JOB_ID -o %L`, asked by the first rank
+    only (the per-step agreement carries its flag to the others); None when unknown (said once,
+    with the fix, when squeue cannot tell)."""
+    job = env.get("SLURM_JOB_ID")
+    rank = next((env[name] for name in _RANK_VARIABLES if name in env), "0")
+    if not job or rank != "0":
+        return None
+    squeue = shutil.which("squeue")
+    try:
+        done = subprocess.run([squeue or "squeue", "-h", "-j", job, "-o", "%L"],
+                              capture_output=True, text=True, timeout=30, check=False)
+        answer = done.stdout.strip() if done.returncode == 0 else (done.stderr.strip()
+                                                                   or f"exit {done.returncode}")
+    except (OSError, subprocess.TimeoutExpired) as error:
+        answer = str(error)
+    left = time_left(answer)
+    if left is None and answer not in ("UNLIMITED", "NOT_SET"):
+        _say(f"SLURM job {job}: its time left is unknown (squeue -j {job} -o %L said "
+             f"{answer!r}); its walltime is caught only by a signal: add "
+             f"'#SBATCH --signal=B:USR1@120' (or set SLURM_JOB_END_TIME)")
+    return None if left is None else now + left
+
+
 def arm(env: Mapping[str, str] | None = None) -> bool:
     """Catch the preemption signals in this process (once; main thread only). True when armed."""
     if _state.armed:
@@ -108,7 +153,11 @@ def arm(env: Mapping[str, str] | None = None) -> bool:
         return False
     env = os.environ if env is None else env
     _state.signals = signal_numbers(env.get("TANDEM_PREEMPT_SIGNALS"))
-    _state.deadline = deadline_of(env, time.time())
+    now = time.time()
+    if env.get("SLURM_JOB_ID") and not env.get("SLURM_JOB_END_TIME"):
+        end = slurm_end_time(env, now)
+        env = env if end is None else {**env, "SLURM_JOB_END_TIME": str(end)}
+    _state.deadline = deadline_of(env, now)
     for signum in _state.signals:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _heard)
@@ -135,10 +184,12 @@ def _say(text: str) -> None:
 def _heard(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     if _state.heard is not None:
+        if name == _state.heard and time.monotonic() - _state.heard_at < REPEAT_S:
+            return  # the first one, delivered twice
         _say(f"{name} after {_state.heard}: stopping now (exit {EXIT_PREEMPTED}); the previous "
              f"checkpoint stands")
         os._exit(EXIT_PREEMPTED)
-    _state.heard = name
+    _state.heard, _state.heard_at = name, time.monotonic()
     if _state.boundaries == 0:
         reason = (f"preempted by {name} during start-up, before the first step: nothing to save "
                   f"yet; exiting with {EXIT_PREEMPTED} (resume me)")
