@@ -105,8 +105,12 @@ class GradientReduction:
             out = staged if staged is out else (out, staged)
         self._pending = (work, out)
 
-    def finish(self, shard: torch.Tensor) -> None:
-        """The mean goes into (or onto) `shard.grad`, in the shard's dtype and memory."""
+    def finish(self, shard: torch.Tensor, mesh: Any = None) -> None:
+        """The mean goes into (or onto) `shard.grad`, in the shard's dtype and memory; with a
+        `mesh` the shard is a DTensor parameter and its `.grad` a DTensor of the same layout
+        (torch's norms of it reduce over the mesh themselves)."""
+        param, local = shard, (shard._local_tensor if mesh is not None else shard)
+        shard = local
         work, out = self._pending
         self._pending = None
         if work is not None:
@@ -118,8 +122,21 @@ class GradientReduction:
         # the summed weights: ranks x replicas on an even step, the samples on an uneven one
         shard_grad = out[:s].div_(out[s + 1:])
         shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
-        optimizer_check.graded(shard)  # an optimizer that holds no shard is refused (once)
-        if shard.grad is None:  # torch's norms of it are the unit's global norm
+        optimizer_check.graded(param)  # an optimizer that holds no shard is refused (once)
+        if mesh is not None:
+            if param.grad is None:
+                param.grad = _dtensor_like(param, shard_grad)
+            else:
+                param.grad._local_tensor.add_(shard_grad)
+        elif shard.grad is None:  # torch's norms of it are the unit's global norm
             shard.grad = as_split_grad(shard_grad, splits.split_of(shard))
         else:
             shard.grad.add_(shard_grad)
+
+
+def _dtensor_like(param: Any, local: torch.Tensor) -> Any:
+    """`local` (same storage) as a DTensor laid out as `param`."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())

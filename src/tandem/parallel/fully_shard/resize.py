@@ -36,6 +36,11 @@ def over_the_world(model: nn.Module) -> bool:
 def reshard_units(model: nn.Module) -> None:
     """Cut every unit of `model` for the world as it is now; the shards hold zeros."""
     found = [unit_of(m) for m in model.modules() if unit_of(m) is not None]
+    if any(unit.mesh is not None for unit in found):
+        raise ValueError(
+            f"this model was sharded by tandem.fsdp.fully_shard, whose DTensor parameters live on "
+            f"a DeviceMesh of the old world ({found[0].size} ranks); a change of world cannot cut "
+            f"them again. Shard it with td.fully_shard (plain tensor shards) to train elastically")
     for unit in found:
         unit.size, unit.rank = group_size(None), group_rank(None)
         unit.space = FlatShard(unit.numel, unit.size, unit.rank)

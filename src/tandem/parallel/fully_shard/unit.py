@@ -144,6 +144,7 @@ class Unit:
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         self.shard: nn.Parameter | None = None
+        self.mesh: Any = None  # a DeviceMesh: the shard is a DTensor parameter (`dtensor.py`)
         if owned:  # else a root that only holds units: it orders them and prefetches the first
             self._make_shard(module, owned)
         self.is_root = True  # until an outer fully_shard takes this module in
@@ -204,10 +205,25 @@ class Unit:
             self.compute_device = here if values.device.type == "cpu" else values.device
             pin = self.offload.pin_memory and torch.cuda.is_available()
             values = values.to("cpu").pin_memory() if pin else values.to("cpu")
+        if self.mesh is not None:  # tandem.fsdp.fully_shard: FSDP2's DTensor parameter
+            values = self.as_dtensor(values)
         self.shard = nn.Parameter(values)
         if self.size > 1 or self.group is None:  # clip_grad_norm_ reduces over the group
             splits.mark(self.shard, splits.FULLY_SHARD, self.group)
         self.module.register_parameter(SHARD, self.shard)
+
+    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this rank's part of the flat space, same storage) as a DTensor sharded
+        Shard(0) over the unit's mesh: the padded flat space is its global tensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False,
+                                  shape=torch.Size((self.size * self.shard_numel,)), stride=(1,))
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard as a plain tensor (the DTensor parameter's local tensor)."""
+        shard = self.shard
+        return shard._local_tensor if self.mesh is not None else shard
 
     # -- the unit's range in the flat space ------------------------------------------------------
     def my_range(self) -> tuple[int, int]:
@@ -235,7 +251,7 @@ class Unit:
                 storage.resize_(into.numel() * into.element_size())
             into = torch.empty(0, dtype=into.dtype, device=into.device).set_(
                 storage, into.storage_offset(), into.shape)
-        source = self.shard.detach().to(self.param_dtype)  # host memory when offloaded
+        source = self.local_shard().detach().to(self.param_dtype)  # host memory when offloaded
         if self.size == 1:
             into.copy_(source, non_blocking=True)
             self._pending = (None, into)
@@ -270,7 +286,7 @@ class Unit:
         self._backward_check()
         self.free()
         self._backward_ready = False
-        if not self.reduction.start(grad, self.shard, self.requires_gradient_sync):
+        if not self.reduction.start(grad, self.local_shard(), self.requires_gradient_sync):
             return None
         # Waited for at the end of backward, so it overlaps the backward of the units before.
         owner = self._root if self._root is not None else self
@@ -287,7 +303,7 @@ class Unit:
         for unit in in_flight:
             unit.reduction.to_replicas()
         for unit in in_flight:
-            unit.reduction.finish(unit.shard)
+            unit.reduction.finish(unit.shard, unit.mesh)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _set_views(self, full: torch.Tensor) -> None:
