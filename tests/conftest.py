@@ -142,8 +142,6 @@ SLOW: dict[str, str] = {
         "fresh processes, 18 s",
     "tests/test_torch_backend.py::test_backend_mpi_without_mpi4py_names_the_install_command":
         "a fresh process",
-    "tests/test_public_api.py::test_a_0x_name_warns_once_naming_the_new_spelling_at_the_users_line":
-        "a fresh process per old name, 8-12 s each (fast: the new spellings' check)",
     # faults and hangs: the watchdog's reports wait for TANDEM_TIMEOUT. Fast keeps the watchdog's
     # unit tests, and the agreement's checks in the shared worlds.
     "tests/test_pipeline.py::test_a_missing_stage_ends_in_a_timeout_that_names_it":
@@ -261,6 +259,8 @@ SLOW: dict[str, str] = {
         "a tandem run job per backend: the FSDP2 example's flow, 12 trainings (~40 s)",
     "tests/test_elastic_loader.py::test_a_loader_in_the_elastic_state_resumes_at_the_exact_sample_when_the_job_shrinks":
         "an elastic tandem run job that loses a rank, and its one-process reference",
+    "tests/test_framework_hints.py::test_accelerate_that_ran_copies_is_named_with_the_line_to_add[gloo]":
+        "two Accelerate jobs (fast: the MPI launch's one)",
 }
 
 
