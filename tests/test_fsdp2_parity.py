@@ -201,13 +201,14 @@ def test_the_fsdp2_examples_flow_ported_resumes_bit_identically(backend, tmp_pat
     """tests/scripts/fsdp2_port.py: the example's flow (meta model, inspect_model, both
     checkpointers, save then resume, torch's clip_grad_norm_) under tandem run, with
     tandem.fsdp's fully_shard and with torch's own FSDP2 on the same group; MPI with
-    --mixed-precision (the example's inspect_mixed_precision)."""
+    --mixed-precision (the example's inspect_mixed_precision) and --explicit-prefetching
+    (model.unshard() before each step, the prefetch setters)."""
     if backend == "mpi" and not HAVE_MPI:
         pytest.skip("needs mpi4py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["FSDP2_PORT_BACKEND"] = backend
-    extra = ["--mixed-precision"] if backend == "mpi" else []
+    extra = ["--mixed-precision", "--explicit-prefetching"] if backend == "mpi" else []
     done = subprocess.run([sys.executable, "-m", "tandem", "run", "-np", "2", "--backend", backend,
                            str(ROOT / "tests/scripts/fsdp2_port.py"), str(tmp_path), *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

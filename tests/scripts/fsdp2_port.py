@@ -8,6 +8,7 @@ fresh-start initialisation (`materialize(model, seed=0)` for `to_empty` +
 compared with an uninterrupted one.
 
     tandem run -np 2 [--backend mpi] tests/scripts/fsdp2_port.py OUT_DIR [--mixed-precision]
+        [--explicit-prefetching]
 
 Runs, in one job, for `impl` tandem (and torch's FSDP2 where it runs: Gloo, and MPI through
 tandem's process group) and each checkpointer (dcp, dtensor): STEPS steps then save, a fresh
@@ -197,7 +198,17 @@ class Checkpointer:  # the example's checkpoint.py, with step-numbered folders
             torch.save(optim_sd, f"{self.folder}/{step}/optim.pt")
 
 
-def train(fsdp, folder, dcp_api, mixed, start, steps, resume):
+def set_modules_to_prefetch(model, n):  # the example's two setters, in one
+    for i, layer in enumerate(model.layers):
+        after = [model.layers[i + j] for j in range(1, n + 1) if i + j < len(model.layers)]
+        before = [model.layers[i - j] for j in range(1, n + 1) if i - j >= 0]
+        if after:
+            layer.set_modules_to_forward_prefetch(after)
+        if before:
+            layer.set_modules_to_backward_prefetch(before)
+
+
+def train(fsdp, folder, dcp_api, mixed, start, steps, resume, prefetch=False):
     """The example's main(): returns what inspect_model saw."""
     torch.manual_seed(0)
     fresh_on_cpu = fsdp is torch_fsdp and not resume  # torch: the values of a CPU build
@@ -215,6 +226,8 @@ def train(fsdp, folder, dcp_api, mixed, start, steps, resume):
         fsdp.fully_shard(layer, **kwargs)
     fsdp.fully_shard(model, **kwargs)
     seen = inspect_model(model, fsdp)
+    if prefetch:
+        set_modules_to_prefetch(model, 1)
     checkpointer = Checkpointer(folder, dcp_api, start)
     if not resume:
         if fsdp is tandem_fsdp:
@@ -227,6 +240,8 @@ def train(fsdp, folder, dcp_api, mixed, start, steps, resume):
     if resume:
         checkpointer.load_optim(model, optim)
     for step in range(start, start + steps):
+        if prefetch:
+            model.unshard()
         g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
         x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         loss = model(x).sum()
@@ -260,6 +275,7 @@ torch_fsdp = None
 def main():
     global torch_fsdp
     out, mixed = sys.argv[1], "--mixed-precision" in sys.argv
+    prefetch = "--explicit-prefetching" in sys.argv
     dist.init_process_group(backend=os.environ.get("FSDP2_PORT_BACKEND", "gloo"))
     import torch.distributed.fsdp as torch_fsdp_module
 
@@ -270,9 +286,9 @@ def main():
         for api in ("dcp", "dtensor"):
             folder = f"{out}/{name}/{api}"
             summary["inspect"][f"{name}/{api}"] = train(fsdp, f"{folder}/a", api == "dcp",
-                                                        mixed, 0, STEPS, False)
-            train(fsdp, f"{folder}/a", api == "dcp", mixed, STEPS, STEPS, True)
-            train(fsdp, f"{folder}/b", api == "dcp", mixed, 0, 2 * STEPS, False)
+                                                        mixed, 0, STEPS, False, prefetch)
+            train(fsdp, f"{folder}/a", api == "dcp", mixed, STEPS, STEPS, True, prefetch)
+            train(fsdp, f"{folder}/b", api == "dcp", mixed, 0, 2 * STEPS, False, prefetch)
             dist.barrier()
             if dist.get_rank() == 0:
                 for what in ("model", "optim"):
