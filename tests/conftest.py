@@ -259,6 +259,8 @@ SLOW: dict[str, str] = {
         "a tandem run job per backend: the FSDP2 example's flow, 12 trainings (~40 s)",
     "tests/test_elastic_loader.py::test_a_loader_in_the_elastic_state_resumes_at_the_exact_sample_when_the_job_shrinks":
         "an elastic tandem run job that loses a rank, and its one-process reference",
+    "tests/test_docs_site.py::test_job_block_runs":
+        "each docs block that is a job of its own: tandem run, shell, pytest (fast: those on shared worlds)",
     "tests/test_framework_hints.py::test_accelerate_that_ran_copies_is_named_with_the_line_to_add[gloo]":
         "two Accelerate jobs (fast: the MPI launch's one)",
 }

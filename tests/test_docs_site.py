@@ -7,15 +7,23 @@ above it, an HTML comment the reader does not see:
 - `<!-- run: ranks N -->`: the block runs on each rank of a shared world of N ranks (Gloo,
   `tandem.testing.run_distributed`), after `td.init()`, with the names a fragment leans on
   already defined (`PRELUDE`: model, Net, Block, loader, opt, loss_fn, x, y, ...), in a
-  directory of its own shared by the ranks;
-- `<!-- run: tandem run -np N -->` or `<!-- run: python -->`: a complete script, started as a
+  directory of its own shared by the ranks. `<!-- run: ranks N with NAME,NAME -->` runs the
+  `SETUPS[NAME]` code after the prelude: another model (`sequential`, `tinylm`, a
+  LightningModule), files the block reads (`checkpoints`), or `eager-compile`, which makes
+  `torch.compile` trace with dynamo and run eagerly (no inductor: seconds, not minutes; the
+  compiled runs are tests/test_compile*.py's);
+- `<!-- run: tandem run -np N ... -->` or `<!-- run: python -->`: a complete script, started as a
   user starts it;
 - `<!-- run: shell -->`: each command line of the block runs in bash, in a directory with a
-  small `train.py`, with `tandem` on the PATH;
+  small `train.py`, with `tandem` on the PATH; `<!-- run: shell in the checkout -->` runs them
+  in the repository's root (the suite's own commands: `.venv/bin/python -m pytest ...`);
+- `<!-- run: pytest -->`: the block is a test file, run by pytest in a directory of its own;
+- `<!-- run: in the test process -->`: the block runs in this pytest process, in the
+  repository's root (it calls `run_distributed` itself, on the suite's shared worlds);
+- `<!-- run: the site build -->`: `bash scripts/docs.sh`, which the `site` fixture runs (into a
+  directory of its own) for every test of the build below;
 - `<!-- skip: needs ... -->`: a block that needs a GPU, a cluster (several hosts, SLURM) or a
-  network, with the reason;
-- `<!-- shown: why -->`: not a program of its own (alternatives side by side, the suite's own
-  commands), with the test that runs what it shows.
+  network, or that sets up a venv, runs the whole suite or takes tens of minutes, with the reason.
 
 docs/recipes.md's blocks are run by tests/test_recipes_doc.py (each names its launch on its
 first line); they are not run twice.
@@ -26,6 +34,7 @@ from __future__ import annotations
 import functools
 import gc
 import http.server
+import importlib.util
 import os
 import re
 import shlex
@@ -47,8 +56,10 @@ BUILD_TIMEOUT_S = 240  # about 25 s alone; two shared cores and torch's import c
 JOB_TIMEOUT_S = 120
 RUN_ELSEWHERE = {"recipes.md": "tests/test_recipes_doc.py"}
 SHELL_LANGS = ("bash", "sh", "shell", "console")
+NEEDS_MPI = re.compile(r'backend="mpi"|init_process_group\("mpi"\)')
 MARKER = re.compile(r"<!-- (run|skip|shown): (.+?) -->")
-SKIP_REASONS = ("needs a GPU", "needs a cluster", "needs SLURM", "needs several hosts", "needs a network")
+SKIP_REASONS = ("needs a GPU", "needs a cluster", "needs SLURM", "needs several hosts", "needs a network",
+                "sets up a venv", "runs the whole suite", "takes tens of minutes")
 
 PRELUDE = '''
 import torch, tandem as td
@@ -95,6 +106,64 @@ def contrastive_loss(logits):
 td.init()
 '''
 
+# What `<!-- run: ranks N with NAME -->` adds after the prelude.
+SETUPS = {
+    # an nn.Sequential for td.Pipeline, and a regression batch for it
+    "sequential": """
+model = seq = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+x, y = torch.randn(16, 16), torch.randn(16, 4)
+""",
+    # tests/test_tensor_parallel.py's small language model (sizes divisible by tp = 2 and 3)
+    "tinylm": """
+class TinyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(12), nn.LayerNorm(12)
+        self.attn = nn.MultiheadAttention(12, 6, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12))
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block, self.head = nn.Embedding(12, 12), TinyBlock(), nn.Linear(12, 12)
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+ids, target = torch.randint(0, 12, (4, 5)), torch.randint(0, 12, (4, 5))
+""",
+    # a tandem checkpoint of 100 steps, and a directory torch's dcp.save wrote
+    "checkpoints": """
+import torch.distributed.checkpoint as _dcp
+td.Checkpointer("checkpoints", every=100).save(99, model=model, optimizer=opt)
+_dcp.save({"model": Net().state_dict()}, checkpoint_id="their_dcp_dir")
+""",
+    # a LightningModule and its optimizer (tests/scripts/lightning_train.py's, smaller)
+    "lightning": """
+import lightning as L
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+    def forward(self, x):
+        return self.net(x)
+    def training_step(self, batch, _):
+        return loss_fn(self.net(batch[0]), batch[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        return loader
+model = Module()
+optimizer = model.configure_optimizers()
+""",
+    # torch.compile traces with dynamo and runs the graphs eagerly (exec_block puts it back)
+    "eager-compile": """
+import functools as _functools
+torch.compile = _functools.partial(torch.compile, backend="eager")
+""",
+}
+
 
 def pages() -> list[Path]:
     return sorted(p for p in DOCS.rglob("*.md") if not {"hooks", "_screenshots"} & set(p.parts))
@@ -121,11 +190,24 @@ def blocks() -> list:
 BLOCKS = blocks()
 
 
+def is_job(said: str | None) -> bool:
+    """Whether a `run:` block is a job of its own (a script, shell commands, a pytest run), not
+    a block on a shared world, in this process or the site build: those run in the full tier."""
+    return bool(said) and said.split()[0] not in ("ranks", "in", "the")
+
+
+IN_WORLDS = [p for p in BLOCKS if not (p.values[3] == "run" and is_job(p.values[4]))]
+JOBS = [p for p in BLOCKS if p.values[3] == "run" and is_job(p.values[4])]
+
+
 def test_every_block_is_marked():
     """A block without a marker, or a skip without a reason the docs accept, fails here."""
     unmarked = [f"{p.values[0]}:{p.values[1]}" for p in BLOCKS
                 if p.values[3] is None and p.values[0] not in RUN_ELSEWHERE]
     assert not unmarked, f"blocks with no '<!-- run: ... -->' or '<!-- skip: ... -->' above them: {unmarked}"
+    shown = [f"{p.values[0]}:{p.values[1]}" for p in BLOCKS if p.values[3] == "shown"]
+    assert not shown, (f"blocks marked 'shown' (run by nothing): {shown}; make each a block that "
+                       "runs (split alternatives, 'with NAME' for what it leans on) or skip it with a reason")
     bad = [f"{p.values[0]}:{p.values[1]}: {p.values[4]!r}" for p in BLOCKS
            if p.values[3] == "skip" and not p.values[4].startswith(SKIP_REASONS)]
     assert not bad, f"a block is skipped only when it needs one of {SKIP_REASONS}: {bad}"
@@ -143,28 +225,39 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def exec_block(code: str, where: str, directory: str) -> str:
-    """On every rank: the prelude, then the block, in `directory`; what it printed."""
+def exec_block(code: str, where: str, directory: str, setups: tuple[str, ...] = ()) -> str:
+    """On every rank: the prelude, the setups named, then the block, in `directory`; what it printed."""
     import contextlib
     import io
 
+    import torch
+
+    compile_ = torch.compile
     os.makedirs(directory, exist_ok=True)
     before = os.getcwd()
     os.chdir(directory)
     out = io.StringIO()
-    module = types.ModuleType("docs_block")  # a real module: torch.compile imports its globals'
+    # a real module: torch.compile imports its globals'; a name of its own per block (dynamo
+    # keeps the modules it saw by name)
+    module = types.ModuleType(f"docs_block_{re.sub(r'[^0-9a-zA-Z]', '_', where)}")
     sys.modules[module.__name__] = module
     namespace = module.__dict__
     try:
         with contextlib.redirect_stdout(out):
             exec(compile(PRELUDE, "<prelude>", "exec"), namespace)
+            for name in setups:
+                exec(compile(SETUPS[name], f"<setup {name}>", "exec"), namespace)
             exec(compile(code, where, "exec"), namespace)
     finally:
         os.chdir(before)
+        if torch.compile is not compile_:
+            torch.compile = compile_
+            torch._dynamo.reset()
         # The shared world runs other tests next: the block's models and optimizers must go
         # (a td.join of a later test would see two data-parallel optimizers alive).
         sys.modules.pop(module.__name__, None)
-        namespace.clear()
+        for name in [n for n in namespace if not n.startswith("__")]:
+            del namespace[name]
         gc.collect()
     return out.getvalue()
 
@@ -177,27 +270,56 @@ print(f"rank {td.rank()} of {td.size()}: sum of ranks {total}")
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("page, line, lang, kind, said, code", BLOCKS)
-def test_block_runs(page, line, lang, kind, said, code, tmp_path):
+@pytest.mark.parametrize("page, line, lang, kind, said, code", IN_WORLDS)
+def test_block_runs(page, line, lang, kind, said, code, tmp_path, request):
+    run_block(page, line, kind, said, code, tmp_path, request)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("page, line, lang, kind, said, code", JOBS)
+def test_job_block_runs(page, line, lang, kind, said, code, tmp_path, request):
+    run_block(page, line, kind, said, code, tmp_path, request)
+
+
+def run_block(page, line, kind, said, code, tmp_path, request):
     if page in RUN_ELSEWHERE and kind is None:
         pytest.skip(f"run by {RUN_ELSEWHERE[page]}")
-    if kind in ("skip", "shown"):
+    if kind == "skip":
         pytest.skip(said)
-    assert kind == "run", f"{page}:{line} has no marker"
+    assert kind == "run", f"{page}:{line} has no '<!-- run: ... -->' marker"
     where = f"docs/{page}:{line}"
+    if NEEDS_MPI.search(code) and importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs MPI: pip install mpi4py mpich (scripts/setup.sh installs both)")
     words = shlex.split(said)
     if words[0] == "ranks":
+        setups = tuple(words[3].split(",")) if words[2:3] == ["with"] else ()
+        assert len(words) == (4 if setups else 2) and set(setups) <= set(SETUPS), f"{where}: {said!r}"
         results = run_distributed(exec_block, world_size=int(words[1]), backend="gloo",
-                                  args=(code, where, str(tmp_path / "work")), timeout=JOB_TIMEOUT_S)
+                                  args=(code, where, str(tmp_path / "work"), setups), timeout=JOB_TIMEOUT_S)
         assert len(results) == int(words[1])
         return
+    if said == "the site build":
+        assert code.strip() == "bash scripts/docs.sh", f"{where}: the site fixture runs scripts/docs.sh only"
+        built = request.getfixturevalue("site")
+        assert (built / "index.html").exists()
+        return
+    if said == "in the test process":
+        before, path = os.getcwd(), list(sys.path)
+        os.chdir(ROOT)
+        try:
+            exec(compile(code, where, "exec"), {"__name__": "docs_block"})
+        finally:
+            os.chdir(before)
+            sys.path[:] = path
+        return
     env = _environment()
-    if words == ["shell"]:
+    if words[0] == "shell":
+        assert words[1:] in ([], ["in", "the", "checkout"]), f"{where}: {said!r}"
         (tmp_path / "train.py").write_text(TRAIN_PY)
         commands = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
         for command in commands:
-            result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
-                                    text=True, timeout=JOB_TIMEOUT_S)
+            result = subprocess.run(["bash", "-c", command], cwd=ROOT if words[1:] else tmp_path, env=env,
+                                    capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
             assert result.returncode == 0, f"{where}: `{command}` exited {result.returncode}:\n" \
                                            f"{result.stdout}{result.stderr}"
         return
@@ -207,11 +329,44 @@ def test_block_runs(page, line, lang, kind, said, code, tmp_path):
         command = [sys.executable, "-m", "tandem", "run", *words[2:], str(script)]
     elif words == ["python"]:
         command = [sys.executable, str(script)]
+    elif words == ["pytest"]:
+        script = script.rename(tmp_path / "test_block.py")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)]
     else:
         pytest.fail(f"{where}: cannot run {said!r}")
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=JOB_TIMEOUT_S)
     assert result.returncode == 0, f"{where}: exit code {result.returncode}\n{result.stdout}{result.stderr}"
+
+
+# --- measured results: dated pages, not the guides -------------------------------------------
+
+MEASURED_ROW = re.compile(r"^\s*\|.*(\bms\b|µs|\bus\b|samples/s|MiB|GB/s|Gb/s)", re.MULTILINE)
+
+
+def test_measured_results_are_dated_pages_that_the_guides_link_to():
+    """A measurement lives in docs/results/DATE-what.md (dated, its machine and command said,
+    listed in results/index.md and the nav); a guide states what it means and links there."""
+    results = DOCS / "results"
+    index = (results / "index.md").read_text()
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(p for p in results.glob("*.md") if p.name != "index.md")
+    assert pages
+    for page in pages:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", page.name), f"{page.name}: not DATE-what.md"
+        assert "*Measured " in page.read_text()[:600], f"{page.name} says not when and where it was measured"
+        assert f"]({page.name})" in index, f"results/index.md does not list {page.name}"
+        assert f"results/{page.name}" in nav, f"mkdocs.yml's nav does not list results/{page.name}"
+    linked = "\n".join(p.read_text() for p in pages_outside(results))
+    unlinked = [p.name for p in pages if f"results/{p.name}" not in linked]
+    assert not unlinked, f"no guide links to {unlinked}"
+    tables = [f"{p.relative_to(DOCS)}: {m.group(0).strip()[:80]}" for p in pages_outside(results)
+              for m in MEASURED_ROW.finditer(p.read_text())]
+    assert not tables, f"measurement tables in the guides (move them to docs/results/): {tables}"
+
+
+def pages_outside(folder: Path) -> list[Path]:
+    return [p for p in pages() if folder not in p.parents]
 
 
 # --- the build --------------------------------------------------------------------------------
@@ -229,8 +384,11 @@ def site(tmp_path_factory) -> Path:
     if not MKDOCS.exists():
         pytest.skip("mkdocs is not installed: bash scripts/setup.sh installs the docs extra")
     out = tmp_path_factory.mktemp("site") / "site"
-    result = build(ROOT / "mkdocs.yml", out)
+    env = {**_environment(), "DOCS_SITE_DIR": str(out)}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "docs.sh")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert result.returncode == 0, f"the site does not build strictly:\n{result.stderr[-6000:]}"
+    assert f"docs: open file://{out}/index.html" in result.stdout, result.stdout
     return out
 
 
@@ -248,7 +406,8 @@ def test_site_builds_with_every_part_and_the_generated_reference(site):
 
 
 def test_every_readme_section_of_before_is_reachable(site):
-    """The README's sections of before the site each have their page (the front door links in)."""
+    """The README's sections of before the site each have their page (the front door links in):
+    every `## ` heading of the last long README (`git show 1573741:README.md`, 1,957 lines)."""
     text = "\n".join(p.read_text() for p in (site).rglob("*.html"))
     for title in ("Two commands", "The five-line change", "Running a job", "Logging and progress",
                   "Notebooks", "Clusters (SLURM)", "API", "Which wrapper?", "How much memory per rank?",
