@@ -115,14 +115,11 @@ SLOW: dict[str, str] = {
     "tests/test_torchrun_env.py::test_td_init_on_mpi_joins_even_without_the_watchdog": "an MPI job",
     "tests/test_torchrun_env.py::test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo":
         "a job per launcher and backend",
-    # starting a world by hand: fast keeps td.spawn's results and the shared worlds' own init
-    "tests/test_manual_init.py::test_the_manual_template_joins_a_gloo_job": "processes by hand, 30 s",
+    # starting a world by hand: fast keeps td.spawn's results, the shared worlds' own init, the
+    # manual template at 2 ranks and td.init's refusals (in the test process)
+    "tests/test_manual_init.py::test_the_manual_template_joins_a_gloo_job[3]": "processes by hand",
     "tests/test_manual_init.py::test_init_method_tcp_instead_of_master_variables": "processes by hand",
     "tests/test_manual_init.py::test_the_template_as_a_script": "processes by hand",
-    "tests/test_manual_init.py::test_a_rank_outside_the_world_is_an_error_before_any_communication":
-        "processes by hand",
-    "tests/test_manual_init.py::test_a_rendezvous_without_a_rank_is_an_error_not_a_world_of_one":
-        "processes by hand",
     "tests/test_manual_init.py::test_two_processes_given_rank_0_are_named": "processes by hand",
     "tests/test_manual_init.py::test_a_missing_rank_is_named_on_every_rank_that_came": "processes by hand",
     "tests/test_manual_init.py::test_different_world_sizes_are_named_per_rank": "processes by hand",
