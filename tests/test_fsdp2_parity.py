@@ -153,8 +153,9 @@ def check_dtensor_parameters():
     from torch.distributed.tensor import distribute_tensor
 
     loaded = _port_model()
-    for layer in (loaded[0], loaded[2], loaded):
-        td.fsdp.fully_shard(layer)
+    for layer in (loaded[0], loaded[2], loaded):  # FSDP2's defaults spelled out: no offload
+        td.fsdp.fully_shard(layer, reshard_after_forward=None,
+                            offload_policy=torch.distributed.fsdp.OffloadPolicy())
     sharded = {k: nn.Parameter(distribute_tensor(full[k], v.device_mesh, v.placements))
                for k, v in loaded.state_dict().items()}
     loaded.load_state_dict(sharded, strict=False, assign=True)

@@ -20,7 +20,7 @@ from torch import nn
 from tandem.parallel.fully_shard import api, dtensor
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | None = True,
                 mp_policy: Any = None, offload_policy: Any = None) -> nn.Module:
     """FSDP2's `fully_shard(module)` on tandem: `td.fully_shard(module, dtensor=True)`.
 
@@ -30,9 +30,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         module: the module to shard.
         mesh: None, or FSDP2's 1-D `DeviceMesh` over the whole world (the same sharding); a
             mesh of another shape is refused (use `td.fully_shard(module, mesh=td.mesh(...))`).
-        reshard_after_forward: free the gathered parameters after forward (FSDP2's default).
+        reshard_after_forward: free the gathered parameters after forward (FSDP2's default;
+            None, newer FSDP2's default, is True here).
         mp_policy: a `MixedPrecisionPolicy` (tandem's or torch's).
-        offload_policy: must be None here (use `td.fully_shard(..., offload_policy=...)`).
+        offload_policy: None or FSDP2's `OffloadPolicy()` (no offload); a CPU offload is
+            refused here (use `td.fully_shard(..., offload_policy=...)`).
 
     Returns:
         `module`, fully sharded: its parameters are DTensors (`Shard(0)`), its state dict's
@@ -52,5 +54,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                 f"tandem.fsdp.fully_shard: mesh={mesh!r} is not a 1-D mesh over the whole "
                 f"world ({dist.get_world_size()} ranks); for HSDP use td.fully_shard(module, "
                 f"mesh=td.mesh(dp=replicas, shard=ranks per replica))")
-    return api.fully_shard(module, reshard_after_forward=reshard_after_forward,
+    if type(offload_policy).__name__ == "OffloadPolicy":  # FSDP2's default: no offload
+        offload_policy = None
+    return api.fully_shard(module, reshard_after_forward=reshard_after_forward is not False,
                            mp_policy=mp_policy, offload_policy=offload_policy, dtensor=True)
