@@ -185,16 +185,42 @@ def _pipeline_job(mode: str, backend: str, checks: str = "1") -> subprocess.Comp
          str(PIPELINE_SCRIPT), mode], env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.timeout(300)
+def pipeline_out_of_step(mode: str):
+    """tests/scripts/pipeline_out_of_step.py's loop with checks on, on this rank of a shared
+    world: rank 1 (the last stage) logs with td.allreduce ("collective") or evaluates ("eval")
+    at step 2 while stage 0 trains. The step's agreement raises on every rank before anything
+    is sent, so the world goes on; (step, error type, message), or (None, "finished", "")."""
+    torch.manual_seed(0)
+    pipe = td.Pipeline(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), chunks=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(5):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        try:
+            if step == 2 and td.rank() == 1:
+                if mode == "collective":
+                    td.allreduce(torch.ones(1))
+                else:
+                    pipe(x)
+                continue
+            pipe.train_step(x, y, nn.functional.mse_loss)
+        except td.DivergedError as error:
+            return step, type(error).__name__, str(error)
+        opt.step()
+        opt.zero_grad()
+    return None, "finished", ""
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_stage_in_a_collective_while_the_others_train_is_named_by_the_step_agreement(backend):
-    done = _pipeline_job("collective", backend)
-    output = done.stdout + done.stderr
-    assert done.returncode != 0 and "finished" not in output, output
-    assert "DivergedError: ranks are in different operations" in output, output
-    assert "rank 0: Pipeline train_step #3 of Sequential, stage 0 (after 2 optimizer steps)" \
-        in output, output
-    assert "rank 1: allreduce(shape=(1,), dtype=float32" in output, output
+    """In a shared world (the step's agreement raises on every rank; the job-level ends, with
+    checks off, are the jobs below)."""
+    for rank, (step, kind, message) in enumerate(
+            run_distributed(pipeline_out_of_step, 2, backend, args=("collective",))):
+        assert (step, kind) == (2, "DivergedError"), (rank, step, kind, message)
+        assert "ranks are in different operations" in message, (rank, message)
+        assert "rank 0: Pipeline train_step #3 of Sequential, stage 0 (after 2 optimizer steps)" \
+            in message, (rank, message)
+        assert "rank 1: allreduce(shape=(1,), dtype=float32" in message, (rank, message)
 
 
 @pytest.mark.timeout(300)
@@ -212,15 +238,21 @@ def test_pipeline_stages_out_of_step_are_named_long_before_the_timeout(backend):
                      output), output
 
 
+def test_a_stage_that_evaluates_while_stage_0_trains_is_named_by_the_step_agreement():
+    """Checks on, in a shared world: the step's agreement."""
+    for rank, (step, kind, message) in enumerate(
+            run_distributed(pipeline_out_of_step, 2, "gloo", args=("eval",))):
+        assert (step, kind) == (2, "DivergedError"), (rank, step, kind, message)
+        assert "rank 0: Pipeline train_step #3 of Sequential, stage 0" in message, (rank, message)
+        assert "rank 1: Pipeline forward #1 of Sequential, stage 1" in message, (rank, message)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("checks", ["1", "0"])
-def test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error(checks):
-    done = _pipeline_job("eval", "gloo", checks)
+def test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error():
+    """Checks off, a job: the step header, which stage 0 sends down the pipeline, names the
+    calls on stage 1, which raises and ends the job (stage 0 would wait for it)."""
+    done = _pipeline_job("eval", "gloo", "0")
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "finished" not in output, output
-    if checks == "1":  # the step's agreement
-        assert "rank 0: Pipeline train_step #3 of Sequential, stage 0" in output, output
-        assert "rank 1: Pipeline forward #1 of Sequential, stage 1" in output, output
-    else:  # the step header, which stage 0 sends down the pipeline
-        assert ("DivergedError: pipeline stages are in different calls: stage 0 (rank 0) runs "
-                "train_step, stage 1 (rank 1) runs forward (evaluation)") in output, output
+    assert ("DivergedError: pipeline stages are in different calls: stage 0 (rank 0) runs "
+            "train_step, stage 1 (rank 1) runs forward (evaluation)") in output, output
