@@ -149,12 +149,10 @@ SLOW: dict[str, str] = {
     "tests/test_watchdog.py::test_a_lost_peer_is_named": "a job per way of losing a peer",
     "tests/test_groups.py::test_a_rank_that_never_creates_the_group_is_named_by_the_watchdog":
         "a hung job per backend",
-    "tests/test_divergence.py::test_a_stage_in_a_collective_while_the_others_train_is_named_by_the_step_agreement":
-        "a diverged pipeline job per backend",
     "tests/test_divergence.py::test_pipeline_stages_out_of_step_are_named_long_before_the_timeout":
         "a desynchronised pipeline job per backend",
     "tests/test_divergence.py::test_a_stage_that_evaluates_while_stage_0_trains_raises_diverged_error":
-        "a diverged pipeline job per check setting",
+        "a diverged pipeline job, checks off (fast: the step agreement's, in a shared world)",
     "tests/test_call_sites.py::test_torch_all_reduce_on_backend_tandem_over_gloo_names_the_skip":
         "a Gloo job",
     "tests/test_horovod_elastic_examples.py::test_horovods_synthetic_benchmark_elastic_loses_a_rank_and_finishes_on_2":
