@@ -39,14 +39,19 @@ def _env() -> dict[str, str]:
 
 def _until_step(job: subprocess.Popen, step: int) -> None:
     """Read the job's output until rank 0 printed `step N` (or fail at the deadline)."""
+    _until_line(job, job.stdout, lambda line: line.strip() == f"[0] step {step}", f"step {step}")
+
+
+def _until_line(job: subprocess.Popen, pipe, found, what: str) -> None:
+    """Read `pipe` (the job's stdout or stderr) until `found(line)`, or fail at the deadline."""
     deadline = time.monotonic() + JOB_S
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([job.stdout], [], [], deadline - time.monotonic())
-        line = job.stdout.readline() if ready else ""
-        if line.strip() == f"[0] step {step}":
+        ready, _, _ = select.select([pipe], [], [], deadline - time.monotonic())
+        line = pipe.readline() if ready else ""
+        if found(line):
             return
-        assert line or job.poll() is None, f"the job ended before step {step}"
-    raise AssertionError(f"no step {step} within {JOB_S} s")
+        assert line or job.poll() is None, f"the job ended before {what}"
+    raise AssertionError(f"no {what} within {JOB_S} s")
 
 
 def test_sigusr1_to_tandem_run_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path):
@@ -121,6 +126,8 @@ def test_a_second_signal_to_the_launcher_stops_for_good(tmp_path):
     try:
         _until_step(job, 3)
         job.send_signal(signal.SIGTERM)
+        # The second once the first was heard (two at once may reach it as one signal).
+        _until_line(job, job.stderr, lambda line: "received SIGTERM" in line, "the first heard")
         job.send_signal(signal.SIGTERM)
         _, stderr = job.communicate(timeout=JOB_S)
     finally:
@@ -129,3 +136,21 @@ def test_a_second_signal_to_the_launcher_stops_for_good(tmp_path):
     assert job.returncode in (EXIT_PREEMPTED, 128 + signal.SIGTERM), stderr
     assert "starting the job again" not in stderr, stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("slurm", [False, True])
+def test_resume_on_preempt_is_bounded_and_leaves_slurm_to_its_requeue(tmp_path, slurm):
+    """A job that is preempted every time is started 1 + N times, then stops naming the
+    option; under SLURM (the job requeues itself) it is not restarted here."""
+    attempts = tmp_path / "attempts"
+    script = tmp_path / "always_preempted.py"
+    script.write_text(f"open({str(attempts)!r}, 'a').write('x')\nraise SystemExit(75)\n")
+    env = {**_env(), **({"SLURM_JOB_ID": "4242"} if slurm else {})}
+    done = subprocess.run([sys.executable, "-m", "tandem", "run", "-np", "1", "--backend",
+                           "gloo", "--resume-on-preempt", "2", str(script)], env=env, cwd=ROOT,
+                          text=True, capture_output=True, timeout=JOB_S)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr
+    assert attempts.read_text() == ("x" if slurm else "xxx")
+    said = ("under SLURM (job 4242) the job requeues itself" if slurm else
+            "it was restarted 2 time(s) already (--resume-on-preempt 2)")
+    assert f"not restarting: {said}" in done.stderr, done.stderr

@@ -111,16 +111,19 @@ def resumed(config: LaunchConfig) -> int:
             if len(signals) > 1:
                 names = " then ".join(signal.Signals(s).name for s in signals)
                 why = f"tandem run received {names}: a second signal stops for good"
+            elif os.environ.get("SLURM_JOB_ID"):
+                why = (f"under SLURM (job {os.environ['SLURM_JOB_ID']}) the job requeues itself "
+                       f"(rank 0 asks scontrol requeue) and this allocation is ending")
             elif restarts >= limit:
                 why = (f"it was restarted {restarts} time(s) already (--resume-on-preempt "
                        f"{limit}); raise N to restart more")
+            if why is None and heard():  # a signal while restarting: stop for good
+                why = "a signal reached tandem run while it restarted the job"
             if why is None:
                 restarts += 1
                 _say(f"tandem run: preempted; starting the job again ({restarts} of {limit}, "
                      f"--resume-on-preempt {limit}): it resumes from its newest checkpoint")
-                if heard():  # a signal while restarting: stop for good
-                    why = "a signal reached tandem run while it restarted the job"
-            if why is not None:
+            else:
                 _say(f"tandem run: preempted; not restarting: {why}. The newest checkpoint "
                      f"stands; exit {EXIT_PREEMPTED}")
                 return EXIT_PREEMPTED
