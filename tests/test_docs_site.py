@@ -54,6 +54,7 @@ DOCS = ROOT / "docs"
 MKDOCS = Path(sys.executable).parent / "mkdocs"
 BUILD_TIMEOUT_S = 240  # about 25 s alone; two shared cores and torch's import can stall it
 JOB_TIMEOUT_S = 120
+SHELL_LINES_MAX = 3  # command lines in one shell block (each gets JOB_TIMEOUT_S)
 RUN_ELSEWHERE = {"recipes.md": "tests/test_recipes_doc.py"}
 SHELL_LANGS = ("bash", "sh", "shell", "console")
 NEEDS_MPI = re.compile(r'backend="mpi"|init_process_group\("mpi"\)')
@@ -275,7 +276,7 @@ def test_block_runs(page, line, lang, kind, said, code, tmp_path, request):
     run_block(page, line, kind, said, code, tmp_path, request)
 
 
-@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.timeout(SHELL_LINES_MAX * JOB_TIMEOUT_S + 60)  # each line of a shell block has its own
 @pytest.mark.parametrize("page, line, lang, kind, said, code", JOBS)
 def test_job_block_runs(page, line, lang, kind, said, code, tmp_path, request):
     run_block(page, line, kind, said, code, tmp_path, request)
@@ -317,6 +318,7 @@ def run_block(page, line, kind, said, code, tmp_path, request):
         assert words[1:] in ([], ["in", "the", "checkout"]), f"{where}: {said!r}"
         (tmp_path / "train.py").write_text(TRAIN_PY)
         commands = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
+        assert len(commands) <= SHELL_LINES_MAX, f"{where}: split a block of {len(commands)} commands"
         for command in commands:
             result = subprocess.run(["bash", "-c", command], cwd=ROOT if words[1:] else tmp_path, env=env,
                                     capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
