@@ -258,6 +258,18 @@ SLOW: dict[str, str] = {
         "each docs block that is a job of its own: tandem run, shell, pytest (fast: those on shared worlds)",
     "tests/test_framework_hints.py::test_accelerate_that_ran_copies_is_named_with_the_line_to_add[gloo]":
         "two Accelerate jobs (fast: the MPI launch's one)",
+    "tests/test_context_parallel.py::test_compiled_model_matches_one_process[alltoall-gloo]":
+        "torch.compile of a context-parallel model, 20-40 s each (fast: [ring-gloo])",
+    "tests/test_context_parallel.py::test_compiled_model_matches_one_process[ring-mpi]":
+        "torch.compile of a context-parallel model, 20-40 s each (fast: [ring-gloo])",
+    "tests/test_context_parallel.py::test_compiled_model_matches_one_process[alltoall-mpi]":
+        "torch.compile of a context-parallel model, 20-40 s each (fast: [ring-gloo])",
+    "tests/test_context_parallel.py::test_compiled_by_inductor_matches_one_process":
+        "torch.compile with inductor (C++ code built for the model's graphs), 80 s",
+    "tests/test_context_parallel.py::test_compiled_and_checkpointed_matches_one_process":
+        "torch.compile of a checkpointed context-parallel model, 12-15 s each",
+    "tests/test_context_parallel.py::test_compiled_rank_that_skips_an_attention_call_is_named":
+        "torch.compile of two context-parallel models per backend, 20-30 s each",
 }
 
 

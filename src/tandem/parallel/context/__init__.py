@@ -12,6 +12,8 @@
 - `ring`: ring attention (online softmax, explicit backward, causal load balancing)
 - `ulysses`: the all-to-all form (heads for the sequence around attention)
 - `wire`: the messages, with the header that names a rank that skipped an attention call
+- `ops`: the attention calls as torch custom operators, for a compiled model
+- `mha`: `F.multi_head_attention_forward` with its attention call sent to the split
 
 The parameters are not split: every rank holds them whole, and a checkpoint is the model's own
 state dict (`td.Checkpointer` saves and restores it as any replicated model's). Gradients are
@@ -21,10 +23,12 @@ each rank's sum over its tokens divided by the whole sequence's count). Losses t
 tokens unevenly (an ignore_index) need that second form, with the count all-reduced.
 
 Works with activation checkpointing (`td.checkpoint_wrapper`, `torch.utils.checkpoint`): a
-recomputed block attends over the group again. Refused with the reason: torch.compile of the
-split model (a compiled graph skips the Python mode that catches attention), attention dropout
-in the ring form, masks other than is_causal in the ring form (the all-to-all form takes a mask
-over the whole sequence), cross-attention and grouped-query attention.
+recomputed block attends over the group again. Works under `torch.compile` (`ops`: the attention
+calls are custom operators in the graph; `mha`: nn.MultiheadAttention's function with its
+attention sent to the split); a checkpointed region runs outside the graph. Refused with the
+reason: attention dropout in the ring form, masks other than is_causal in the ring form (the
+all-to-all form takes a mask over the whole sequence), cross-attention and grouped-query
+attention.
 """
 
 from tandem.parallel.context.apply import ContextParallelError, parallelize

@@ -3,27 +3,37 @@
 While the model's forward runs, a torch function mode catches its calls to
 `F.scaled_dot_product_attention` (however the model reached it: `F.` or imported by name) and
 runs them over the context-parallel group in the chosen form; `nn.MultiheadAttention`'s call
-inside `F.multi_head_attention_forward`, which the mode sees as one call, is caught by its
-name in `torch.nn.functional` for the length of that call (one thread's forward at a time).
-Every other operation runs as written, on this rank's part of the sequence. An
+inside `F.multi_head_attention_forward`, which the mode sees as one call, runs through a copy
+of that function whose attention goes to the split (`mha`; nothing in torch is renamed). Every
+other operation runs as written, on this rank's part of the sequence. An
 `nn.MultiheadAttention` computes its weights by hand unless called with `need_weights=False`:
 its calls default to that (no weights over the whole sequence exist on any rank); asking for
 the weights is refused.
 
+Under `torch.compile` the same mode is on dynamo's stack while it traces (the model's hooks
+open it outside the graph), so dynamo traces the catch with the model and finds every
+attention call; `attend` then puts the split's custom operators in the graph (`ops`), which
+communicate when the graph runs. The model's other hooks only keep the name of the module
+running (traced, no graph break): the root's open and close the mode, one break each, where
+the per-forward agreement breaks already. A region that `torch.utils.checkpoint` recomputes
+(`td.checkpoint_wrapper`'s blocks) runs outside the graph, eagerly: dynamo traces its body
+without the mode, where attention would be torch's on this rank's part alone.
+
 Each forward and each backward of the model opens with one agreement over the group
 (`parallel/model_check.py`: a rank that skipped a forward or a backward, or was given a batch
 of another shape, is named); inside, each attention call's messages carry its number and
-arguments (`wire`), so a rank that skipped one call is named too. No per-call agreement.
+arguments (`wire`), so a rank that skipped one call is named too, compiled or not. No
+per-call agreement.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -31,11 +41,11 @@ from tandem.comm.agreement import agree as agreement
 from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_ranks, group_size
 from tandem.parallel import activation_checkpoint, model_check
-from tandem.parallel.context import layout, ring, ulysses, wire
+from tandem.parallel.context import layout, mha, ops, ring, ulysses, wire
 
 STYLES = ("ring", "alltoall")
 _SDPA = F.scaled_dot_product_attention
-_CALL = nn.Module._call_impl.__code__
+_CHECKPOINT = torch.utils.checkpoint.checkpoint
 
 
 class ContextParallelError(ValueError):
@@ -48,60 +58,80 @@ class _Split:
     def __init__(self, model: nn.Module, group: Group | None, style: str) -> None:
         self.group, self.style, self.owner = group, style, type(model).__name__
         self.sp = group_size(group)
-        self.calls = 0
-        self.mode: _Catch | None = None
+        self.calls = 0  # attention calls in this forward (counted as they run, compiled too)
+        self.catch = _Catch(self)
+        self.mode: _Catch | None = None  # the catch, while open
         self.opener: nn.Module | None = None  # the module whose forward opened `mode`
+        self.path: list[str] = []  # the names of the model's modules whose forward runs
         self.check = model_check.check_of(model)
         # a module's code in the messages -> its name (the same on every rank: one model)
-        self.modules = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
-        self.names = {agreement.checksum(n): n for n in self.modules.values()}
+        self.names = {agreement.checksum(n or self.owner): n or self.owner
+                      for n, _ in model.named_modules()}
+        self.key = ops.remember(self)
 
-    def _caller(self) -> str:
-        """The innermost module of the model whose forward is running (this call's place)."""
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code is _CALL:
-                name = self.modules.get(id(frame.f_locals.get("self")))
-                if name is not None:
-                    return name
-            frame = frame.f_back
-        return self.owner
+    def _where(self) -> str:
+        return (f"attention call #{self.calls + 1} of {self.owner} (context parallelism, "
+                f"{self.style})")
+
+    def header(self, shape: tuple[int, ...], dtype: torch.dtype, causal: bool, scale: float,
+               mask: list[int] | tuple[int, ...] | None, module: str, checked: bool
+               ) -> torch.Tensor | None:
+        """Count one attention call; its messages' header (`wire`) when `checked`."""
+        self.calls += 1
+        if not checked:
+            return None
+        code = agreement.checksum(f"{shape} {dtype} {causal} {scale} "
+                                  f"{None if mask is None else tuple(mask)}")
+        return wire.header_of(self.calls, agreement.checksum(module), code, True)
 
     def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                scale=None, enable_gqa=False):
-        self.calls += 1
-        where = f"attention call #{self.calls} of {self.owner} (context parallelism, {self.style})"
         if enable_gqa or key.shape != query.shape or value.shape != query.shape:
             raise ContextParallelError(
-                f"{where}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                f"{self._where()}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                 f"{tuple(value.shape)} must have one shape (self-attention over the split "
                 f"sequence, the same heads: enable_gqa={enable_gqa}); cross-attention to a "
                 f"sequence that is not split, and grouped-query attention, are not supported")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        header = None
-        if self.check is not None and query.device.type == "cpu":  # (see `wire`)
-            code = agreement.checksum(f"{tuple(query.shape)} {query.dtype} {is_causal} {scale} "
-                                      f"{None if attn_mask is None else tuple(attn_mask.shape)}")
-            header = wire.header_of(self.calls, agreement.checksum(self._caller()), code, True)
+        # (see `wire`: no header on a device tensor, as no per-forward agreement there)
+        checked = self.check is not None and query.device.type == "cpu"
+        module = self.path[-1] if self.path else self.owner  # this call's place in the model
         if self.style == "ring":
-            self._ring_only(where, attn_mask, dropout_p)
-            layout.check_length(query.shape[-2] * self.sp, self.sp, where)
+            self._ring_only(attn_mask, dropout_p)
+            length = query.shape[-2] * self.sp
+            if length % (2 * self.sp):
+                layout.check_length(length, self.sp, self._where())
+        else:
+            if query.dim() != 4:
+                raise ContextParallelError(f"{self._where()}: the all-to-all form takes (batch, "
+                                           f"heads, sequence, head_dim); got query "
+                                           f"{tuple(query.shape)}")
+            self._whole_mask(attn_mask, query.shape[-2])
+        if torch.compiler.is_compiling():  # the operators, in the graph
+            header = ops.header(self.key, query, is_causal, scale, attn_mask, module, checked)
+            if self.style == "ring":
+                return ops.ring_attention(query, key, value, causal=is_causal, scale=scale,
+                                          header=header, split=self.key)
+            return ops.ulysses_attention(query, key, value, attn_mask=attn_mask,
+                                         dropout_p=dropout_p, causal=is_causal, scale=scale,
+                                         header=header, split=self.key, group=self.group,
+                                         owner=self.owner)
+        mask = None if attn_mask is None else tuple(attn_mask.shape)
+        header = self.header(tuple(query.shape), query.dtype, is_causal, scale, mask, module,
+                             checked)
+        if self.style == "ring":
             return ring.ring_attention(query, key, value, causal=is_causal, scale=scale,
                                        group=self.group, header=header, owner=self.owner,
                                        names=self.names)
-        if query.dim() != 4:
-            raise ContextParallelError(f"{where}: the all-to-all form takes (batch, heads, "
-                                       f"sequence, head_dim); got query {tuple(query.shape)}")
-        self._whole_mask(where, attn_mask, query.shape[-2])
         return ulysses.ulysses_attention(query, key, value, attn_mask=attn_mask,
                                          dropout_p=dropout_p, causal=is_causal, scale=scale,
                                          group=self.group, header=header, owner=self.owner,
                                          names=self.names)
 
-    def _ring_only(self, where: str, attn_mask, dropout_p: float) -> None:
+    def _ring_only(self, attn_mask, dropout_p: float) -> None:
         if attn_mask is not None:
             raise ContextParallelError(
-                f"{where}: the ring form takes no attn_mask (got one of shape "
+                f"{self._where()}: the ring form takes no attn_mask (got one of shape "
                 f"{tuple(attn_mask.shape)}): it builds the causal mask itself from where each "
                 f"rank's tokens are (is_causal=True), or attends to every token (no mask). For "
                 f"a causal mask pass is_causal=True instead of the mask (nn.MultiheadAttention: "
@@ -109,14 +139,14 @@ class _Split:
                 f"use style='alltoall' with a mask over the whole sequence")
         if dropout_p:
             raise ContextParallelError(
-                f"{where}: the ring form has no attention dropout (dropout_p={dropout_p}); set "
+                f"{self._where()}: the ring form has no attention dropout (dropout_p={dropout_p}); set "
                 f"the attention's dropout to 0, or use style='alltoall'")
 
-    def _whole_mask(self, where: str, attn_mask, local: int) -> None:
+    def _whole_mask(self, attn_mask, local: int) -> None:
         whole = local * self.sp
         if attn_mask is not None and tuple(attn_mask.shape[-2:]) != (whole, whole):
             raise ContextParallelError(
-                f"{where}: attn_mask of shape {tuple(attn_mask.shape)} must end in the whole "
+                f"{self._where()}: attn_mask of shape {tuple(attn_mask.shape)} must end in the whole "
                 f"sequence's (query, key) = ({whole}, {whole}): each rank holds {local} of its "
                 f"{whole} tokens, and attention runs over all of them. A mask built from the "
                 f"local length (x.shape[1]) is the wrong one: for a causal mask pass "
@@ -134,14 +164,22 @@ class _Catch(TorchFunctionMode):
         if func is _SDPA:
             return self.split.attend(*args, **(kwargs or {}))
         if func is F.multi_head_attention_forward:
-            # Run, as every function the mode sees, with the mode off: the SDPA call inside it
-            # is then caught by its name in torch.nn.functional, for the length of this call.
-            F.scaled_dot_product_attention = self.split.attend
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                F.scaled_dot_product_attention = _SDPA
+            # (run, as every function the mode sees, with the mode off)
+            return mha.forward(*args, **(kwargs or {}))
+        if func is _CHECKPOINT and torch.compiler.is_compiling():
+            # Dynamo traces a checkpoint's region as a higher-order op whose body sees no torch
+            # function mode: its attention would be torch's, on this rank's part alone. The
+            # region runs outside the graph instead (a break), eagerly, under the mode.
+            return _checkpoint_outside_graph(self, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+@torch.compiler.disable
+def _checkpoint_outside_graph(catch: _Catch, args: tuple, kwargs: dict):
+    if catch in torch.overrides._get_current_function_mode_stack():
+        return _CHECKPOINT(*args, **kwargs)
+    with catch:
+        return _CHECKPOINT(*args, **kwargs)
 
 
 _converted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _Split
@@ -194,69 +232,71 @@ def parallelize(model: nn.Module, group: Group | None = None, style: str = "ring
         m.register_forward_pre_hook(_no_weights(name), with_kwargs=True)
     # Every module's forward opens the catch if none is open: the model's own forward, and a
     # block's recomputed one (activation checkpointing runs it again during the backward:
-    # torch.utils.checkpoint calls the module, td.checkpoint_wrapper its forward alone).
-    for module in model.modules():
-        module.register_forward_pre_hook(functools.partial(_enter, split, module is model))
-        module.register_forward_hook(functools.partial(_leave, split, module is model),
+    # torch.utils.checkpoint calls the module, td.checkpoint_wrapper its forward alone). Each
+    # also keeps its name on `split.path` while it runs (the place an attention call names).
+    for name, module in model.named_modules():
+        name = name or split.owner
+        module.register_forward_pre_hook(functools.partial(_before, split, module is model, name))
+        module.register_forward_hook(functools.partial(_after, split, module is model),
                                      always_call=True)
         if activation_checkpoint.is_checkpointed(module):
-            module.forward.forward = _Opening(split, module, module.forward.forward)
+            module.forward.forward = _Opening(split, module, name, module.forward.forward)
     return model
 
 
 class _Opening:
     """A recomputed forward (`td.checkpoint_wrapper`'s) that opens the catch as a call would."""
 
-    def __init__(self, split: _Split, module: nn.Module, forward) -> None:
-        self.split, self.module, self.forward = split, module, forward
+    def __init__(self, split: _Split, module: nn.Module, name: str, forward) -> None:
+        self.split, self.module, self.name, self.forward = split, module, name, forward
 
     def __call__(self, *args, **kwargs):
-        _enter(self.split, False, self.module, args)
+        _enter(self.split, False, self.module)
+        self.split.path.append(self.name)
         try:
             output = self.forward(*args, **kwargs)
         finally:
-            _leave(self.split, False, self.module, args, None)
+            self.split.path.pop()
+            _leave(self.split, False, self.module, None)
         return output
 
 
-_NOT_COMPILED = ("torch.compile of a context-parallel model is not supported yet: a compiled "
-                 "graph runs torch's attention on this rank's part of the sequence alone (the "
-                 "catch of attention calls is a Python mode, which graphs skip). Run the model "
-                 "eagerly, or compile only parts of it that make no attention call "
-                 "(torch.compile(block.mlp))")
+# Traced under torch.compile: a module inside a compiled forward only keeps its name (the mode
+# is open, on dynamo's stack); the root opens and closes the mode outside the graph.
+def _before(split: _Split, root: bool, name: str, module: nn.Module, _args) -> None:
+    if root or not torch.compiler.is_compiling():
+        _enter(split, root, module)
+    split.path.append(name)
 
 
-def _compiled_caller() -> bool:
-    """Whether a `torch.compile` wrapper's forward is running in this thread."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _CALL and isinstance(
-                getattr(frame.f_locals.get("self"), "_orig_mod", None), nn.Module):
-            return True
-        frame = frame.f_back
-    return False
+def _after(split: _Split, root: bool, module: nn.Module, _args, output) -> None:
+    if split.path:
+        split.path.pop()
+    if root or not torch.compiler.is_compiling():
+        _leave(split, root, module, output)
 
 
-# Never traced: a traced mode would be skipped by the graph at run time (and a traced check
-# would answer as the trace was made).
+# Never traced: the mode is entered and left outside any graph (a graph holds no mode), and
+# the check at the end reads the calls counted while the forward ran.
 @torch.compiler.disable
-def _enter(split: _Split, root: bool, module: nn.Module, _args) -> None:
+def _enter(split: _Split, root: bool, module: nn.Module) -> None:
     if split.mode is not None:  # open already: a module inside the forward
         return
-    if root and _compiled_caller():
-        raise ContextParallelError(f"{split.owner}: {_NOT_COMPILED}")
     if root:
         split.calls = 0
-    split.mode, split.opener = _Catch(split), module
+        split.path.clear()
+    split.mode, split.opener = split.catch, module
     split.mode.__enter__()
+    mha.opened(split)
 
 
 @torch.compiler.disable
-def _leave(split: _Split, root: bool, module: nn.Module, _args, output) -> None:
+def _leave(split: _Split, root: bool, module: nn.Module, output) -> None:
     if split.mode is None or split.opener is not module:
         return
     mode, split.mode, split.opener = split.mode, None, None
     mode.__exit__(None, None, None)
+    mha.closed(split)
     if root and split.calls == 0 and output is not None:
         raise ContextParallelError(
             f"context parallelism: the forward of {split.owner} made no attention call the "
@@ -264,8 +304,7 @@ def _leave(split: _Split, root: bool, module: nn.Module, _args, output) -> None:
             f"nn.MultiheadAttention) over the group; attention written by hand "
             f"(softmax(q @ k.transpose(-2, -1)) @ v) would attend only to this rank's part of "
             f"the sequence. Call F.scaled_dot_product_attention in the model, or do not split "
-            f"the sequence of a model without attention. (Or the forward ran compiled: "
-            f"{_NOT_COMPILED}.)")
+            f"the sequence of a model without attention.")
 
 
 def _no_weights(name: str):

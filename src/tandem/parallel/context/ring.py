@@ -87,78 +87,87 @@ def _block_backward(dout, q, k, v, out, lse, scale, causal):
             torch.matmul(p.transpose(-1, -2), dout))
 
 
+def ring_forward(q, k, v, causal: bool, scale: float, group: Group | None,
+                 header: torch.Tensor | None, owner: str, names: dict[int, str]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output over the whole sequence and its log-sum-exp per query row (q, k, v:
+    (batch, this rank's sequence, dim)). Checked (`header`): refuses a diverged ring."""
+    me, sp = group_rank(group), group_size(group)
+    ring = wire.Ring(group)
+    half = q.shape[-2] // 2
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q), device=q.device)
+    checked = header is not None
+    seen: dict[int, list[int]] = {}
+    carried = header  # the header the block in hand came with (its origin's)
+    block_k, block_v = k, v
+    for step in range(sp):
+        origin = (me - step) % sp
+        pending = ring.start(wire.pack([block_k, block_v], carried)) if step < sp - 1 else None
+        rows, keys, masked = _plan(me, origin, causal, half)
+        o_b, lse_b = _block(q[..., rows, :], block_k[..., keys, :], block_v[..., keys, :],
+                            scale, masked)
+        new = torch.logaddexp(lse[..., rows], lse_b)
+        out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1)
+                             + o_b * torch.exp(lse_b - new).unsqueeze(-1)).to(q.dtype)
+        lse[..., rows] = new
+        if pending is not None:
+            (block_k, block_v), got = wire.unpack(pending.wait(), k, 2, checked)
+            if checked:
+                seen[(origin - 1) % sp] = got
+                carried = torch.tensor(got, dtype=torch.int64)
+    if checked:
+        wire.refuse_diverged(header.tolist(), seen, group, owner, names)
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, causal: bool, scale: float, group: Group | None,
+                  header: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of this rank's q, k and v (`ring_forward`'s saved tensors given)."""
+    me, sp = group_rank(group), group_size(group)
+    ring = wire.Ring(group)
+    half = q.shape[-2] // 2
+    checked = header is not None
+    dout = dout.contiguous()
+    dq = torch.zeros_like(q)
+    block_k, block_v = k, v
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for step in range(sp):
+        origin = (me - step) % sp
+        rows, keys, masked = _plan(me, origin, causal, half)
+        dq_b, dk_b, dv_b = _block_backward(dout[..., rows, :], q[..., rows, :],
+                                           block_k[..., keys, :], block_v[..., keys, :],
+                                           out[..., rows, :], lse[..., rows], scale, masked)
+        dq[..., rows, :] += dq_b
+        dk[..., keys, :] += dk_b
+        dv[..., keys, :] += dv_b
+        # The block moves on with its gradients; after the last step only the gradients
+        # travel, one hop home (rank r then holds the gradients of its own k and v).
+        tensors = [block_k, block_v, dk, dv] if step < sp - 1 else [dk, dv]
+        # (the headers travel as in forward, unread: a forward that diverged never got here)
+        received, _ = wire.unpack(ring.start(wire.pack(tensors, header)).wait(), k,
+                                  len(tensors), checked, read=False)
+        if step < sp - 1:
+            block_k, block_v, dk, dv = received
+        else:
+            dk, dv = received
+    return dq, dk, dv
+
+
 class RingAttention(torch.autograd.Function):
+    """Eager autograd over `ring_forward` / `ring_backward` (compiled: `ops.cp_ring`)."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, header, owner, names):
-        me, sp = group_rank(group), group_size(group)
-        ring = wire.Ring(group)
-        half = q.shape[-2] // 2
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q), device=q.device)
-        checked = header is not None
-        seen: dict[int, list[int]] = {}
-        block_k, block_v = k, v
-        for step in range(sp):
-            origin = (me - step) % sp
-            pending = (ring.start(wire.pack([block_k, block_v], header_at(ctx, step, header)))
-                       if step < sp - 1 else None)
-            rows, keys, masked = _plan(me, origin, causal, half)
-            o_b, lse_b = _block(q[..., rows, :], block_k[..., keys, :], block_v[..., keys, :],
-                                scale, masked)
-            new = torch.logaddexp(lse[..., rows], lse_b)
-            out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1)
-                                 + o_b * torch.exp(lse_b - new).unsqueeze(-1)).to(q.dtype)
-            lse[..., rows] = new
-            if pending is not None:
-                (block_k, block_v), got = wire.unpack(pending.wait(), k, 2, checked)
-                if checked:
-                    seen[(origin - 1) % sp] = got
-                    ctx.forwarded = got
-        if checked:
-            wire.refuse_diverged(header.tolist(), seen, group, owner, names)
+        out, lse = ring_forward(q, k, v, causal, scale, group, header, owner, names)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.group, ctx.header = causal, scale, group, header
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
-        me, sp = group_rank(group), group_size(group)
-        ring = wire.Ring(group)
-        half = q.shape[-2] // 2
-        checked = ctx.header is not None
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q)
-        block_k, block_v = k, v
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for step in range(sp):
-            origin = (me - step) % sp
-            rows, keys, masked = _plan(me, origin, causal, half)
-            dq_b, dk_b, dv_b = _block_backward(dout[..., rows, :], q[..., rows, :],
-                                               block_k[..., keys, :], block_v[..., keys, :],
-                                               out[..., rows, :], lse[..., rows], scale, masked)
-            dq[..., rows, :] += dq_b
-            dk[..., keys, :] += dk_b
-            dv[..., keys, :] += dv_b
-            # The block moves on with its gradients; after the last step only the gradients
-            # travel, one hop home (rank r then holds the gradients of its own k and v).
-            tensors = [block_k, block_v, dk, dv] if step < sp - 1 else [dk, dv]
-            # (the headers travel as in forward, unread: a forward that diverged never got here)
-            received, _ = wire.unpack(ring.start(wire.pack(tensors, ctx.header)).wait(), k,
-                                      len(tensors), checked, read=False)
-            if step < sp - 1:
-                block_k, block_v, dk, dv = received
-            else:
-                dk, dv = received
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-def header_at(ctx, step: int, header: torch.Tensor | None) -> torch.Tensor | None:
-    """The header a block carries: its origin's (a block passed on keeps the header it came with)."""
-    if header is None or step == 0:
-        return header
-    return torch.tensor(ctx.forwarded, dtype=torch.int64)
+        grads = ring_backward(dout, *ctx.saved_tensors, ctx.causal, ctx.scale, ctx.group, ctx.header)
+        return *grads, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -13,6 +13,8 @@ in order (one local gather of rows) only where order matters: under a causal mas
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -29,17 +31,22 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, scatter, gather, group, header, owner, names):
         ctx.scatter, ctx.gather, ctx.group, ctx.header = scatter, gather, group, header
-        out, headers = wire.alltoall(tensor.contiguous(), scatter, gather, group, header)
-        if headers is not None:
-            mine = header.tolist()
-            wire.refuse_diverged(mine, dict(enumerate(headers)), group, owner, names)
-        return out
+        return exchange(tensor, scatter, gather, group, header, owner, names)
 
     @staticmethod
     def backward(ctx, grad):
-        out, _ = wire.alltoall(grad.contiguous(), ctx.gather, ctx.scatter, ctx.group, ctx.header,
-                               read=False)
+        out = exchange(grad, ctx.gather, ctx.scatter, ctx.group, ctx.header, "", {}, read=False)
         return out, None, None, None, None, None, None
+
+
+def exchange(tensor: torch.Tensor, scatter: int, gather: int, group: Group | None,
+             header: torch.Tensor | None, owner: str, names: dict[int, str],
+             read: bool = True) -> torch.Tensor:
+    """One all-to-all (`wire.alltoall`); checked and `read`, refused if the ranks diverged."""
+    out, headers = wire.alltoall(tensor.contiguous(), scatter, gather, group, header, read)
+    if headers is not None:
+        wire.refuse_diverged(header.tolist(), dict(enumerate(headers)), group, owner, names)
+    return out
 
 
 def heads_per_rank(heads: int, sp: int, where: str) -> int:
@@ -53,12 +60,19 @@ def heads_per_rank(heads: int, sp: int, where: str) -> int:
 
 
 def ulysses_attention(q, k, v, *, attn_mask, dropout_p: float, causal: bool, scale,
-                      group: Group | None, header, owner: str, names: dict[int, str]) -> torch.Tensor:
-    """Attention over the whole sequence for q, k, v of shape (batch, heads, local seq, dim)."""
+                      group: Group | None, header, owner: str, names: dict[int, str],
+                      exchange: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+    """Attention over the whole sequence for q, k, v of shape (batch, heads, local seq, dim).
+    `exchange(tensor, scatter, gather)`: the all-to-all (by default `_AllToAll`; compiled, the
+    custom operator of `ops`); attention in between is torch's own, traced when compiled."""
+    if exchange is None:
+        def exchange(tensor, scatter, gather):
+            return _AllToAll.apply(tensor, scatter, gather, group, header, owner, names)
     sp = group_size(group)
     heads = q.shape[1]
     local = heads_per_rank(heads, sp, f"attention in {owner}")
-    qkv = _AllToAll.apply(torch.stack([q, k, v]), 2, 3, group, header, owner, names)  # (3, B, H/sp, T, D)
+    qkv = exchange(torch.stack([q, k, v]), 2, 3)  # (3, B, H/sp, T, D)
     length = qkv.shape[3]
     ordered = causal or attn_mask is not None
     if ordered:  # rank order -> sequence order
@@ -70,7 +84,7 @@ def ulysses_attention(q, k, v, *, attn_mask, dropout_p: float, causal: bool, sca
                 is_causal=causal, scale=scale)
     if ordered:  # and back to rank order
         out = out.index_select(2, where)
-    return _AllToAll.apply(out.unsqueeze(0), 3, 2, group, header, owner, names)[0]
+    return exchange(out.unsqueeze(0), 3, 2)[0]
 
 
 def _my_heads(mask: torch.Tensor, heads: int, local: int, group: Group | None) -> torch.Tensor:
