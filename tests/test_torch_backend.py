@@ -52,6 +52,25 @@ def _python(code: str, **extra: str) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-c", code], **extra)
 
 
+def _pythons(*runs: tuple[str, dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """`_python(code, **extra)` for each (code, extra), the interpreters side by side: each is
+    one core's import of torch, and the machine has more than one."""
+    started = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=_env(**extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for code, extra in runs]
+    done = []
+    try:
+        for process in started:
+            out, err = process.communicate(timeout=JOB_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    return done
+
+
 # --- in the harness's MPI worlds (td.init() made the group) ----------------------------------
 
 
@@ -303,17 +322,18 @@ def test_torch_calls_with_different_arguments_are_named_never_garbage(engine, tm
 
 
 def test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so():
-    done = _python("import torch.distributed as dist, tandem\n"
-                   "dist.init_process_group('tandem')\n"
-                   "print('world', dist.get_world_size(), dist.get_backend())\n"
-                   "dist.destroy_process_group()\n")
+    done, half = _pythons(("import torch.distributed as dist, tandem\n"
+                           "dist.init_process_group('tandem')\n"
+                           "print('world', dist.get_world_size(), dist.get_backend())\n"
+                           "dist.destroy_process_group()\n", {}),
+                          # a rendezvous without a rank is someone's half-made job: an error,
+                          # never a world of one
+                          ("import torch.distributed as dist, tandem\n"
+                           "dist.init_process_group('tandem')\n", {"MASTER_PORT": "29999"}))
     assert done.returncode == 0, done.stderr
     assert "world 1 tandem" in done.stdout
     assert "init_process_group('tandem') found no launcher" in done.stderr
     assert "tandem run -np N" in done.stderr
-    # a rendezvous without a rank is someone's half-made job: an error, never a world of one
-    half = _python("import torch.distributed as dist, tandem\ndist.init_process_group('tandem')\n",
-                   MASTER_PORT="29999")
     assert half.returncode != 0
     assert "MASTER_PORT=29999 is set but RANK and WORLD_SIZE are not" in half.stderr, half.stderr
 
@@ -330,13 +350,15 @@ def test_backend_mpi_without_mpi4py_names_the_install_command():
 def test_import_tandem_registers_the_backends_before_and_after_torch():
     """"tandem" at once; "mpi" at once where an MPI launcher started the process, else when a
     group asks for it (so dist.is_mpi_available() is no lie to a framework choosing a backend)."""
-    for order in ("import tandem, torch", "import torch, tandem"):
-        code = (f"{order}\nimport torch.distributed as dist\n"
-                "print('tandem' in dist.Backend.backend_list, dist.is_mpi_available())\n")
-        done = _python(code)
+    orders = ("import tandem, torch", "import torch, tandem")
+    codes = [(f"{order}\nimport torch.distributed as dist\n"
+              "print('tandem' in dist.Backend.backend_list, dist.is_mpi_available())\n")
+             for order in orders]
+    results = _pythons(*[(code, extra) for code in codes
+                         for extra in ({}, {"OMPI_COMM_WORLD_SIZE": "1"})])
+    for order, done, launched in zip(orders, results[::2], results[1::2], strict=True):
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["True", "False"], (order, done.stdout)
-        launched = _python(code, OMPI_COMM_WORLD_SIZE="1")
         assert launched.stdout.split() == ["True", "True"], (order, launched.stdout)
 
 
