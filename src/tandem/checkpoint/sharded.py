@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -56,14 +55,14 @@ from torch.distributed.checkpoint.planner import (
 from tandem.checkpoint import dcp_files as files
 from tandem.checkpoint.durable import CheckpointError, needed_bytes, no_space, place, shortfall
 from tandem.parallel.layout import protocol as layout
-from tandem.parallel.pipeline.stage import Pipeline
+from tandem.parallel.layout.owner import owner_of
 
 FORMAT = "tandem-dcp-1"
 RECORD = "tandem"
 
 
 def is_model(obj: Any) -> bool:
-    return isinstance(obj, (nn.Module, Pipeline))
+    return owner_of(obj).role == "model"
 
 
 def is_optimizer(obj: Any) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 from tandem import runtime
 from tandem.comm.watchdog.watched import PeerUnreachableError, WatchdogTimeout
 from tandem.elastic.state import State, WorldChanged
+from tandem.parallel.layout.owner import owner_of
 from tandem.rendezvous import elastic_rounds
 
 FAILURES = (PeerUnreachableError, WatchdogTimeout)  # what a lost peer looks like to a rank
@@ -102,8 +103,7 @@ def _leave(state: State) -> None:
     flight), so that leaving it closes its connections: peers blocked on this rank then fail
     at once instead of at their timeout."""
     for wrapper in (state.model, state.optimizer):
-        if hasattr(wrapper, "_tandem_leave"):
-            wrapper._tandem_leave()
+        owner_of(wrapper).leave()  # parallel/layout/owner.py: each split knows what it holds
     gc.collect()  # works caught in reference cycles (autograd's) go now, not at some later gc
 
 

@@ -18,8 +18,7 @@ from tandem import runtime
 from tandem.comm.collectives import user as collectives
 from tandem.elastic import transfer
 from tandem.parallel.fully_shard import resize
-from tandem.parallel.zero import reshard as zero_reshard
-from tandem.parallel.zero.optimizer import ZeroOptimizer
+from tandem.parallel.layout.owner import owner_of
 from tandem.rendezvous import elastic_rounds
 
 
@@ -40,10 +39,8 @@ def reshard(state, newest: int) -> bool:
         holes = resize.lost(held, state.model)
         lost = "state of fully_shard's " + ", ".join(holes)
     else:
-        holes = zero_reshard.missing([r for where in held for r in where],
-                                     state.optimizer.numel)
-        lost = "ZeroOptimizer state of flat elements " + ", ".join(f"[{a}, {b})"
-                                                                     for a, b in holes)
+        holes = owner_of(state.optimizer).holes([r for where in held for r in where])
+        lost = f"{owner_of(state.optimizer).kind} state of flat elements " + ", ".join(holes)
     if not holes:  # each rank gets the pieces of every part that its new cut holds
         outgoing = [[cut(state, part, rank) for part in own + backup]
                     for rank in range(runtime.size())]
@@ -83,7 +80,7 @@ def cut(state, part: dict[str, Any], rank: int) -> dict[str, Any]:
     """What `rank` needs of `part` in the current cut."""
     if state._fsdp:
         return {**resize.cut(part, state.model, rank), "worker": part["worker"]}
-    return {**part, "optimizer": zero_reshard.cut_for(state.optimizer, part["optimizer"], rank)}
+    return {**part, "optimizer": owner_of(state.optimizer).cut_for(part["optimizer"], rank)}
 
 
 def round_workers(state) -> set[int]:
@@ -98,8 +95,8 @@ def round_workers(state) -> set[int]:
 def load(state, parts: list[dict[str, Any]]) -> None:
     """This rank's part, in its current cut, of the sharded state in `parts`."""
     optimizers = [part["optimizer"] for part in parts]
-    if isinstance(state.optimizer, ZeroOptimizer):
-        zero_reshard.load_shards(state.optimizer, optimizers)
+    if owner_of(state.optimizer).sharded_over_world():
+        owner_of(state.optimizer).load_shards(optimizers)
     if state._fsdp:
         resize.load_model_state(state.model, [part["model"] for part in parts])
         if state.optimizer is not None:

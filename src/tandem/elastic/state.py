@@ -40,8 +40,7 @@ from tandem.elastic import sharded, transfer
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
 from tandem.parallel.layout import splits
-from tandem.parallel.zero import reshard as zero_reshard
-from tandem.parallel.zero.optimizer import ZeroOptimizer
+from tandem.parallel.layout.owner import owner_of
 from tandem.rendezvous import elastic_rounds
 from tandem.rendezvous.client import StoreClient
 
@@ -187,8 +186,8 @@ class State:
         elif self.model is not None:
             snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                  for k, v in self.model.state_dict().items()}
-        if isinstance(self.optimizer, ZeroOptimizer):  # this rank's shard: a copy
-            snapshot["optimizer"] = zero_reshard.shard_state(self.optimizer)
+        if owner_of(self.optimizer).sharded_over_world():  # this rank's shard: a copy
+            snapshot["optimizer"] = owner_of(self.optimizer).shard_state()
         elif self._fsdp and self.optimizer is not None:
             snapshot["optimizer"] = resize.optimizer_shards(self.optimizer, self.model)
         elif self.optimizer is not None:
@@ -199,14 +198,13 @@ class State:
     def _sharded(self) -> bool:
         """Whether some of the state is sharded over the ranks (ZeroOptimizer's, a fully
         sharded model and its optimizer's): each rank's snapshot holds its part only."""
-        return isinstance(self.optimizer, ZeroOptimizer) or self._fsdp
+        return owner_of(self.optimizer).sharded_over_world() or self._fsdp
 
     def rejoin_wrappers(self) -> None:
         """The model and the optimizer follow the new world (`td.elastic.run`, after it joined
         the new round): reducers over it, shards cut for its size."""
         for wrapper in (self.model, self.optimizer):
-            if hasattr(wrapper, "_tandem_rejoin"):
-                wrapper._tandem_rejoin()
+            owner_of(wrapper).rejoin()
         if self._fsdp:
             resize.reshard_units(self.model)
 
@@ -380,9 +378,10 @@ def _split_how(owner: Any, fsdp: bool) -> str | None:
     rank holds the whole of it (the layout protocol's `splits` registry says), or when the
     state follows a change of world: ZeroOptimizer's shards, a model fully sharded over the
     world and its optimizer (`fsdp`)."""
-    if getattr(owner, "group", None) is not None:
-        return f"reduced over {owner.group!r}, not the world"
-    if isinstance(owner, ZeroOptimizer):
+    split = owner_of(owner)
+    if split.group is not None:
+        return f"reduced over {split.group!r}, not the world"
+    if split.sharded_over_world():
         return None  # sharded over the world: resharded by `State.sync` (`sharded`)
     params = (owner.parameters() if hasattr(owner, "parameters")
               else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))

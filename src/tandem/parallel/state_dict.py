@@ -32,6 +32,7 @@ from tandem import runtime
 from tandem.comm.collectives import user as collectives
 from tandem.parallel.fully_shard.api import full_state_dict, load_full_state_dict
 from tandem.parallel.layout import protocol as layout
+from tandem.parallel.layout.owner import owner_of
 from tandem.parallel.layout.pieces import per_element
 
 __all__ = ["get_state_dict", "set_state_dict"]
@@ -95,28 +96,11 @@ def set_state_dict(model: nn.Module | Any, optimizer: Any, model_state: dict[str
             listed), or an optimizer state that lacks one of this rank's parameters.
         TypeError: as `get_state_dict`.
     """
-    from tandem.parallel.pipeline.stage import Pipeline
-
-    if isinstance(model, Pipeline):
-        _load_stage(model, model_state)
-    else:
+    owner = owner_of(model)
+    if not owner.load_own_state(model_state):  # a pipeline's stage takes its own entries
         load_full_state_dict(model, model_state)
     if optimizer is not None and optimizer_state is not None:
         _load_optimizer(optimizer, model, optimizer_state)
-
-
-# -- the model of a pipeline ----------------------------------------------------------------------
-
-
-def _load_stage(pipe: Any, state: dict[str, torch.Tensor]) -> None:
-    """This rank's stage takes its own entries of the whole model's state dict."""
-    local = list(pipe.local_state_dict())
-    own = list(pipe.stage.state_dict())
-    missing = [name for name in local if name not in state]
-    if missing:
-        raise ValueError(f"the state dict does not match the pipeline (built a different model?): "
-                         f"missing {', '.join(missing)}, held by this rank's stage {pipe.stage_index}")
-    pipe.stage.load_state_dict({key: state[name] for key, name in zip(own, local, strict=True)})
 
 
 # -- the optimizer --------------------------------------------------------------------------------

@@ -75,35 +75,32 @@ class Join:
     """The context manager `td.join(...)` returns; see the module docstring."""
 
     def __init__(self, wrappers: tuple[Any, ...], sync_state: bool) -> None:
-        from tandem.parallel.data_parallel.wrappers import DistributedDataParallel, DistributedOptimizer
+        from tandem.parallel.layout.owner import owner_of
 
         if not wrappers:
             raise TypeError(
                 "td.join needs the DistributedOptimizer (or DistributedDataParallel) whose "
                 "reductions the ranks share, e.g. `with td.join(opt):`"
             )
-        reducing = (DistributedOptimizer, DistributedDataParallel)
-        for wrapper in wrappers:
+        owners = [owner_of(wrapper) for wrapper in wrappers]
+        for wrapper, owner in zip(wrappers, owners, strict=True):
             split = _split_kind(wrapper)
-            if split is not None and not isinstance(wrapper, reducing):
+            if split is not None and not owner.answers_join:
                 raise TypeError(
                     f"td.join cannot stand in for a rank out of data in a {split} model: its "
                     f"gathers and reductions run inside forward and backward, which that rank "
                     f"no longer runs. Give every rank the same number of batches "
                     f"(td.partition_dataset(..., drop_last=True)), or stop together when one "
                     f"rank runs out (`if not td.all_finite(...)`-style: agree with td.allreduce)")
-            if not isinstance(wrapper, (*reducing, torch.optim.Optimizer)):
+            if not owner.answers_join and not isinstance(wrapper, torch.optim.Optimizer):
                 raise TypeError(
                     f"td.join takes DistributedOptimizer, DistributedDataParallel or (for their state "
-                    f"only) torch optimizer objects, got {type(wrapper).__name__}"
+                    f"only) torch optimizer objects, got {owner.describe()}"
                 )
-        if not any(isinstance(w, reducing) for w in wrappers):
+        if not any(owner.answers_join for owner in owners):
             raise TypeError("td.join needs a DistributedOptimizer or DistributedDataParallel to answer for")
         self._wrappers = wrappers
-        self._reducers = [
-            w._reducer for w in wrappers
-            if isinstance(w, reducing) and w._reducer is not None
-        ]
+        self._reducers = [owner.reducer() for owner in owners if owner.reducer() is not None]
         self._sync_state = sync_state
 
     def __enter__(self) -> Join:
@@ -137,23 +134,14 @@ class Join:
         return False
 
     def _sync_from_last_joiner(self) -> None:
-        """Copy the state of the rank that stepped the most (lowest such rank) to all ranks."""
-        from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
-        from tandem.parallel.data_parallel.wrappers import DistributedDataParallel, DistributedOptimizer
+        """Copy the state of the rank that stepped the most (lowest such rank) to all ranks:
+        each wrapper's owner (`parallel/layout/owner.py`) knows what its state is."""
+        from tandem.parallel.layout.owner import owner_of
 
         group = self._reducers[0].group
         root = _last_joiner(self._reducers[0])
         for wrapper in self._wrappers:
-            if isinstance(wrapper, DistributedOptimizer):
-                if wrapper._reducer is not None:
-                    named = dict(zip(wrapper._reducer._names, wrapper._reducer._params, strict=True))
-                    broadcast_parameters(named, root=root, group=group)
-                    broadcast_optimizer_state(wrapper.optimizer, root=root, group=group)
-            elif isinstance(wrapper, DistributedDataParallel):
-                if wrapper._reducer is not None:
-                    broadcast_parameters(wrapper.module, root=root, group=group)
-            else:  # the torch optimizer that steps a DistributedDataParallel model
-                broadcast_optimizer_state(wrapper, root=root, group=group)
+            owner_of(wrapper).copy_from(root, group)
 
 
 def _last_joiner(reducer) -> int:

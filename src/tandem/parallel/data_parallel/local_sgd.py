@@ -23,6 +23,7 @@ steps on its own mean), so a step whose batch `td.partition_dataset(pad=False)` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,10 @@ from tandem.comm.agreement.agree import agree_layout, describe_tensors
 from tandem.comm.collectives import user as collectives
 from tandem.comm.collectives.tensors import coalesced
 from tandem.comm.groups import Group, group_size
+from tandem.diagnostics import steps
 from tandem.parallel.data_parallel.samples import RoundSamples
+from tandem.parallel.layout import splits
+from tandem.parallel.layout.owner import WrapperOwner, register
 
 
 class LocalSGD:
@@ -66,6 +70,7 @@ class LocalSGD:
         if group is not None and group.rank < 0:
             raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
         self.optimizer = optimizer
+        splits.accounted_elsewhere(optimizer)  # this class records its steps itself
         self.period = period
         self.group = group
         self.local_steps = 0
@@ -97,8 +102,12 @@ class LocalSGD:
                 f"td.samples(n)), or use td.DistributedOptimizer, which weights them")
         loss = self.optimizer.step(closure)
         self.local_steps += 1
+        comm_s = 0.0
         if self.local_steps % self.period == 0:
+            start = time.perf_counter()
             self.average()
+            comm_s = time.perf_counter() - start
+        steps.step_done(comm_s)  # what `tandem scale` and MetricLogger(timing=True) read
         return loss
 
     def average(self) -> None:
@@ -126,3 +135,24 @@ class LocalSGD:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.local_steps = int(state_dict.get("local_steps", 0))
+
+
+class LocalSGDOwner(WrapperOwner):
+    """What model-wide calls ask of a LocalSGD run (`parallel/layout/owner.py`): replicas that
+    differ between averagings, so no checkpoint of one copy per tensor."""
+
+    kind = "LocalSGD"
+
+    def describe(self) -> str:
+        return f"{super().describe()} (period {self.obj.period})"
+
+    def checkpoint_refusal(self) -> str:
+        return ("a td.LocalSGD run cannot be checkpointed with td.Checkpointer / td.save_sharded: "
+                "between its averagings every rank holds its own parameters and optimizer state, "
+                "and a checkpoint keeps one copy of each tensor, so a restored run would go on from "
+                "one replica (another run). Save every rank's own state instead, e.g. "
+                "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}, "
+                "f'ckpt-rank{td.rank()}.pt'), and load it on the same number of ranks")
+
+
+register(LocalSGD, LocalSGDOwner)

@@ -198,6 +198,10 @@ class Reducer(JoinRounds):
         self._samples.update()
         self._grad_scale = self._samples.scale(self._scale)
 
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters this reducer averages, with their names (in reduction order)."""
+        return list(zip(self._names, self._params, strict=True))
+
     def has_pending(self) -> bool:
         """Whether reductions were launched and not yet waited for."""
         return self._next > 0

@@ -48,6 +48,7 @@ from tandem.parallel.data_parallel.reducer_front import (
 )
 from tandem.parallel.data_parallel.step_clock import StepClock, StepStats
 from tandem.parallel.layout import splits
+from tandem.parallel.layout.owner import ModuleOwner, WrapperOwner, register
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -140,14 +141,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._make_reducer = reducer
         self._reducer: Reducer | None = reducer()
-
-    def _tandem_leave(self) -> None:
-        """This world is over (`tandem.elastic`): no more operations on it."""
-        leave(self)
-
-    def _tandem_rejoin(self) -> None:
-        """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
-        rejoin(self, "DistributedOptimizer")
 
     # -- what torch code expects of an optimizer ------------------------------------------
     @property
@@ -344,17 +337,10 @@ class DistributedDataParallel(nn.Module):
         self._make_reducer = reducer
         self._reducer = reducer()
 
-    def _tandem_leave(self) -> None:
-        """This world is over (`tandem.elastic`): no more operations on it."""
-        leave(self)
-
-    def _tandem_rejoin(self) -> None:
-        """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
-        rejoin(self, "DistributedDataParallel")
-
     def _round_done(self, wait_s: float) -> None:
         reducer = self._reducer
         self._clock.record(time.perf_counter(), wait_s, 0.0, reducer.bytes_per_round if reducer else 0)
+        steps.add_comm(wait_s)  # the model's optimizer's step counts it (`splits`' step hook)
 
     @property
     def last_step_stats(self) -> StepStats | None:
@@ -409,3 +395,62 @@ class DistributedDataParallel(nn.Module):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate locally; the next one outside reduces them all."""
         return unsynced(self._reducer)
+
+
+# -- the owners (parallel/layout/owner.py): what model-wide calls ask of these wrappers -----------
+
+
+class _ReducerOwner:
+    """What both fronts of the reducer answer alike: sync on/off, a change of world, td.join."""
+
+    obj: Any
+    kind = "data parallel"
+    answers_join = True
+
+    def reducer(self) -> Reducer | None:
+        return self.obj._reducer
+
+    def describe(self) -> str:
+        reducer = self.obj._reducer
+        over = f"over {group_size(self.obj.group)} ranks" if reducer is not None else "(a world of one)"
+        return f"td.{type(self.obj).__name__} {over}"
+
+    def accounts_steps(self) -> bool:
+        return True
+
+    def leave(self) -> None:
+        """This world is over (`tandem.elastic`): no more operations on it."""
+        leave(self.obj)
+
+    def rejoin(self) -> None:
+        """The world changed (an elastic job's new round, `tandem.elastic`): reduce over it."""
+        rejoin(self.obj, type(self.obj).__name__)
+
+
+class DistributedOptimizerOwner(_ReducerOwner, WrapperOwner):
+    def set_gradient_sync(self, on: bool) -> bool:
+        reducer = self.obj._reducer
+        if reducer is None or reducer.closed:
+            return False
+        reducer.set_sync(bool(on))
+        return True
+
+    def copy_from(self, root: int, group: Any) -> None:
+        from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
+
+        reducer = self.obj._reducer
+        if reducer is not None:
+            broadcast_parameters(dict(reducer.named_parameters()), root=root, group=group)
+            broadcast_optimizer_state(self.obj.optimizer, root=root, group=group)
+
+
+class DistributedDataParallelOwner(_ReducerOwner, ModuleOwner):
+    def copy_from(self, root: int, group: Any) -> None:
+        from tandem.parallel.broadcast import broadcast_parameters
+
+        if self.obj._reducer is not None:
+            broadcast_parameters(self.obj.module, root=root, group=group)
+
+
+register(DistributedOptimizer, DistributedOptimizerOwner)
+register(DistributedDataParallel, DistributedDataParallelOwner)

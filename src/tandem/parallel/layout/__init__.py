@@ -7,6 +7,8 @@ What is where:
   element-wise?
 - `flat_shard`: One flat space cut into equal shards: the arithmetic ZeroOptimizer and
   fully_shard share.
+- `owner`: One owner per split: the object every model-wide call asks, whatever wraps the
+  model (`owner_of`).
 - `pieces`: Pieces of one-process tensors held by a rank: the vocabulary of tandem's one layout
   protocol.
 - `protocol`: What each rank holds of a split model: the one protocol behind checkpoints and

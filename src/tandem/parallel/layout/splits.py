@@ -61,8 +61,9 @@ def _watch_optimizers() -> None:
       while nothing trains), and that an optimizer over shards or slices updates each element
       on its own (`elementwise`: Adafactor, Muon or LAMB would run another algorithm);
     - a plain torch optimizer over split parameters (fully_shard shards, tensor-parallel slices,
-      a pipeline stage) records its steps for `tandem scale` and `MetricLogger(timing=True)`,
-      as DistributedOptimizer and ZeroOptimizer do themselves."""
+      a pipeline stage) or over a `DistributedDataParallel` model's records its steps for
+      `tandem scale` and `MetricLogger(timing=True)`, as DistributedOptimizer, LocalSGD and
+      ZeroOptimizer do themselves."""
     global _watching
     if not _watching:
         register_optimizer_step_pre_hook(_refuse_replaced)
@@ -85,7 +86,7 @@ def _account_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     holds = _splits_seen.get(optimizer)
     if holds is None:
         holds = _splits_seen[optimizer] = any(
-            kind_of(p) in (FULLY_SHARD, TENSOR_PARALLEL, PIPELINE)
+            kind_of(p) in (FULLY_SHARD, TENSOR_PARALLEL, PIPELINE) or reducer_of(p) is not None
             for group in optimizer.param_groups for p in group["params"])
     if holds:
         steps.step_done()
@@ -140,6 +141,7 @@ _REDUCERS = WeakIdKeyDictionary()
 
 def set_reducer(param: torch.Tensor, reducer_ref: weakref.ref) -> None:
     _REDUCERS[param] = reducer_ref
+    _watch_optimizers()  # the plain optimizer of a DistributedDataParallel model: its steps count
 
 
 def reducer_of(param: torch.Tensor):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +60,7 @@ from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
 from tandem.parallel import model_check
 from tandem.parallel.layout import split_grads, splits
+from tandem.parallel.layout.owner import ModuleOwner, register
 from tandem.parallel.pipeline import balance as balancing
 from tandem.parallel.pipeline import build as building
 from tandem.parallel.pipeline.edges import HEADER_TAG, Link
@@ -385,3 +387,46 @@ def _split(value, chunks: int, name: str, expect_rows: int | None = None) -> lis
         return list(parts[0])
     return [type(value)(p[i] for p in parts) for i in range(chunks)]
 
+
+
+class PipelineOwner(ModuleOwner):
+    """What model-wide calls ask of a `td.Pipeline` (`parallel/layout/owner.py`): this rank's
+    stage, under the whole model's names; the other stages' tensors are on their ranks."""
+
+    kind = splits.PIPELINE
+
+    def describe(self) -> str:
+        pipe = self.obj
+        return f"td.Pipeline stage {pipe.stage_index} of {pipe.num_stages}"
+
+    @property
+    def group(self) -> Any:
+        return self.obj._group
+
+    def module(self) -> nn.Module:
+        return self.obj.stage
+
+    def prefix(self) -> str:
+        return self.obj._prefix
+
+    def split_kinds(self) -> set[str]:
+        return {splits.PIPELINE} | super().split_kinds()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.obj.state_dict()  # every stage's entries, gathered (copies already)
+
+    def load_own_state(self, state: dict[str, torch.Tensor]) -> bool:
+        """This rank's stage takes its own entries of the whole model's state dict."""
+        pipe = self.obj
+        local = list(pipe.local_state_dict())
+        own = list(pipe.stage.state_dict())
+        missing = [name for name in local if name not in state]
+        if missing:
+            raise ValueError(f"the state dict does not match the pipeline (built a different "
+                             f"model?): missing {', '.join(missing)}, held by this rank's stage "
+                             f"{pipe.stage_index}")
+        pipe.stage.load_state_dict({key: state[name] for key, name in zip(own, local, strict=True)})
+        return True
+
+
+register(Pipeline, PipelineOwner)

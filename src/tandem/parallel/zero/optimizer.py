@@ -76,6 +76,7 @@ from tandem.parallel.data_parallel.samples import RoundSamples
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.elementwise import sharding
 from tandem.parallel.layout.flat_shard import FlatShard
+from tandem.parallel.layout.owner import WrapperOwner, register
 from tandem.parallel.layout.pieces import Placement, per_element, whole
 from tandem.parallel.layout.split_grads import mark_grads
 
@@ -242,11 +243,6 @@ class ZeroOptimizer:
                 self._view_starts.append(a)
                 group_dict["params"] = [view]
         optimizer.state = defaultdict(dict)  # keyed by the old parameters or views
-
-    def _tandem_rejoin(self) -> None:
-        """A new world (td.elastic): shards for its size; td.elastic.State then loads this
-        rank's new shard of the committed state, gathered from the ranks that held it."""
-        self._partition()
 
     # -- the optimizer interface -----------------------------------------------------------
     @property
@@ -592,3 +588,53 @@ def balance(sizes: list[int], size: int) -> tuple[list[int], list[int]]:
         owners[i] = r
         loads[r] += sizes[i]
     return owners, loads
+
+
+class ZeroOptimizerOwner(WrapperOwner):
+    """What model-wide calls ask of a ZeroOptimizer (`parallel/layout/owner.py`): its state
+    in flat shards (or whole parameters) over the group, cut again at each change of world."""
+
+    kind = "ZeroOptimizer"
+
+    def describe(self) -> str:
+        return (f"{super().describe()} over {group_size(self.obj.group)} ranks "
+                f"({self.obj.sharding} sharding)")
+
+    def state_placements(self, placements: dict[int, tuple[Placement, ...]]
+                         ) -> list[tuple[torch.Tensor, tuple[Placement, ...]]]:
+        return self.obj.state_placements(placements)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        return self.obj.clip_grad_norm_(max_norm, norm_type)
+
+    def rejoin(self) -> None:
+        """A new world (td.elastic): shards for its size; td.elastic.State then loads this
+        rank's new shard of the committed state, gathered from the ranks that held it."""
+        self.obj._partition()
+
+    def sharded_over_world(self) -> bool:
+        return True
+
+    # -- this rank's part across a change of world (td.elastic) --------------------------
+    def shard_state(self) -> dict[str, Any]:
+        from tandem.parallel.zero import reshard
+
+        return reshard.shard_state(self.obj)
+
+    def holes(self, ranges: list[tuple[int, int]]) -> list[str]:
+        from tandem.parallel.zero import reshard
+
+        return [f"[{a}, {b})" for a, b in reshard.missing(ranges, self.obj.numel)]
+
+    def cut_for(self, part: dict[str, Any], rank: int) -> dict[str, Any]:
+        from tandem.parallel.zero import reshard
+
+        return reshard.cut_for(self.obj, part, rank)
+
+    def load_shards(self, parts: list[dict[str, Any]]) -> None:
+        from tandem.parallel.zero import reshard
+
+        reshard.load_shards(self.obj, parts)
+
+
+register(ZeroOptimizer, ZeroOptimizerOwner)

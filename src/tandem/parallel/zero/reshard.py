@@ -1,7 +1,7 @@
 """A ZeroOptimizer's state moved between world sizes in memory (td.elastic).
 
 A commit keeps this rank's shard only (`shard_state`: a copy, no communication). After a
-change of world the optimizer cuts its flat space for the new size (`_tandem_rejoin`), and
+change of world the optimizer cuts its flat space for the new size (its owner's `rejoin`), and
 every rank receives the shards of the newest commit from the ranks that hold them
 (`td.elastic.State` sends each rank the `cut` of every part that it `wanted`) and keeps its
 new part (`load_shards`). When no remaining rank holds some
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from tandem.parallel.layout.flat_shard import FlatShard, missing
-from tandem.parallel.zero.optimizer import ZeroOptimizer
+from tandem.parallel.layout.pieces import per_element
 
 
-def shard_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
+def shard_state(optimizer: Any) -> dict[str, Any]:
     """This rank's part of the state, each group's as a slice of the flat space (whole: each
     owned parameter's state by its index)."""
     inner = optimizer.optimizer.state_dict()
@@ -50,17 +50,19 @@ __all__ = ["cut", "cut_for", "load_shards", "missing", "shard_state", "wanted"]
 
 
 def _per_element(key: str, value: Any, n: int) -> bool:
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == n and key != "step"
+    """The one per-element rule (`layout.pieces.per_element`) for state of a flat view of `n`
+    elements."""
+    return per_element(key, value, torch.empty(n, device="meta"))
 
 
-def wanted(optimizer: ZeroOptimizer, rank: int) -> tuple[int, int]:
+def wanted(optimizer: Any, rank: int) -> tuple[int, int]:
     """The flat elements [lo, hi) that `rank` holds in the optimizer's current cut."""
     space = FlatShard(optimizer.numel, optimizer._size, rank)
     return min(space.start, optimizer.numel), min(space.start + space.shard_numel,
                                                    optimizer.numel)
 
 
-def cut_for(optimizer: ZeroOptimizer, state: dict[str, Any], rank: int) -> dict[str, Any]:
+def cut_for(optimizer: Any, state: dict[str, Any], rank: int) -> dict[str, Any]:
     """What `rank` needs of `state` (a `shard_state`) in the optimizer's current cut."""
     if "entries" in state:  # whole: the parameters `rank` now owns
         return {**state, "entries": {i: entry for i, entry in state["entries"].items()
@@ -79,7 +81,7 @@ def cut(state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
     return {**state, "groups": groups}
 
 
-def load_shards(optimizer: ZeroOptimizer, shards: list[dict[str, Any]]) -> None:
+def load_shards(optimizer: Any, shards: list[dict[str, Any]]) -> None:
     """Assemble the full state from `shards` (which cover the flat space) and keep this rank's
     part of it, in the optimizer's current partition."""
     if optimizer.sharding == "whole":
