@@ -258,6 +258,13 @@ SLOW: dict[str, str] = {
         "each docs block that is a job of its own: tandem run, shell, pytest (fast: those on shared worlds)",
     "tests/test_framework_hints.py::test_accelerate_that_ran_copies_is_named_with_the_line_to_add[gloo]":
         "two Accelerate jobs (fast: the MPI launch's one)",
+    "tests/test_preemption_slurm.py": "sbatch jobs requeued on a local SLURM: 1-2 min each, more when busy",
+    "tests/test_preemption_stress.py::test_sigterm_to_tandem_run_mpi_saves_exits_75_and_the_next_run_resumes_exactly":
+        "two MPI jobs and a one-process reference",
+    "tests/test_preemption_stress.py::test_sigterm_to_plain_mpiexec_saves_exits_75_and_the_next_run_resumes_exactly":
+        "two mpiexec jobs and a one-process reference",
+    "tests/test_preemption_stress.py::test_signals_during_a_save_twice_in_a_row_and_at_start_up_lose_at_most_one_step":
+        "five tandem run jobs per backend, signalled (fast: the same signal delivered twice)",
     "tests/test_context_parallel.py::test_compiled_model_matches_one_process[alltoall-gloo]":
         "torch.compile of a context-parallel model, 20-40 s each (fast: [ring-gloo])",
     "tests/test_context_parallel.py::test_compiled_model_matches_one_process[ring-mpi]":

@@ -70,6 +70,9 @@ class _State:
     signals: tuple[int, ...] = ()
     heard: str | None = None  # what this rank heard: "SIGUSR1", "walltime"
     heard_at = 0.0  # time.monotonic() when it was heard
+    saved = False  # the agreed save is done: the process is on its way out with EXIT_PREEMPTED
+    requeueing = False  # rank 0 waits for `scontrol requeue`, whose stop signals this process
+    stop_now = False  # a signal came while it waited: exit once the requeue's answer is out
     deadline: float | None = None  # time.time() at which the walltime lead begins
     agreed = False  # the ranks agreed to stop at this step boundary
     boundaries = 0  # step boundaries reached (a signal before the first one: start-up)
@@ -186,6 +189,11 @@ def _heard(signum: int, frame) -> None:
     if _state.heard is not None:
         if name == _state.heard and time.monotonic() - _state.heard_at < REPEAT_S:
             return  # the first one, delivered twice
+        if _state.saved:  # the save is done: exit now, quietly (the requeue's own SIGTERM)
+            if _state.requeueing:
+                _state.stop_now = True  # once scontrol has said whether it requeued
+                return
+            os._exit(EXIT_PREEMPTED)
         _say(f"{name} after {_state.heard}: stopping now (exit {EXIT_PREEMPTED}); the previous "
              f"checkpoint stands")
         os._exit(EXIT_PREEMPTED)
@@ -246,6 +254,11 @@ def heard() -> str | None:
     return _state.heard
 
 
+def _deaf_to_the_stop() -> None:
+    """In scontrol's process, before it starts: SIGTERM ignored (kept across exec)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def requeue(env: Mapping[str, str] | None = None) -> str:
     """Under SLURM, ask the scheduler to requeue this job (rank 0 only); what was done, in words."""
     env = os.environ if env is None else env
@@ -257,8 +270,10 @@ def requeue(env: Mapping[str, str] | None = None) -> str:
         return (f"SLURM job {job}: no scontrol on PATH to requeue it; exit {EXIT_PREEMPTED} "
                 f"(sbatch --requeue with a script that requeues on {EXIT_PREEMPTED} resumes it)")
     try:
+        # The requeue stops this job at once: SLURM sends SIGTERM to every process of it,
+        # scontrol included, which must live to say whether the requeue was taken.
         done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True,
-                              timeout=30, check=False)
+                              timeout=30, check=False, preexec_fn=_deaf_to_the_stop)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"SLURM job {job}: scontrol requeue failed ({error}); exit {EXIT_PREEMPTED}"
     if done.returncode:
@@ -269,9 +284,18 @@ def requeue(env: Mapping[str, str] | None = None) -> str:
 
 def stop(step: int, rank: int, saved: str) -> Preempted:
     """The exception that ends the script after the agreed save (rank 0 requeues first)."""
-    what = requeue() if rank == 0 else f"exit {EXIT_PREEMPTED}"
+    _state.saved = True  # a signal from now on ends the process at once, quietly
+    what = f"exit {EXIT_PREEMPTED}"
+    if rank == 0:
+        _state.requeueing = True  # under SLURM the requeue signals every task of the job
+        try:
+            what = requeue()
+        finally:
+            _state.requeueing = False
     reason = (f"rank {rank}: preempted ({_state.heard or 'another rank heard it'}); every rank "
               f"stopped after step {step}; {saved}; {what}")
     if rank == 0:
         print(f"tandem: {reason}", file=sys.stderr, flush=True)
+    if _state.stop_now:  # SLURM is stopping this job already (the requeue): no slow exit
+        os._exit(EXIT_PREEMPTED)
     return Preempted(reason, step)
