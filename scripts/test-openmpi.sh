@@ -25,7 +25,7 @@ EOF
 # over it, `tandem run` (MPI by default on CPUs: launcher, examples), faults, the watchdog,
 # and which sockets a one-node job listens on.
 exec "$VENV/bin/python" -m pytest -q \
-  tests/test_mpi.py tests/test_loopback.py \
+  tests/test_mpi.py tests/test_loopback.py tests/test_mpi_elastic.py \
   tests/test_data_parallel.py::test_equivalence_over_mpi \
   tests/test_pipeline.py::test_two_stages_over_mpi \
   tests/test_faults.py tests/test_watchdog.py tests/test_launcher.py tests/test_examples.py \

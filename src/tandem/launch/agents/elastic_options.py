@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from tandem.launch.mpi.fault_tolerance import elastic_mpi_refusal
+
 
 def elastic_problem(config) -> str | None:
     """Why the `LaunchConfig` `config` cannot run as asked, or None."""
@@ -33,8 +35,7 @@ def elastic_problem(config) -> str | None:
         return (f"--host-discovery-script {script} {why}: it must be a program that prints "
                 "`host:slots` lines")
     if config.backend == "mpi":
-        return ("an elastic job cannot run on MPI: an MPI world is fixed once mpiexec started "
-                "it. Use --backend gloo (or nccl), or a fixed -np with --max-restarts")
+        return elastic_mpi_refusal()  # names this MPI and what shrinking would need
     if config.max_restarts:
         return ("an elastic job (--min-np/--max-np) replaces --max-restarts: it goes on without "
                 "a failed rank instead of restarting them all; drop one of them")

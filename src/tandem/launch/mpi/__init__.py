@@ -2,6 +2,8 @@
 
 What is where:
 
+- `fault_tolerance`: Whether the MPI here could shrink a world (ULFM), and the refusal of an
+  elastic job on MPI that names it.
 - `launch_port`: The MPI agent's launch port: where each rank's supervisor connects its three
   sockets.
 - `mpiexec`: The MPI front end of `tandem run` (the CPU default, or `--backend mpi`): ranks
