@@ -13,6 +13,10 @@ from __future__ import annotations
 import queue
 import sys
 import time
+from collections.abc import Callable
+
+from tandem.launch.agents.control import Peer
+from tandem.launch.events import Joined, Lost
 
 FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
 PROTOCOL = 2  # the agents' protocol: bump it when a message or what it carries changes
@@ -60,8 +64,8 @@ def await_hang_ups(events: queue.SimpleQueue, waiting: set[int]) -> None:
             event = events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             return
-        if event[0] == "lost":
-            waiting.discard(event[1])
+        if isinstance(event, Lost):
+            waiting.discard(event.node)
 
 
 def unwrap_hello(hello) -> dict:
@@ -89,6 +93,25 @@ def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool) -> str
     if node in joined:
         return f"node {node} has joined already (two agents with the same --node-rank?)"
     return None
+
+
+def admit(joined: Joined, *, nnodes: int, present: set[int], elastic: bool,
+          events: queue.SimpleQueue, lost_after: float, output,
+          also: Callable[[dict], str | None] | None = None) -> tuple[dict, Peer] | None:
+    """Node 0 lets in an authenticated agent, fixed job or elastic: None when refused (with
+    the reason: `refusal`, then the job's own check `also`), else its hello and its `Peer`,
+    started and welcomed."""
+    hello = unwrap_hello(joined.hello)
+    reason = refusal(hello, nnodes, present, elastic=elastic)
+    if reason is None and also is not None:
+        reason = also(hello)
+    if reason is not None:
+        refuse(joined.conn, reason, joined.where, output)
+        return None
+    peer = Peer(joined.conn, hello["node_rank"], events, lost_after)
+    peer.start()
+    peer.send(("welcome", {"node_rank": hello["node_rank"]}))
+    return hello, peer
 
 
 def refuse(conn, reason: str, where: str, output) -> None:

@@ -29,6 +29,8 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener
 
+from tandem.launch.events import Joined, Lost, Rejected
+from tandem.launch.events import message as heard
 from tandem.rendezvous.auth import HANDSHAKE_S, AuthenticationFailed, authenticate, new_secret
 
 HEARTBEAT_S = 0.5  # a lost peer is named after `lost_after` (4 s) of silence: 8 missed beats
@@ -43,7 +45,7 @@ __all__ = ["AuthenticationFailed", "ControlServer", "Peer", "authenticate", "con
 class Peer:
     """One authenticated connection: thread-safe `send`, and a reader that reports to `events`.
 
-    Events: ("message", tag, message) for each message, ("lost", tag, reason) once, when the
+    Events: a `Message` for each message, `Lost` (tag, reason) once, when the
     peer closes the connection or has been silent for `lost_after` seconds.
     """
 
@@ -80,7 +82,7 @@ class Peer:
     def _lost(self, reason: str) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._events.put(("lost", self.tag, reason))
+            self._events.put(Lost(self.tag, reason))
 
     def _read(self) -> None:
         from tandem.launch.local.output import block_agent_signals
@@ -97,7 +99,7 @@ class Peer:
                 self._lost("its connection closed (its agent exited or was killed)")
                 return
             if message != ("ping",):
-                self._events.put(("message", self.tag, message))
+                self._events.put(heard(self.tag, message))
 
     def _beat(self) -> None:
         from tandem.launch.local.output import block_agent_signals
@@ -110,8 +112,7 @@ class Peer:
 class ControlServer:
     """Node 0's listener: authenticates each agent in a thread of its own, then reports it.
 
-    Events: ("joined", conn, hello, address) with the agent's first message, or
-    ("rejected", address, reason).
+    Events: `Joined` with the agent's first message, or `Rejected` with the reason.
     """
 
     def __init__(self, host: str, secret: str, events: queue.SimpleQueue) -> None:
@@ -144,9 +145,9 @@ class ControlServer:
             hello = conn.recv()
         except (AuthenticationFailed, EOFError, OSError) as error:
             conn.close()
-            self._events.put(("rejected", where, str(error)))
+            self._events.put(Rejected(where, str(error)))
             return
-        self._events.put(("joined", conn, hello, where))
+        self._events.put(Joined(conn, hello, where))
 
     def close(self) -> None:
         try:

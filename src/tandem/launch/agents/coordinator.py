@@ -36,9 +36,18 @@ from typing import TextIO
 
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
-from tandem.launch.agents.admission import await_hang_ups, refusal, refuse, unwrap_hello
+from tandem.launch.agents.admission import admit, await_hang_ups
 from tandem.launch.agents.control import ControlServer, Peer, interface_of, reached_at
 from tandem.launch.config import LaunchConfig
+from tandem.launch.events import (
+    AgentExited,
+    Event,
+    Joined,
+    Lost,
+    Message,
+    Rejected,
+    Signalled,
+)
 from tandem.launch.local.joined import JoinWatch
 from tandem.launch.local.output import signals_blocked
 from tandem.launch.local.processes import KILL_WAIT_S, STOP_GRACE_S, describe
@@ -204,7 +213,7 @@ class Coordinator(Agent):
                 return
 
     def _refused(self, where: str, why: str) -> None:
-        self.events.put(("rejected", where, why))
+        self.events.put(Rejected(where, why))
 
     def _gather(self, timeout: float) -> Failure | None:
         """Wait until every other node's agent has joined (authenticated, valid node rank)."""
@@ -220,47 +229,50 @@ class Coordinator(Agent):
                     f"its agent did not join within {timeout:g} s (missing: node(s) "
                     f"{', '.join(map(str, missing))}){extra}. Start `tandem run --nnodes "
                     f"{self.nnodes} --node-rank R --master ADDR:PORT --secret ...` on each node"))
-            kind = event[0]
-            if kind == "signal":
-                return Failure(node=0, host=self.host, interrupt=event[1])
-            if kind == "agent-exited" and event[1] not in self.nprocs:  # -H: ssh failed?
-                _, node, host, code = event
-                return Failure(node=node, host=host, lost=(
-                    f"its agent exited (code {code}) before joining; can this machine ssh to "
-                    f"{host} without a password, with tandem installed at the same path?"))
-            if kind == "rejected":
-                _, where, reason = event
-                rejected.append(f"{where}: {reason}")
-                self.output.message(f"tandem run: rejected an agent from {where}: {reason}")
-            elif kind == "joined":
-                self._admit(*event[1:])
-            elif kind == "lost":
-                node = event[1]
-                self.peers.pop(node, None)
-                self.nprocs.pop(node, None)
-                self.reached.pop(node, None)
-                self.output.message(f"tandem run: node {node} left before the job started")
+            match event:
+                case Signalled(signum):
+                    return Failure(node=0, host=self.host, interrupt=signum)
+                case AgentExited(node, host, code) if node not in self.nprocs:  # ssh failed?
+                    return Failure(node=node, host=host, lost=(
+                        f"its agent exited (code {code}) before joining; can this machine ssh "
+                        f"to {host} without a password, with tandem installed at the same "
+                        f"path?"))
+                case Rejected(where, reason):
+                    rejected.append(f"{where}: {reason}")
+                    self.output.message(f"tandem run: rejected an agent from {where}: {reason}")
+                case Joined():
+                    self._admit(event)
+                case Lost(node):
+                    self._left(node)
         return None
 
-    def _admit(self, conn, hello, where: str) -> None:
-        hello = unwrap_hello(hello)
-        node = hello.get("node_rank")
-        reason = refusal(hello, self.nnodes, set(self.nprocs), elastic=False)
-        if reason is None and node in self.replacing and hello.get("nproc") != self.replacing[node]:
-            reason = (f"it would run {hello.get('nproc')} rank(s) in place of node {node}, "
-                      f"which ran {self.replacing[node]}: give it -np {self.replacing[node]}")
-        if reason is not None:
-            refuse(conn, reason, where, self.output)
+    def _left(self, node: int) -> None:
+        self.peers.pop(node, None)
+        self.nprocs.pop(node, None)
+        self.reached.pop(node, None)
+        self.output.message(f"tandem run: node {node} left before the job started")
+
+    def _admit(self, joined: Joined) -> None:
+        def same_share(hello: dict) -> str | None:  # a lost node's replacement
+            node, nproc = hello["node_rank"], hello.get("nproc")
+            if node in self.replacing and nproc != self.replacing[node]:
+                return (f"it would run {nproc} rank(s) in place of node {node}, which ran "
+                        f"{self.replacing[node]}: give it -np {self.replacing[node]}")
+            return None
+
+        admitted = admit(joined, nnodes=self.nnodes, present=set(self.nprocs), elastic=False,
+                         events=self.events, lost_after=lost_after(self.config),
+                         output=self.output, also=same_share)
+        if admitted is None:
             return
-        peer = Peer(conn, node, self.events, lost_after(self.config))
+        hello, peer = admitted
+        node = hello["node_rank"]
         self.peers[node] = peer
         self.nprocs[node] = int(hello["nproc"])
-        self.hosts[node] = str(hello.get("host", where))
-        address = reached_at(conn)
+        self.hosts[node] = str(hello.get("host", joined.where))
+        address = reached_at(joined.conn)
         if address is not None:
             self.reached[node] = address
-        peer.start()
-        peer.send(("welcome", {"node_rank": node}))
 
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, attempt: int, offsets: dict, world: int, port: int) -> Failure | None:
@@ -316,28 +328,28 @@ class _Attempt(Supervisor):
                                 "stopping every rank of the job")
             self.stop(self.rank_failure(rank, returncode))
 
-    def other(self, event: tuple) -> None:
-        job, kind = self.job, event[0]
-        if kind == "lost":
-            node = event[1]
+    def other(self, event: Event) -> None:
+        job = self.job
+        if isinstance(event, Lost):
+            node = event.node
             self.running.discard(node)
             job.lost.add(node)
             first = self.offsets.get(node, 0)
-            lost = Failure(node=node, host=job.hosts.get(node, "?"), lost=event[2],
+            lost = Failure(node=node, host=job.hosts.get(node, "?"), lost=event.why,
                            ranks=(first, first + job.nprocs.get(node, 1) - 1))
             job.output.message(f"tandem run: {lost.headline()}; stopping the job")
             if self.failure is None:
                 self.stop(lost)
             elif self.failure.restartable:
                 self.failure = lost  # a job without that node cannot be restarted
-        elif kind == "message":
-            self._message(event[1], *event[2])
-        elif kind == "joined":
+        elif isinstance(event, Message):
+            self._message(event.node, event.kind, event.body)
+        elif isinstance(event, Joined):
             try:  # the job has all its nodes
-                event[1].send(("refused", {"reason": "the job is running with all its nodes"}))
+                event.conn.send(("refused", {"reason": "the job is running with all its nodes"}))
             except OSError:
                 pass
-            event[1].close()
+            event.conn.close()
 
     def _message(self, node: int, kind: str, body: dict) -> None:
         if body.get("attempt", self.attempt) != self.attempt:

@@ -30,18 +30,26 @@ import dataclasses
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import TextIO
 
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
-from tandem.launch.agents.control import new_secret
 from tandem.launch.agents.coordinator import REMOTE_STOP_S
 from tandem.launch.agents.elastic_nodes import ElasticMember, ElasticRanks, Node, Nodes
-from tandem.launch.agents.multinode import gloo_interface, listen_address, read_secret
+from tandem.launch.agents.multinode import gloo_interface, job_secret, listen_address
 from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.events import (
+    Event,
+    Joined,
+    Lost,
+    Message,
+    Rejected,
+    SilentRanks,
+    SlotsOffered,
+    WorkersReady,
+)
 from tandem.launch.local.output import block_agent_signals, signals_blocked
 from tandem.launch.local.processes import describe
 from tandem.launch.local.ranks import MASTER_ADDR
@@ -99,7 +107,7 @@ class ElasticJob(Agent):
         key = rendezvous.store_key(self.nodes.secret)
         with signals_blocked():
             self.store = rendezvous.StoreServer(
-                listen, port, key, lambda where, why: self.events.put(("rejected", where, why)))
+                listen, port, key, lambda where, why: self.events.put(Rejected(where, why)))
         self.store_address = (host, self.store.port)
         self.gloo_interface = gloo_interface(host)
         self.nodes.open(self.store, listen)
@@ -189,7 +197,7 @@ class ElasticJob(Agent):
         def wait_ready() -> None:
             block_agent_signals()
             if self.store.wait_for(keys, timeout):
-                self.events.put(("ready", tuple(new)))
+                self.events.put(WorkersReady(tuple(new)))
 
         threading.Thread(target=wait_ready, name="tandem-elastic-ready", daemon=True).start()
 
@@ -217,7 +225,7 @@ class ElasticJob(Agent):
 
     def _watch_silent(self) -> None:
         """Ranks whose wait timed out name the peers that did not answer their watchdog
-        (`elastic_rounds.report_silent`): one ("silent", round, report) event per round."""
+        (`elastic_rounds.report_silent`): one `SilentRanks` event per round."""
         told = -1
         while not self._stop_discovery.is_set():
             number = self.round.number
@@ -226,7 +234,7 @@ class ElasticJob(Agent):
                 continue
             text = self.store.get(silent_key(number))
             if text is not None:
-                self.events.put(("silent", number, json.loads(text)))
+                self.events.put(SilentRanks(number, json.loads(text)))
             told = number
 
     # -- discovery -------------------------------------------------------------------------
@@ -238,7 +246,7 @@ class ElasticJob(Agent):
                 self.output.message(f"tandem run: --host-discovery-script: {problem}")
             said = problem
             if slots is not None:
-                self.events.put(("slots", slots))
+                self.events.put(SlotsOffered(slots))
 
 
 def discover(script: str) -> tuple[dict[str, int] | None, str | None]:
@@ -348,27 +356,26 @@ class _ElasticWatch(Supervisor):
     def _where(self, failure: Failure) -> str:
         return f" on node {failure.node}" if failure.node else ""
 
-    def other(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "message":
-            self._message(event[1], *event[2])
-        elif kind == "lost":
-            self._lost(event[1], event[2])
-        elif kind == "joined":
-            node = self.job.nodes.admit(*event[1:])
-            if node is not None and not (self.stopping or self.finishing()):
-                self._grow(node, f"node {node.number} ({node.host}) joined")
-        elif kind == "rejected":
-            self.output.message(f"tandem run: rejected an agent from {event[1]}: {event[2]}")
-        elif self.stopping or self.finishing():
-            self._end_without_late()  # a newcomer got ready after the others finished
-            return
-        elif kind == "silent":
-            self._silent(event[1], event[2])
-        elif kind == "ready":
-            self.job.admit(event[1], f"{len(event[1])} worker(s) joined")
-        elif kind == "slots" and not self.job.pending:
-            self._discovered(event[1])
+    def other(self, event: Event) -> None:
+        match event:
+            case Message(number, kind, body):
+                self._message(number, kind, body)
+            case Lost(number, why):
+                self._lost(number, why)
+            case Joined():
+                node = self.job.nodes.admit(event)
+                if node is not None and not (self.stopping or self.finishing()):
+                    self._grow(node, f"node {node.number} ({node.host}) joined")
+            case Rejected(where, why):
+                self.output.message(f"tandem run: rejected an agent from {where}: {why}")
+            case _ if self.stopping or self.finishing():
+                self._end_without_late()  # a newcomer got ready after the others finished
+            case SilentRanks(number, report):
+                self._silent(number, report)
+            case WorkersReady(workers):
+                self.job.admit(workers, f"{len(workers)} worker(s) joined")
+            case SlotsOffered(slots) if not self.job.pending:
+                self._discovered(slots)
 
     def _silent(self, number: int, report: dict) -> None:
         """A rank's wait in round `number` timed out and these ranks never answered its
@@ -458,17 +465,9 @@ def launch(config: LaunchConfig) -> int:
     if config.nnodes == 1:
         return ElasticJob(config).run()
     try:
-        secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
+        secret = job_secret(config)  # --secret, TANDEM_SECRET, stdin with --secret -, or new
         if config.node_rank == 0:
-            if secret is None:
-                secret = new_secret()
-                print(f"tandem run: no --secret given: this job's secret is {secret}; start the "
-                      f"other nodes with --secret {secret} (or TANDEM_SECRET={secret})",
-                      file=sys.stderr, flush=True)
             return ElasticJob(config, secret).run()
-        if secret is None:
-            raise LaunchError(f"node {config.node_rank} needs the job's secret: pass --secret S "
-                              "(or set TANDEM_SECRET) with the value node 0 printed or was given")
         return ElasticMember(config, secret, gloo_interface(config.master[0])).run()
     except rendezvous.PortInUseError as error:
         raise LaunchError(str(error)) from None

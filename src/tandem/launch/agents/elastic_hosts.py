@@ -13,73 +13,11 @@ without its ranks) until the discovery script lists it again.
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import subprocess
-import threading
 
 from tandem.launch.agents import control, ssh
 from tandem.launch.agents.elastic import ElasticJob
-from tandem.launch.agents.hosts import Host
+from tandem.launch.agents.ssh import HostAgents
 from tandem.launch.config import LaunchConfig, LaunchError
-from tandem.launch.local.output import block_agent_signals
-from tandem.launch.local.processes import KILL_WAIT_S, signal_group
-
-AGENTS_EXIT_S = 15.0  # how long the agents may take to exit after the job ends
-
-
-class HostAgents:
-    """The agents node 0 started, by node rank; which host each runs on."""
-
-    def __init__(self, config: LaunchConfig, secret: str, master_host: str, nnodes: int,
-                 events) -> None:
-        self.config, self.secret, self.master_host = config, secret, master_host
-        self.nnodes, self.events = nnodes, events
-        self.port = 0  # the store's, once it listens
-        self.agents: dict[int, subprocess.Popen] = {}
-        self.hosts: dict[int, str] = {}  # node rank -> host name (0: this machine)
-
-    def start(self, host: Host, slots: int) -> int | None:
-        """Start an agent on `host` with `slots`; its node rank (None: no rank left)."""
-        node = next((n for n in range(1, self.nnodes) if n not in self.hosts), None)
-        if node is None:
-            return None
-        arguments = ssh.agent_arguments(self.config, node_rank=node, nnodes=self.nnodes,
-                                        master=(self.master_host, self.port), nproc=slots)
-        agent = ssh.start_agent(ssh.agent_command(host, arguments, os.getcwd()), self.secret)
-        self.agents[node], self.hosts[node] = agent, host.name
-        threading.Thread(target=self._report_exit, args=(agent, node, host.name), daemon=True,
-                         name=f"tandem-agent{node}-wait").start()
-        return node
-
-    def _report_exit(self, agent: subprocess.Popen, node: int, name: str) -> None:
-        block_agent_signals()
-        code = agent.wait()
-        if self.agents.get(node) is agent:
-            self.events.put(("agent-exited", node, name, code))
-
-    def forget(self, node: int) -> None:
-        """Node `node` is lost: its agent goes (its ssh may wait for a host that is gone)."""
-        agent = self.agents.pop(node, None)
-        self.hosts.pop(node, None)
-        if agent is not None:
-            signal_group(agent.pid, signal.SIGKILL)
-
-    def discovered(self, offered: dict[str, int]) -> None:
-        """Start an agent on every listed host that runs none."""
-        running = set(self.hosts.values())
-        for name, slots in offered.items():
-            if name not in running and slots > 0:
-                self.start(Host(name, slots), slots)
-
-    def close(self) -> None:
-        for node, agent in list(self.agents.items()):
-            try:
-                agent.wait(AGENTS_EXIT_S)
-            except subprocess.TimeoutExpired:
-                signal_group(agent.pid, signal.SIGKILL)
-                agent.wait(KILL_WAIT_S)
-            self.agents.pop(node, None)
 
 
 def launch_hosts(config: LaunchConfig) -> int:
@@ -92,8 +30,7 @@ def launch_hosts(config: LaunchConfig) -> int:
                           f"with --nnodes")
     others = [(host, count) for host, count in placed if host is not first]
     ssh.check_reachable(ssh.check_hosts([host for host, _ in others]))
-    remote = next((h for h, _ in others if not h.is_local), None)
-    master_host = control.local_address_towards(remote.name) if remote else "127.0.0.1"
+    master_host = ssh.master_towards([host for host, _ in others])
     here = next((count for host, count in placed if host is first), 0)
     # every host has a slot, so the job never has more than --max-np (or the list's) nodes
     nnodes = max(config.max_np or config.np, len(config.hosts)) + 1

@@ -36,11 +36,21 @@ import time
 from dataclasses import dataclass, field
 
 from tandem import rendezvous
-from tandem.launch.agents.admission import await_hang_ups, refusal, refuse, unwrap_hello
+from tandem.launch.agents.admission import admit, await_hang_ups
 from tandem.launch.agents.control import ControlServer, Peer
 from tandem.launch.agents.coordinator import lost_after
 from tandem.launch.agents.multinode import Member
 from tandem.launch.config import LaunchConfig, StartError
+from tandem.launch.events import (
+    AgentExited,
+    Event,
+    JobState,
+    Joined,
+    Lost,
+    Message,
+    Rejected,
+    Signalled,
+)
 from tandem.launch.local.output import RankOutput, signals_blocked
 from tandem.launch.local.processes import start_failure_code, start_ranks
 from tandem.launch.local.ranks import LocalRanks, Placement, rank_command, rank_environment
@@ -153,20 +163,21 @@ class Nodes:
         return sum(node.slots for node in self.nodes.values())
 
     # -- agents coming and going -------------------------------------------------------------
-    def admit(self, conn, hello, where: str) -> Node | None:
+    def admit(self, joined: Joined) -> Node | None:
         """An authenticated agent said hello: its node, or None when it was turned away."""
-        hello = unwrap_hello(hello)
-        reason = refusal(hello, self.config.nnodes, set(self.nodes), elastic=True)
-        if reason is None and not (isinstance(hello.get("nproc"), int) and hello["nproc"] >= 1):
-            reason = f"it offers {hello.get('nproc')!r} slots: give it -np N (1 or more)"
-        if reason is not None:
-            refuse(conn, reason, where, self.output)
+        def slots(hello: dict) -> str | None:
+            if isinstance(hello.get("nproc"), int) and hello["nproc"] >= 1:
+                return None
+            return f"it offers {hello.get('nproc')!r} slots: give it -np N (1 or more)"
+
+        admitted = admit(joined, nnodes=self.config.nnodes, present=set(self.nodes),
+                         elastic=True, events=self.events, lost_after=lost_after(self.config),
+                         output=self.output, also=slots)
+        if admitted is None:
             return None
-        peer = Peer(conn, hello["node_rank"], self.events, lost_after(self.config))
-        node = Node(hello["node_rank"], str(hello.get("host", where)), hello["nproc"], peer)
+        hello, peer = admitted
+        node = Node(hello["node_rank"], str(hello.get("host", joined.where)), hello["nproc"], peer)
         self.nodes[node.number] = node
-        peer.start()
-        peer.send(("welcome", {"node_rank": node.number}))
         self.output.message(f"tandem run: elastic: node {node.number} ({node.host}) joined "
                             f"with {node.slots} slot(s)")
         return node
@@ -206,19 +217,20 @@ class Nodes:
                 event = self.events.get(timeout=max(0.0, wait))
             except queue.Empty:
                 continue
-            if event[0] == "signal":
-                return Failure(node=0, host=self.nodes[0].host, interrupt=event[1])
-            if event[0] == "joined":
-                self.admit(*event[1:])
-            elif event[0] == "rejected":
-                self.output.message(f"tandem run: rejected an agent from {event[1]}: {event[2]}")
-            elif event[0] == "lost":
-                self.lost(event[1])
-                self.output.message(f"tandem run: node {event[1]} left before the job started")
-            elif event[0] == "agent-exited" and event[1] not in self.nodes:  # -H: ssh failed?
-                self.expected -= 1
-                self.output.message(f"tandem run: the agent for {event[2]} exited (code "
-                                    f"{event[3]}) before joining; the job starts without it")
+            match event:
+                case Signalled(signum):
+                    return Failure(node=0, host=self.nodes[0].host, interrupt=signum)
+                case Joined():
+                    self.admit(event)
+                case Rejected(where, why):
+                    self.output.message(f"tandem run: rejected an agent from {where}: {why}")
+                case Lost(node):
+                    self.lost(node)
+                    self.output.message(f"tandem run: node {node} left before the job started")
+                case AgentExited(node, host, code) if node not in self.nodes:  # ssh failed?
+                    self.expected -= 1
+                    self.output.message(f"tandem run: the agent for {host} exited (code "
+                                        f"{code}) before joining; the job starts without it")
         return None
 
     # -- talking to them ---------------------------------------------------------------------
@@ -281,7 +293,7 @@ class _MemberWatch(Supervisor):
         """A stop that node 0 asked for is over once the workers are: wait for its word
         (the finish, or workers of a later round) without a deadline again."""
         if not self.ranks.live and self.ended is None:
-            self.deadline, self.killed = None, False
+            self.advance(JobState.RUNNING)
 
     def interrupted(self, signum: int) -> None:
         """Ctrl-C here takes this machine out of the job: node 0 goes on without it."""
@@ -292,16 +304,16 @@ class _MemberWatch(Supervisor):
         if self.ranks.live and not self.stopping:
             self.stop(None)
 
-    def other(self, event: tuple) -> None:
-        if event[0] == "lost":
-            self.member.say(f"node 0 ({self.member.master}) is unreachable: {event[2]}; "
+    def other(self, event: Event) -> None:
+        if isinstance(event, Lost):
+            self.member.say(f"node 0 ({self.member.master}) is unreachable: {event.why}; "
                             "stopping this node's workers")
-            self.ended = ("lost", event[2])
+            self.ended = ("lost", event.why)
             self._stop_workers()
             return
-        if event[0] != "message":
+        if not isinstance(event, Message):
             return
-        kind, body = event[2]
+        kind, body = event.kind, event.body
         if kind == "workers" and self.ended is None and not self.stopping:
             self.ranks.start_workers(body["workers"], body["slots"], body["first_rank"],
                                      body["size"], body["round"], tuple(body["store"]),

@@ -32,13 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from typing import TextIO
 
 from tandem import rendezvous
@@ -48,12 +43,9 @@ from tandem.launch.agents.admission import versions
 from tandem.launch.agents.coordinator import REMOTE_STOP_S, Coordinator, lost_after
 from tandem.launch.agents.hosts import LOCAL_NAMES, holds_address
 from tandem.launch.config import LaunchConfig, LaunchError
-from tandem.launch.local.output import block_agent_signals
-from tandem.launch.local.processes import KILL_WAIT_S, signal_group
+from tandem.launch.events import Event, Lost, Message, Signalled
 from tandem.launch.local.ranks import Placement
 from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor
-
-AGENTS_EXIT_S = 15.0  # -H: how long remote agents may take to exit after the job ends
 
 
 def gloo_interface(master_host: str) -> str | None:
@@ -101,6 +93,22 @@ def read_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str | None
     if not line:
         raise LaunchError("--secret -: expected the secret on standard input, got nothing")
     return line
+
+
+def job_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str:
+    """The secret of a multi-node job's agent (fixed or elastic): --secret, TANDEM_SECRET, or
+    standard input with --secret -. Node 0 makes one when none is given, and prints it for the
+    other nodes; another node without one is a `LaunchError`."""
+    secret = read_secret(config, stdin)
+    if secret is not None:
+        return secret
+    if config.node_rank != 0:
+        raise LaunchError(f"node {config.node_rank} needs the job's secret: pass --secret S (or "
+                          "set TANDEM_SECRET) with the value node 0 printed or was given")
+    secret = control.new_secret()
+    print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
+          f"nodes with --secret {secret} (or TANDEM_SECRET={secret})", file=sys.stderr, flush=True)
+    return secret
 
 
 class Member(Agent):
@@ -157,15 +165,15 @@ class Member(Agent):
             return code
         while True:
             event = self.events.get()
-            if event[0] == "signal":
-                self.peer.send(("interrupted", {"signum": event[1]}))
-                return 128 + event[1]
-            if event[0] == "lost":
-                self.say(f"node 0 ({self.master}) is unreachable: {event[2]}")
+            if isinstance(event, Signalled):
+                self.peer.send(("interrupted", {"signum": event.signum}))
+                return 128 + event.signum
+            if isinstance(event, Lost):
+                self.say(f"node 0 ({self.master}) is unreachable: {event.why}")
                 return 1
-            if event[0] != "message":
+            if not isinstance(event, Message):
                 continue
-            kind, body = event[2]
+            kind, body = event.kind, event.body
             if kind == "refused":
                 self.say(f"node 0 refused this agent: {body['reason']}")
                 return 2
@@ -227,14 +235,14 @@ class _MemberAttempt(Supervisor):
     def give_up(self) -> None:
         self.member.say(f"ranks {sorted(self.ranks.live)} did not exit after SIGKILL")
 
-    def other(self, event: tuple) -> None:
-        if event[0] == "lost":
-            self.lost = event[2]
+    def other(self, event: Event) -> None:
+        if isinstance(event, Lost):
+            self.lost = event.why
             self.member.say(f"node 0 ({self.member.master}) is unreachable: {self.lost}; "
                             "stopping this node's ranks")
             self.stop(None)
-        elif event[0] == "message":
-            kind, message = event[2]
+        elif isinstance(event, Message):
+            kind, message = event.kind, event.body
             if kind == "stop" and message.get("attempt") == self.attempt:
                 self.stop(None)
             elif kind == "finish":
@@ -242,20 +250,6 @@ class _MemberAttempt(Supervisor):
                 self.stop(None)
             elif kind == "note":
                 self.output.message(message["text"])
-
-
-def _coordinate(config: LaunchConfig, secret: str | None) -> int:
-    host, port = config.master
-    listen = listen_address(config.master, config.nnodes)  # before a secret is printed
-    if secret is None:
-        secret = control.new_secret()
-        print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
-              f"nodes with --secret {secret} (or TANDEM_SECRET={secret})",
-              file=sys.stderr, flush=True)
-    coordinator = Coordinator(config, nproc=config.np, nnodes=config.nnodes,
-                              store=(host, port), secret=secret, listen=listen,
-                              gloo_interface=gloo_interface(host), host=socket.gethostname())
-    return coordinator.run()
 
 
 def launch_hosts(config: LaunchConfig) -> int:
@@ -268,80 +262,31 @@ def launch_hosts(config: LaunchConfig) -> int:
     # Before anything starts: a master that is not this machine's, unknown names, no ssh,
     # hosts that ssh cannot reach.
     listen = listen_address(config.master, nnodes) if config.master is not None else None
-    addresses = ssh.check_hosts([host for host, _ in placed])
-    ssh.check_reachable(addresses)
+    ssh.check_reachable(ssh.check_hosts([host for host, _ in placed]))
     note = ssh.unused(config.np, config.hosts, standby=config.max_restarts > 0)
     if note:
         print(note, file=sys.stderr, flush=True)
-    remote = next((h for h, _ in others if not h.is_local), None)
-    if config.master is not None:
-        master_host, port = config.master
-    else:
-        master_host = control.local_address_towards(remote.name) if remote else "127.0.0.1"
-        port = 0
+    master_host, port = config.master or (ssh.master_towards([h for h, _ in others]), 0)
     secret = control.new_secret()
     local_config = dataclasses.replace(config, np=max(here, 1), hosts=())  # this node's share
     coordinator = Coordinator(local_config, nproc=here, nnodes=nnodes, store=(master_host, port),
                               secret=secret, gloo_interface=gloo_interface(master_host),
                               host=socket.gethostname(), listen=listen)
-    agents: dict[int, subprocess.Popen] = {}  # node -> its current agent
+    agents = ssh.HostAgents(config, secret, master_host, nnodes, coordinator.events)
     spares = [host for host in config.hosts if host not in {h for h, _ in placed}]
-    store_port = 0
 
-    def start_agent(node: int, host, count: int) -> None:
-        arguments = ssh.agent_arguments(config, node_rank=node, nnodes=nnodes,
-                                        master=(master_host, store_port), nproc=count)
-        agent = ssh.start_agent(ssh.agent_command(host, arguments, os.getcwd()), secret)
-        agents[node] = agent
-        threading.Thread(target=_report_exit, args=(agent, node, host.name), daemon=True,
-                         name=f"tandem-agent{node}-wait").start()
-
-    def start_agents(port: int) -> None:
-        nonlocal store_port
-        store_port = port
+    def start_agents(store_port: int) -> None:
+        agents.port = store_port
         for node, (host, count) in enumerate(others, start=1):
-            start_agent(node, host, count)
-
-    def replace(node: int, count: int) -> str | None:
-        """A lost node's agent goes (its ssh may wait for a host that is gone); a spare host
-        with the slots, reachable over ssh, takes its place."""
-        gone = agents.pop(node, None)  # first, so that its exit is not taken for the new one's
-        if gone is not None:
-            signal_group(gone.pid, signal.SIGKILL)
-        while spares:
-            host = spares.pop(0)
-            if host.slots < count:
-                continue
-            try:
-                ssh.check_reachable(ssh.check_hosts([host]))
-            except LaunchError as error:
-                print(f"tandem run: {error}", file=sys.stderr, flush=True)
-                continue
-            start_agent(node, host, count)
-            return host.name
-        return None
-
-    def _report_exit(agent: subprocess.Popen, node: int, name: str) -> None:
-        block_agent_signals()
-        code = agent.wait()
-        if agents.get(node) is agent:  # not an agent that another took the place of
-            coordinator.events.put(("agent-exited", node, name, code))
+            agents.start(host, count, node)
 
     coordinator.on_listening = start_agents
-    coordinator.on_lost = replace
+    coordinator.on_lost = lambda node, count: agents.replace(node, count, spares)
     coordinator.echo_to_peers = False
     try:
         return coordinator.run()
     finally:
-        deadline = time.monotonic() + AGENTS_EXIT_S
-        for node, agent in agents.items():
-            if node in coordinator.lost:  # its ssh may wait for a host that is gone
-                signal_group(agent.pid, signal.SIGKILL)
-            try:
-                agent.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                signal_group(agent.pid, signal.SIGKILL)
-                agent.wait(KILL_WAIT_S)
+        agents.close(lost=coordinator.lost)
 
 
 def launch(config: LaunchConfig) -> int:
@@ -353,18 +298,15 @@ def launch(config: LaunchConfig) -> int:
             # --master on one node: host the store there (a taken port is an error, not ignored).
             return Coordinator(config, nproc=config.np, host=socket.gethostname(),
                                store=config.master or ("127.0.0.1", 0)).run()
-        secret = read_secret(config)  # --secret, TANDEM_SECRET, or stdin with --secret -
-        if config.node_rank == 0:
-            return _coordinate(config, secret)
-        if secret is None:
-            raise LaunchError(
-                f"node {config.node_rank} needs the job's secret: pass --secret S (or set "
-                "TANDEM_SECRET) with the value node 0 printed or was given"
-            )
-        host, _ = config.master
-        return Member(config, secret, gloo_interface(host)).run()
+        host, port = config.master
+        if config.node_rank != 0:
+            return Member(config, job_secret(config), gloo_interface(host)).run()
+        listen = listen_address(config.master, config.nnodes)  # before a secret is printed
+        return Coordinator(config, nproc=config.np, nnodes=config.nnodes, store=(host, port),
+                           secret=job_secret(config), listen=listen,
+                           gloo_interface=gloo_interface(host), host=socket.gethostname()).run()
     except rendezvous.PortInUseError as error:
         raise LaunchError(str(error)) from None
 
 
-__all__ = ["Member", "launch", "launch_hosts", "read_secret", "REMOTE_STOP_S"]
+__all__ = ["Member", "job_secret", "launch", "launch_hosts", "read_secret", "REMOTE_STOP_S"]

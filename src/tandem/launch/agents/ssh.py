@@ -24,20 +24,28 @@ against an sshd per host in network namespaces (scripts/netns-cluster.sh).
 from __future__ import annotations
 
 import os
+import queue
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
+from tandem.launch.agents import control
 from tandem.launch.agents.hosts import Host
 from tandem.launch.config import OPTIONS, LaunchConfig, LaunchError
+from tandem.launch.events import AgentExited
+from tandem.launch.local.output import block_agent_signals
+from tandem.launch.local.processes import KILL_WAIT_S, signal_group
 
 CONNECT_TIMEOUT_S = 10
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}")
 CHECK_S = CONNECT_TIMEOUT_S + 20.0  # `ssh host true`: connect, authenticate, run, exit
+AGENTS_EXIT_S = 15.0  # how long the agents may take to exit after the job ends
 FORWARDED = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # `tandem run`'s own options reach an agent as flags (agent_arguments), and an agent given
 # both --nnodes and TANDEM_HOSTS would refuse to start; the secret goes over stdin.
@@ -171,3 +179,90 @@ def start_agent(command: Sequence[str], secret: str, cwd: str | None = None) -> 
     except OSError:
         pass  # it died at once; its exit and the coordinator's join deadline will say so
     return proc
+
+
+def master_towards(hosts: Sequence[Host]) -> str:
+    """The address the agents on `hosts` reach this machine at: the route towards the first
+    remote one (127.0.0.1 when every host is this machine)."""
+    remote = next((host for host in hosts if not host.is_local), None)
+    return control.local_address_towards(remote.name) if remote else "127.0.0.1"
+
+
+class HostAgents:
+    """The agents node 0 starts on the hosts of -H/--hostfile (fixed or elastic), by node rank:
+    each started over ssh (`agent_command`), its exit an `AgentExited` event on `events`."""
+
+    def __init__(self, config: LaunchConfig, secret: str, master_host: str, nnodes: int,
+                 events: queue.SimpleQueue) -> None:
+        self.config, self.secret, self.master_host = config, secret, master_host
+        self.nnodes, self.events = nnodes, events
+        self.port = 0  # the store's, once it listens
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.hosts: dict[int, str] = {}  # node rank -> host name (0: this machine)
+
+    def start(self, host: Host, slots: int, node: int | None = None) -> int | None:
+        """Start an agent on `host` with `slots` as node `node` (default: the lowest free node
+        rank); its node rank (None: no rank left)."""
+        if node is None:
+            node = next((n for n in range(1, self.nnodes) if n not in self.hosts), None)
+            if node is None:
+                return None
+        arguments = agent_arguments(self.config, node_rank=node, nnodes=self.nnodes,
+                                    master=(self.master_host, self.port), nproc=slots)
+        agent = start_agent(agent_command(host, arguments, os.getcwd()), self.secret)
+        self.agents[node], self.hosts[node] = agent, host.name
+        threading.Thread(target=self._report_exit, args=(agent, node, host.name), daemon=True,
+                         name=f"tandem-agent{node}-wait").start()
+        return node
+
+    def _report_exit(self, agent: subprocess.Popen, node: int, name: str) -> None:
+        block_agent_signals()
+        code = agent.wait()
+        if self.agents.get(node) is agent:  # not an agent that another took the place of
+            self.events.put(AgentExited(node, name, code))
+
+    def forget(self, node: int) -> None:
+        """Node `node` is lost: its agent goes (its ssh may wait for a host that is gone);
+        first, so that its exit is not taken for a replacement's."""
+        agent = self.agents.pop(node, None)
+        self.hosts.pop(node, None)
+        if agent is not None:
+            signal_group(agent.pid, signal.SIGKILL)
+
+    def replace(self, node: int, slots: int, spares: list[Host]) -> str | None:
+        """A lost node's agent goes; the first spare host with `slots`, reachable over ssh,
+        takes its place under the same node rank: its name, or None when none is left."""
+        self.forget(node)
+        while spares:
+            host = spares.pop(0)
+            if host.slots < slots:
+                continue
+            try:
+                check_reachable(check_hosts([host]))
+            except LaunchError as error:
+                print(f"tandem run: {error}", file=sys.stderr, flush=True)
+                continue
+            self.start(host, slots, node)
+            return host.name
+        return None
+
+    def discovered(self, offered: dict[str, int]) -> None:
+        """Start an agent on every listed host that runs none."""
+        running = set(self.hosts.values())
+        for name, slots in offered.items():
+            if name not in running and slots > 0:
+                self.start(Host(name, slots), slots)
+
+    def close(self, lost: set[int] = frozenset()) -> None:
+        """Wait for the agents to exit after the job (`AGENTS_EXIT_S` in all), killing those of
+        `lost` nodes at once and any left after it."""
+        deadline = time.monotonic() + AGENTS_EXIT_S
+        for node, agent in list(self.agents.items()):
+            if node in lost:  # its ssh may wait for a host that is gone
+                signal_group(agent.pid, signal.SIGKILL)
+            try:
+                agent.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(agent.pid, signal.SIGKILL)
+                agent.wait(KILL_WAIT_S)
+            self.agents.pop(node, None)

@@ -9,7 +9,7 @@ and its place in the whole job (`rank_environment`): global rank, world size, th
 store, `TANDEM_RESTART=<attempt>`,
 torchrun's variables (`environments.torchrun_variables`: RANK, MASTER_PORT...), and on
 multi-node jobs the network interface Gloo should use. Exits arrive as
-("exit", rank, returncode) events on the supervisor's queue.
+`events.RankExited` on the supervisor's queue.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from tandem.job.environments import horovod_variables, tandem_variables, torchrun_variables
 from tandem.launch.config import LaunchConfig, StartError
+from tandem.launch.events import RankExited
 from tandem.launch.local.output import RankOutput, block_agent_signals
 from tandem.launch.local.processes import (
     cores,
@@ -165,7 +166,7 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
 
 
 class LocalRanks:
-    """The ranks this machine runs in one attempt; exits become ("exit", rank, code) events."""
+    """The ranks this machine runs in one attempt; exits become `RankExited` events."""
 
     def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
                  nproc: int | None = None) -> None:
@@ -202,7 +203,7 @@ class LocalRanks:
 
     def _wait(self, rank: int, wait) -> None:
         block_agent_signals()
-        self._events.put(("exit", rank, wait()))
+        self._events.put(RankExited(rank, wait()))
 
     def exited(self, rank: int) -> None:
         self.live.discard(rank)

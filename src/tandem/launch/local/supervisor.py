@@ -34,6 +34,7 @@ from tandem import rendezvous
 from tandem.job import preemption
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig
+from tandem.launch.events import Event, JobState, RankExited, Signalled
 from tandem.launch.local.joined import JoinWatch, script_of
 from tandem.launch.local.output import AGENT_SIGNALS, RankOutput, signals_blocked
 from tandem.launch.local.processes import KILL_WAIT_S, STOP_GRACE_S, describe, exit_code
@@ -152,15 +153,15 @@ def _grace(failure: Failure | None) -> float:
 
 @contextmanager
 def signals_to(events: queue.SimpleQueue):
-    """While inside, SIGINT/SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 to the agent become ("signal",
-    signum) events.
+    """While inside, SIGINT/SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 to the agent become `Signalled`
+    events.
 
     `nohup tandem run` ignores SIGHUP (a background job, SIGINT): so do the ranks. Handlers can
     only be set from the main thread; elsewhere (a test calling `launch`) nothing changes.
     """
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {signum: signal.signal(signum, lambda s, f: events.put(("signal", s)))
+        previous = {signum: signal.signal(signum, lambda s, f: events.put(Signalled(s)))
                     for signum in AGENT_SIGNALS
                     if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
@@ -185,13 +186,24 @@ class Supervisor:
         self.ranks, self.events, self.output = ranks, events, output
         self.node, self.host = node, host
         self.failure: Failure | None = None
-        self.deadline: float | None = None  # when stopping: the moment to escalate
-        self.killed = False
+        self.state = JobState.RUNNING
+        self.deadline: float | None = None  # STOPPING, KILLING: the moment to escalate
         self.preempted: set[int] = set()  # ranks that saved and exited EXIT_PREEMPTED
 
     @property
     def stopping(self) -> bool:
-        return self.deadline is not None
+        return self.state in (JobState.STOPPING, JobState.KILLING)
+
+    @property
+    def killed(self) -> bool:
+        return self.state is JobState.KILLING
+
+    def advance(self, state: JobState, deadline: float | None = None) -> None:
+        """The one place the state moves (forwards, see `JobState.next_allowed`), with the
+        deadline of the new state (None: wait for events without one)."""
+        if state is not self.state and state not in self.state.next_allowed():
+            raise AssertionError(f"the job cannot go from {self.state.name} to {state.name}")
+        self.state, self.deadline = state, deadline
 
     def run(self) -> Failure | None:
         while self.ranks.live or self.others_running():
@@ -204,21 +216,26 @@ class Supervisor:
                     continue
                 self.give_up()
                 break
-            if event[0] == "exit":
-                _, rank, returncode = event
+            self.handle(event)
+        self.advance(JobState.SUCCEEDED if self.failure is None else JobState.FAILED)
+        return self.failure
+
+    def handle(self, event: Event) -> None:
+        """One event: a rank's exit, a signal to the agent, or the kind of job's (`other`)."""
+        match event:
+            case RankExited(rank, returncode):
                 self.ranks.exited(rank)
                 if returncode != 0:
                     self.rank_exited(rank, returncode)
                 else:
                     self.rank_finished(rank)
-            elif event[0] == "signal":
+            case Signalled(signum):
                 if not self.stopping:
-                    self.interrupted(event[1])
+                    self.interrupted(signum)
                 elif not self.killed:  # a second signal, or one during a stop: no more grace
                     self.kill()
-            else:
+            case _:
                 self.other(event)
-        return self.failure
 
     def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
         """Record the first failure; stop every rank here (`signum`, SIGKILL after a grace).
@@ -233,11 +250,11 @@ class Supervisor:
             starting = self.ranks.starting() if signum == signal.SIGINT else set()
             self.ranks.signal(signal.SIGTERM, starting)
             self.ranks.signal(signum, self.ranks.live - starting)
-            self.deadline = time.monotonic() + _grace(failure)
+            self.advance(JobState.STOPPING, time.monotonic() + _grace(failure))
 
     def kill(self) -> None:
         self.ranks.signal(signal.SIGKILL)
-        self.killed, self.deadline = True, time.monotonic() + self.kill_wait
+        self.advance(JobState.KILLING, time.monotonic() + self.kill_wait)
 
     def rank_failure(self, rank: int, returncode: int) -> Failure:
         return Failure(node=self.node, host=self.host, rank=rank, pid=self.ranks.pids[rank],
@@ -267,7 +284,7 @@ class Supervisor:
         self.stop(Failure(node=self.node, host=self.host, interrupt=signum, startup=startup),
                   signum)
 
-    def other(self, event: tuple) -> None:
+    def other(self, event: Event) -> None:
         """An event that is not a rank's exit nor a signal (a message from another agent)."""
 
     def others_running(self) -> bool:

@@ -10,7 +10,7 @@ connections neither delay a job nor fail it.
 
 After the handshake the supervisor says which rank it is and which stream this is (`control`,
 `stdout`, `stderr`); from then on the connection is a plain socket (a rank's output is written
-to it directly). Each arrival is an event ("launch", rank, kind, socket) on the agent's queue,
+to it directly). Each arrival is an event (`events.LaunchConnected`) on the agent's queue,
 the same queue that carries signals, so the agent can stop waiting for supervisors when a
 person presses Ctrl-C.
 """
@@ -24,6 +24,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from tandem.launch.events import LaunchConnected
 from tandem.launch.local.output import block_agent_signals
 from tandem.rendezvous.auth import HANDSHAKE_S, AuthenticationFailed, authenticate
 
@@ -44,7 +45,7 @@ def _plain(conn: Connection) -> socket.socket:
 class LaunchPort:
     """Listens on 127.0.0.1 for the supervisors of `np` ranks that hold `token`.
 
-    Each authenticated connection becomes ("launch", rank, kind, socket) on `events`; strangers
+    Each authenticated connection becomes a `LaunchConnected` on `events`; strangers
     are dropped without a word. `close()` stops listening; late arrivals are closed then.
     """
 
@@ -90,7 +91,7 @@ class LaunchPort:
                 or words[1] not in KINDS or self._closed.is_set()):
             conn.close()
             return
-        self._events.put(("launch", int(words[0]), words[1], _plain(conn)))
+        self._events.put(LaunchConnected(int(words[0]), words[1], _plain(conn)))
 
 
 def connect(address: tuple[str, int], token: str, rank: int, kind: str,

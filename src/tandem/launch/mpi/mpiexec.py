@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from tandem.launch.config import LaunchConfig, LaunchError, StartError, check_program
+from tandem.launch.events import LaunchConnected, Signalled
 from tandem.launch.local.output import block_agent_signals
 from tandem.launch.local.processes import signal_group
 from tandem.launch.local.ranks import LocalRanks, Placement, job_environment, rank_command
@@ -278,11 +279,11 @@ class MPIExecRanks(LocalRanks):
                 event = self._events.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if event[0] == "signal":
-                raise StartInterrupted(event[1])
-            if event[0] != "launch":
+            if isinstance(event, Signalled):
+                raise StartInterrupted(event.signum)
+            if not isinstance(event, LaunchConnected):
                 continue
-            _, rank, kind, connection = event
+            rank, kind, connection = event.rank, event.kind, event.connection
             entry = ranks.setdefault(rank, {})
             if kind in entry:  # the token holder connected twice: keep the first
                 connection.close()

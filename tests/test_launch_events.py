@@ -1,0 +1,103 @@
+"""The launch agents' typed events and job state, and the one rank-environment builder.
+
+Every thread of an agent puts a typed event on its queue (`tandem.launch.events`); the rank
+supervisor's `JobState` moves forwards only, in one place (`Supervisor.advance`). `tandem run`,
+`td.spawn` and `tandem.testing`'s shared worlds build their ranks' environments with one
+function and one thread rule (`launch.local.ranks.local_rank_environment`, `thread_limits`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import signal
+
+import pytest
+
+from tandem.launch import LaunchConfig
+from tandem.launch.events import JobState, Lost, Message, RankExited, Signalled, message
+from tandem.launch.local.output import RankOutput
+from tandem.launch.local.processes import cores
+from tandem.launch.local.ranks import (
+    LocalRanks,
+    Placement,
+    local_rank_environment,
+    rank_environment,
+    thread_limits,
+)
+from tandem.launch.local.supervisor import Supervisor
+from tandem.testing import run_distributed
+
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(not HAVE_MPI, reason="no mpi4py"))]
+
+
+def test_a_peers_words_become_typed_messages_and_junk_is_named_as_such():
+    assert message(2, ("exit", {"rank": 3})) == Message(2, "exit", {"rank": 3})
+    assert message(1, ("stop",)) == Message(1, "stop", {})
+    assert message(1, "junk").kind == "?" and message(1, ("x", "not a dict")).body == {}
+    match Lost(3, "its connection closed"):
+        case Lost(node, why):
+            assert (node, why) == (3, "its connection closed")
+
+
+def test_the_job_state_moves_forwards_only_and_ends_once():
+    config = LaunchConfig(np=1, program="t.py")
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    watch = Supervisor(LocalRanks(config, events, RankOutput()), events, RankOutput())
+    assert watch.state is JobState.RUNNING and not watch.stopping
+    watch.stop(None)  # no live ranks: nothing to signal, but the grace starts
+    assert watch.state is JobState.STOPPING and watch.deadline is not None
+    watch.kill()
+    assert watch.killed and watch.state is JobState.KILLING
+    assert watch.run() is None  # nothing live, nothing else running: over at once
+    assert watch.state is JobState.SUCCEEDED and watch.state.done
+    with pytest.raises(AssertionError, match="cannot go from SUCCEEDED to RUNNING"):
+        watch.advance(JobState.RUNNING)
+
+
+def test_a_rank_exit_and_a_signal_are_handled_as_typed_events():
+    config = LaunchConfig(np=2, program="t.py")
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    ranks = LocalRanks(config, events, RankOutput())
+    ranks.live = {0, 1}
+    ranks.pids = {0: os.getpid() + 10**7, 1: os.getpid() + 10**7 + 1}  # no such processes
+    watch = Supervisor(ranks, events, RankOutput())
+    watch.handle(RankExited(1, 0))
+    assert ranks.live == {0} and watch.state is JobState.RUNNING
+    watch.handle(Signalled(signal.SIGTERM))
+    assert watch.state is JobState.STOPPING and watch.failure.interrupt == signal.SIGTERM
+    watch.handle(Signalled(signal.SIGTERM))  # a second signal: no more grace
+    assert watch.state is JobState.KILLING
+
+
+def test_one_thread_rule_for_every_rank_tandem_starts():
+    share = str(max(1, cores() // 4))
+    assert thread_limits({}, 4) == {"OMP_NUM_THREADS": share, "MKL_NUM_THREADS": share}
+    assert thread_limits({"OMP_NUM_THREADS": "7"}, 4) == {"MKL_NUM_THREADS": share}
+    assert thread_limits({"OMP_NUM_THREADS": "7"}, 4, per_rank=2) == {
+        "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    env = local_rank_environment({"OMP_NUM_THREADS": "7"}, rank=1, size=4, local_rank=1,
+                                 local_size=4, store=("127.0.0.1", 1234), store_key="k",
+                                 backend="gloo")
+    assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"]) == ("7", share)
+    assert (env["TANDEM_RANK"], env["TANDEM_SIZE"], env["TANDEM_LOCAL_SIZE"]) == ("1", "4", "4")
+    assert (env["TANDEM_MASTER_PORT"], env["TANDEM_STORE_KEY"]) == ("1234", "k")
+    # tandem run's ranks: the same variables, from the same builder, plus the job's own
+    ran = rank_environment(LaunchConfig(np=4, program="t.py", backend="gloo"), 1,
+                           Placement.single(4, 1234, "k"), {"OMP_NUM_THREADS": "7"})
+    assert {name: ran[name] for name in env if name.startswith(("TANDEM_", "OMP", "MKL"))} == {
+        name: value for name, value in env.items() if name.startswith(("TANDEM_", "OMP", "MKL"))}
+
+
+def check_world_environment():
+    import tandem as td
+
+    return td.rank(), os.environ["OMP_NUM_THREADS"], os.environ["MKL_NUM_THREADS"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shared_worlds_ranks_run_one_thread_each_by_the_one_rule(backend):
+    results = run_distributed(check_world_environment, world_size=2, backend=backend)
+    assert results == [(rank, "1", "1") for rank in range(2)]
