@@ -44,6 +44,7 @@ from tandem import runtime
 from tandem.comm.collectives import user as collectives
 from tandem.comm.groups import Group, Mesh, group_ranks
 from tandem.parallel import model_check
+from tandem.parallel.fully_shard import dtensor as dtensor_params
 from tandem.parallel.fully_shard import fsdp2_methods, optimizer_check, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
@@ -55,7 +56,8 @@ from tandem.parallel.layout.owner import owner_of
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
                 param_dtype: torch.dtype | None = None, group: Group | None = None,
                 mesh: Mesh | None = None, mp_policy: Any = None,
-                offload_policy: Any = None, offload: str | None = None) -> nn.Module:
+                offload_policy: Any = None, offload: str | None = None,
+                dtensor: bool = False) -> nn.Module:
     """Shard `module`'s parameters (those no inner unit owns) across `group`; returns `module`.
 
     Collective: every rank of the group calls it, in the same order, on the same model, with
@@ -77,6 +79,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         mp_policy: `td.MixedPrecisionPolicy` (or torch's FSDP2 one).
         offload_policy: `td.CPUOffloadPolicy()` (or torch's FSDP2 one): shards in host memory.
         offload: `"cpu"`, the same as `offload_policy=td.CPUOffloadPolicy()`.
+        dtensor: keep the shard as FSDP2 does, a `DTensor` parameter (`Shard(0)` over a
+            DeviceMesh of the world) with `DTensor` state-dict entries (`dtensor.py`);
+            `tandem.fsdp.fully_shard` sets it. Not with group=, mesh= or offload.
 
     Returns:
         `module` itself, now a fully sharded unit (its `state_dict()` still speaks the unsharded
@@ -88,12 +93,15 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         ValueError: `module` is already sharded, its parameters already belong to a root sharded
             first (shard inner blocks first), it holds tensor-parallel layers, both `group=` and
             `mesh=` (or `param_dtype=` and `mp_policy=`) were given, the mesh has pp or tp > 1,
-            or this rank is not a member of `group`; each message says the fix.
+            or this rank is not a member of `group`, or `dtensor=True` with group=, mesh= or
+            offload; each message says the fix.
         TypeError: `module` is not an `nn.Module`, or `mesh`, `mp_policy` or `offload_policy`
             is not of its kind.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if dtensor:
+        dtensor_params.refuse_unless_world(group, mesh, offload, offload_policy)
     if unit_of(module) is not None:
         raise ValueError(
             f"fully_shard: {type(module).__name__} is already fully sharded; call fully_shard "
@@ -118,7 +126,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     for sub in inner:
         sub.is_root = False
     attach(module, unit)
-    if unit.shard is not None:  # model.state_dict() / load_state_dict() speak the unsharded model
+    if dtensor:  # FSDP2's DTensor parameter; state_dict()'s entries DTensors of the whole tensors
+        dtensor_params.enable(module, unit, UnitPieces(unit))
+    elif unit.shard is not None:  # model.state_dict() / load_state_dict(): the unsharded model
         state_hooks.install(module, UnitPieces(unit))
     fsdp2_methods.install(module, unit)  # model.unshard(), model.set_requires_gradient_sync(...)
     optimizer_check.watch()  # an optimizer over another model's parameters is refused
@@ -194,7 +204,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     inf = norm_type == float("inf")
 
     def partial(tensors: list[torch.Tensor]) -> torch.Tensor:
-        values = [p.grad.detach().as_subclass(torch.Tensor).float() for p in tensors]
+        values = [_local(p.grad.detach()).as_subclass(torch.Tensor).float() for p in tensors]
         if not values:
             return torch.zeros(1, device=device)
         if inf:
@@ -221,8 +231,14 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     total = total[0] if inf else total[0].pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
-        p.grad.detach().mul_(coefficient.to(p.grad.dtype))
+        _local(p.grad.detach()).mul_(coefficient.to(p.grad.dtype))
     return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (tandem.fsdp.fully_shard's shards), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local") \
+        else tensor
 
 
 def _zero_owner(params: list[torch.Tensor]) -> Any:
@@ -332,8 +348,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         entry = state["state"].get(i, {})
         for k, v in entry.items():
             sharded = layout.per_element(k, v, p)
+            v = _local(v.detach()) if torch.is_tensor(v) else v
             if sharded and unit.size > 1:
-                v = collectives.allgather(v.detach(), group=unit.group)
+                v = collectives.allgather(v, group=unit.group)
             offset = 0
             for name, shape in zip(names, unit.shapes, strict=True):
                 n = int(torch.Size(shape).numel())

@@ -21,12 +21,23 @@ class UnitPieces:
 
     def local_pieces(self, prefix: str) -> list[Held]:
         unit = self.unit
+        if unit.mesh is not None:
+            raise ValueError(
+                f"{type(unit.module).__name__} was sharded by tandem.fsdp.fully_shard, whose "
+                f"shards are DTensor parameters (FSDP2's): tandem's own checkpoints and layout "
+                f"walkers (td.save_sharded, td.Checkpointer, td.get_state_dict) take "
+                f"td.fully_shard's plain shards. Save this model as under FSDP2 (DCP's "
+                f"get_model_state_dict/set_model_state_dict, or model.state_dict()'s DTensors "
+                f"and full_tensor()), or shard it with td.fully_shard")
         return [Held(unit.shard, unit.space.placements([prefix + n for n in unit.names], unit.shapes))]
 
     def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         unit = self.unit
-        shard = unit.shard.detach()
-        flat = collectives.allgather(shard, group=unit.group) if unit.size > 1 else shard
+        shard = unit.local_shard().detach()
+        if shard.device.type == "meta":  # shapes only (a model not yet materialised or loaded)
+            flat = torch.empty(unit.size * unit.shard_numel, dtype=shard.dtype, device="meta")
+        else:
+            flat = collectives.allgather(shard, group=unit.group) if unit.size > 1 else shard
         out, offset = {}, 0
         for name, shape in zip(unit.names, unit.shapes, strict=True):
             n = torch.Size(shape).numel()
