@@ -3,6 +3,7 @@ tokens per second; and torch's `context_parallel` in the same run, where it runs
 
     python benchmarks/context_parallel.py                    # GPT-like model, T = 2048, CPU
     python benchmarks/context_parallel.py --seq 1024 --steps 3 --out /tmp/cp.json
+    python benchmarks/context_parallel.py --compile   # and compiled rows (torch.compile, inductor)
 
 One process first (this process, the whole sequence), then 2 ranks (`td.spawn`, Gloo, one
 thread each), each with half of every sequence (`td.context.split`), once per form (ring,
@@ -16,7 +17,8 @@ nn.MultiheadAttention and an MLP, a head); each step is forward, cross-entropy, 
 - collectives: the seconds each rank waited in the split's messages (`wire.waited`: the ring's
   exposed waits, the all-to-alls whole) over the step's wall time;
 - tokens/s: the global batch's tokens over the step's wall time (both ranks working on one
-  batch), against one process's.
+  batch), against one process's (`--compile`: a compiled form's against the compiled one
+  process's).
 
 Numbers are from whatever machine runs it: medians of the measured steps. On a shared 2-core
 machine, two ranks with one thread each are compared with one process with one thread.
@@ -110,9 +112,11 @@ def measure(step, config) -> dict:
             "tokens_per_s": config["batch"] * config["seq"] / step_s}
 
 
-def one_process(config) -> dict:
+def one_process(config, compiled: bool = False) -> dict:
     torch.set_num_threads(1)
     model = build(config)
+    if compiled:
+        model = torch.compile(model, backend=config["compiler"])
     ids, positions, labels = batch(config)
 
     def step():
@@ -127,16 +131,19 @@ def split_worker(config) -> dict:
     out = {}
     ids, positions, labels = batch(config)
     parts = cp.split(ids, positions, labels, seq_dim=1)
-    for style in ("ring", "alltoall"):
+    runs = [(style, False) for style in ("ring", "alltoall")]
+    runs += [(style, True) for style in ("ring", "alltoall") if config["compile"]]
+    for style, compiled in runs:
         model = cp.parallelize(build(config), style=style)
         opt = td.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                       named_parameters=model.named_parameters())
+        run = torch.compile(model, backend=config["compiler"]) if compiled else model
 
-        def step(model=model, opt=opt):
+        def step(run=run, opt=opt):
             opt.zero_grad(set_to_none=True)
-            return F.cross_entropy(model(*parts[:2]).flatten(0, 1), parts[2].flatten())
+            return F.cross_entropy(run(*parts[:2]).flatten(0, 1), parts[2].flatten())
 
-        out[style] = measure(step, config)
+        out[f"{style}, compiled" if compiled else style] = measure(step, config)
     out["torch context_parallel"] = torch_context_parallel(config)
     return out
 
@@ -171,11 +178,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="also torch.compile the one process and both forms (compiled rows "
+                             "against the compiled one process; the warm-up steps compile)")
+    parser.add_argument("--compiler", default="inductor", help="torch.compile's backend")
     parser.add_argument("--out", default="results/context_parallel.json")
     args = parser.parse_args()
     config = {"seq": args.seq, "batch": args.batch, "dim": args.dim, "heads": args.heads,
-              "layers": args.layers, "vocab": 256, "steps": args.steps, "warmup": args.warmup}
+              "layers": args.layers, "vocab": 256, "steps": args.steps, "warmup": args.warmup,
+              "compile": args.compile, "compiler": args.compiler}
     single = one_process(config)
+    single_compiled = one_process(config, compiled=True) if args.compile else None
     everyone = td.spawn(split_worker, nprocs=2, args=(config,), backend="gloo")
     print(f"sp = 2 (Gloo, 1 thread per rank) vs one process (1 thread); causal GPT, T = "
           f"{args.seq}, batch {args.batch}, dim {args.dim}, {args.heads} heads, {args.layers} "
@@ -185,6 +198,13 @@ def main() -> None:
     print(f"{'one process':<24}{single['activation_mb']:>13.1f}{1:>8.2f}"
           f"{single['step_s'] * 1e3:>9.1f}{'-':>11}{single['tokens_per_s']:>10.0f}{1:>8.2f}")
     rows = {"one process": single}
+    if single_compiled is not None:
+        rows["one process, compiled"] = single_compiled
+        print(f"{'one process, compiled':<24}{single_compiled['activation_mb']:>13.1f}"
+              f"{single_compiled['activation_mb'] / single['activation_mb']:>8.2f}"
+              f"{single_compiled['step_s'] * 1e3:>9.1f}{'-':>11}"
+              f"{single_compiled['tokens_per_s']:>10.0f}"
+              f"{single_compiled['tokens_per_s'] / single['tokens_per_s']:>8.2f}")
     for run in everyone[0]:
         per_rank = [r[run] for r in everyone]
         if "error" in per_rank[0]:
@@ -193,8 +213,9 @@ def main() -> None:
             continue
         row = {key: statistics.mean(r[key] for r in per_rank) for key in per_rank[0]}
         row["activation_mb"] = max(r["activation_mb"] for r in per_rank)  # the fuller rank
-        row["memory_vs_one"] = row["activation_mb"] / single["activation_mb"]
-        row["speed_vs_one"] = row["tokens_per_s"] / single["tokens_per_s"]
+        one = single_compiled if run.endswith(", compiled") else single  # compiled vs compiled
+        row["memory_vs_one"] = row["activation_mb"] / one["activation_mb"]
+        row["speed_vs_one"] = row["tokens_per_s"] / one["tokens_per_s"]
         rows[run] = row
         print(f"{run:<24}{row['activation_mb']:>13.1f}{row['memory_vs_one']:>8.2f}"
               f"{row['step_s'] * 1e3:>9.1f}{row['comm_share']:>11.3f}{row['tokens_per_s']:>10.0f}"

@@ -5,7 +5,8 @@ the other is converted with `td.context.parallelize` (ring or all-to-all) and ru
 rank's part of each sequence (`td.context.split` of ids, positions and labels). The loss (mean
 over the group of each rank's mean) and every gradient (averaged by a DistributedOptimizer over
 the group, or over dp x cp on a mesh) must equal the reference's to 1e-5, for a causal model and
-a bidirectional one, at sp = 2 and 4.
+a bidirectional one, at sp = 2 and 4; and so must `torch.compile` of the split model (its
+attention calls the split's operators inside the graph), with activation checkpointing too.
 """
 
 import copy
