@@ -118,7 +118,7 @@ def test_fully_shard_ranks_that_diverge_are_named(backend):
     _assert_named(results, "skip_opt", "rank 0: fully_shard forward #4 of Net (after 3 optimizer",
                   "rank 1: fully_shard forward #4 of Net (after 2 optimizer", "td.all_finite")
     _assert_named(results, "save", "rank 0: state_dict #1 of Net (fully_shard",
-                  "rank 1: fully_shard forward #4 of Net", "td.full_state_dict(model) too) gathers "
+                  "rank 1: fully_shard forward #4 of Net", "td.fsdp.full_state_dict(model) too) gathers "
                   "the model from every rank: every rank calls it")
     (s0, _, w0), (s1, _, w1) = results[0]["nan"], results[1]["nan"]
     assert s0 is None and s1 is None and w0 == w1  # skipped together: still one model

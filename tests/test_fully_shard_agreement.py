@@ -136,7 +136,7 @@ def test_materialize_seeds_must_agree(backend):
     results = run_distributed(check_materialize_seeds, 2, backend, timeout=120)
     for rank, said in enumerate(results):
         text = said["per_rank"]
-        assert text.startswith("CollectiveMismatchError: td.materialize: the ranks passed "
+        assert text.startswith("CollectiveMismatchError: td.fsdp.materialize: the ranks passed "
                                "different seeds"), (rank, text)
         assert "rank 0: seed=0" in text and "rank 1: seed=1" in text, text
         assert "pass the same seed on every rank" in text, text

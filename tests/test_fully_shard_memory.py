@@ -260,7 +260,7 @@ def _assert_results(results, world_size: int, backend: str = "gloo"):
     for rank, r in enumerate(results):
         assert "meta device" in r["unmaterialized"] and "Sequential" not in r["unmaterialized"], r
         assert r["unmaterialized_to_empty"] == r["unmaterialized"], r["unmaterialized_to_empty"]
-        assert "td.materialize" in r["unmaterialized"] and "Net" in r["unmaterialized"], r
+        assert "td.fsdp.materialize" in r["unmaterialized"] and "Net" in r["unmaterialized"], r
         assert r["meta_init"] == 0.0, (rank, r["meta_init"])  # exactly the eager model's values
         for name, (numel, shard, device) in r["shards"].items():
             assert shard == -(-numel // world_size) and device == "cpu", (rank, name, numel, shard)
@@ -288,7 +288,7 @@ def _assert_results(results, world_size: int, backend: str = "gloo"):
         assert f"the {backend} backend cannot reduce torch.float8_e4m3fn" in e["float8"], e["float8"]
         assert "torch.bfloat16" in e["float8"] and "torch.float32" in e["float8"], e["float8"]
         assert "both param_dtype= and mp_policy=" in e["both"], e["both"]
-        assert "td.CPUOffloadPolicy()" in e["offload_type"], e["offload_type"]
+        assert "td.fsdp.CPUOffloadPolicy()" in e["offload_type"], e["offload_type"]
         assert "both group= and mesh=" in e["mesh_and_group"], e["mesh_and_group"]
         assert f"tp={world_size}" in e["mesh_tp"] and "group=mesh.dp_group" in e["mesh_tp"], e["mesh_tp"]
 

@@ -128,7 +128,7 @@ def check_matrix(wrapper: str):
         except ValueError as refusal:
             outcome[name] = ("refused", str(refusal))
             continue
-        full = td.full_state_dict(model)  # the one-process tensors, gathered where split
+        full = td.fsdp.full_state_dict(model)  # the one-process tensors, gathered where split
         outcome[name] = ("difference", max((full[k] - v).abs().max().item()
                                            for k, v in reference.state_dict().items()))
     return outcome

@@ -129,7 +129,7 @@ def test_summarize_explains_missing_records():
         scaling.summarize(2, [_rank_file(0, [1, 1])], 1)
     with pytest.raises(scaling.ScaleError, match="DistributedOptimizer"):
         scaling.summarize(1, [_rank_file(0, [1])], 1)
-    with pytest.raises(scaling.ScaleError, match="td.report"):
+    with pytest.raises(scaling.ScaleError, match="td.metrics.report"):
         scaling.summarize(1, [_rank_file(0, [1, 1], samples=0)], 1)
 
 

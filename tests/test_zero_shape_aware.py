@@ -187,7 +187,7 @@ def check_uneven(name: str, wrapper: str):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-    return sizes, _difference(td.full_state_dict(model), reference.state_dict())
+    return sizes, _difference(td.fsdp.full_state_dict(model), reference.state_dict())
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])

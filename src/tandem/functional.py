@@ -20,7 +20,7 @@ Front ends that define another convention (Horovod's averages some of these) sca
 Roots, sources and destinations are global ranks, as everywhere in tandem; every rank of the
 group must call each function, in the same order, and run the backward too.
 
-Inside the forward of a tensor-parallel model (`td.parallelize`, `td.Branches`, a model with
+Inside the forward of a tensor-parallel model (`td.parallelize`, `td.tensor.Branches`, a model with
 tensor-parallel layers), whose forward and backward each open with one agreement over the group,
 these go straight to the engine (`comm/collectives/direct.py`): no check, nothing read on the host but the
 sizes an uneven `all_gather` or `all_to_all` must learn. Elsewhere each call, forward and

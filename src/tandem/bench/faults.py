@@ -16,7 +16,7 @@ prints `[r] pid=P ...` when a rank starts and `[r] failing at T` (wall time) whe
 and, on split models (`tests/scripts/fault_split.py`, next to `script`):
 
   shard_skip_step   fully_shard: the rank skips backward and step after its forward
-  shard_state_dict  fully_shard: rank 0 alone calls td.full_state_dict (the habitual save)
+  shard_state_dict  fully_shard: rank 0 alone calls td.fsdp.full_state_dict (the habitual save)
   tp_skip_step      td.parallelize: the rank skips backward and step after its forward
   pipe_skip_opt     td.Pipeline: the rank's stage skips its optimizer step (a NaN guard that
                     only the stage holding the loss runs)

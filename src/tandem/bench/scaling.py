@@ -154,7 +154,7 @@ def summarize(np: int, ranks: Sequence[Mapping], warmup: int) -> Row:
     if sum(samples) == 0:
         raise ScaleError(
             f"world size {np}: the steps carry no sample counts. Load batches with "
-            "td.partition_dataset, or call td.report(samples=<per-rank batch>) in the script."
+            "td.partition_dataset, or call td.metrics.report(samples=<per-rank batch>) in the script."
         )
     step_s = statistics.fmean(wall)
     notes = []

@@ -15,7 +15,7 @@ returns anywhere the file is complete, and when the write failed every rank rais
 then unpickles the same bytes. This works when the file exists only on rank 0's machine (no
 shared filesystem, which is also where `save` puts it), and guarantees every rank gets the
 same object. The price is one broadcast of the file, which is fine for checkpoints that fit in
-memory twice; fully sharded models save one file per rank instead (`td.save_sharded`).
+memory twice; fully sharded models save one file per rank instead (`td.checkpoint.save_sharded`).
 
 Without `td.init()` (a notebook inspecting a checkpoint) both work as a world of one.
 With `ZeroOptimizer`, `opt.state_dict()` gathers the full state (a collective: every rank calls

@@ -1,7 +1,7 @@
 """Checkpoints of split models in PyTorch's Distributed Checkpoint (DCP) format, any layout to any.
 
-    td.save_sharded("ckpt/step-100", model=model, optimizer=opt)    # every rank: its own pieces
-    td.load_sharded("ckpt/step-100", model=model, optimizer=opt)    # into any other layout
+    td.checkpoint.save_sharded("ckpt/step-100", model=model, optimizer=opt)    # every rank: its own pieces
+    td.checkpoint.load_sharded("ckpt/step-100", model=model, optimizer=opt)    # into any other layout
 
 `path` becomes a DCP directory: `__<r>_0.distcp` from every rank that holds something nobody
 else wrote, and `.metadata` (written last, by rank 0), which records every tensor's

@@ -7,7 +7,7 @@
 MODEL is `module:attribute` or `path/to/file.py:attribute`, where the attribute is a class or a
 function that takes no arguments and returns the model. It is built on the meta device (shapes
 only, no memory), so a model larger than this machine can be estimated. The table comes from
-`td.compare_memory` (or `td.estimate_memory` with `--layout`): parameters, gradients, optimizer
+`td.memory.compare_memory` (or `td.memory.estimate_memory` with `--layout`): parameters, gradients, optimizer
 state, the wrapper's buffers, the bytes kept between steps, the most added during a step, the
 peak, and what `--offload cpu` keeps on the host. Activations are not counted.
 """

@@ -10,7 +10,7 @@ calls each step gets a record:
   `step()` only starts the clock, so it has no record);
 * ``comm_s``   exposed communication, as reported by the optimizer;
 * ``data_s``   time spent waiting for batches since the previous step;
-* ``samples``  samples this rank processed in the step: `td.report(samples=N)` when the script
+* ``samples``  samples this rank processed in the step: `td.metrics.report(samples=N)` when the script
   said so, else what the partitioned loader handed out since the previous step, else 0.
 
 Compute is what is left: ``wall_s - comm_s - data_s``. Nothing here synchronises a device or
@@ -46,7 +46,7 @@ _last_end: float | None = None  # perf_counter() at the end of the previous step
 _pending_data_s = 0.0  # batch waits since the previous step
 _pending_samples = 0  # samples handed out by the loader since the previous step
 _pending_comm_s = 0.0  # communication waits reported by wrappers since the previous step
-_reported: int | None = None  # td.report(samples=N), sticky until changed
+_reported: int | None = None  # td.metrics.report(samples=N), sticky until changed
 _plan: ScalePlan | None = None
 _plan_read = False
 
@@ -161,9 +161,9 @@ def report(samples: int) -> None:
     """
     global _reported
     if not isinstance(samples, int) or isinstance(samples, bool):
-        raise TypeError(f"td.report(samples=...) takes an int, got {samples!r}")
+        raise TypeError(f"td.metrics.report(samples=...) takes an int, got {samples!r}")
     if samples < 0:
-        raise ValueError(f"td.report(samples={samples}): give the number of samples, >= 0")
+        raise ValueError(f"td.metrics.report(samples={samples}): give the number of samples, >= 0")
     _reported = samples
 
 

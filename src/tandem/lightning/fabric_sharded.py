@@ -5,7 +5,7 @@ The Fabric twin of `sharded.TandemFSDPStrategy`: `fabric.setup_module(model)` ma
 shards (`fabric.setup_optimizers(...)`), since `model.parameters()` changed. `fabric.clip_gradients`
 clips by the global norm, `fabric.no_backward_sync` is `td.no_sync`, and `fabric.save`/`fabric.load`
 write and read a directory: `shards/` (the modules and optimizers of the state, each rank its
-pieces, `td.save_sharded`) and `rest.pt` (everything else, `td.save`).
+pieces, `td.checkpoint.save_sharded`) and `rest.pt` (everything else, `td.save`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ methods (a handful of identity tests per call, no dictionary of locals unless on
 `all_reduce` then agrees on the name, the hook and the call (shape, dtype, op) in the one
 agreement message that `td.allreduce`'s argument check would have sent, and reduces straight
 through the engine: the two messages of a checked all-reduce, as before. Ranks that log
-different names raise `td.MetricMismatchError` on every rank, naming each rank's metric and
+different names raise `td.metrics.MetricMismatchError` on every rank, naming each rank's metric and
 the fix, before anything is summed. With checks off (`td.init(checks=False)`) nothing is
 compared, as for every collective.
 """

@@ -12,7 +12,7 @@ gathered just in time, and the LightningModule the root unit around them. Everyt
   `clip_grad_norm_`, which Lightning's precision plugins call, sees this rank's shards only.
 - `accumulate_grad_batches` turns the units' gradient sync off (`td.no_sync`).
 - A checkpoint is a directory: `shards/`, the model and optimizers as each rank holds them
-  (`td.save_sharded`, torch's DCP format, loadable on any world size and layout), and
+  (`td.checkpoint.save_sharded`, torch's DCP format, loadable on any world size and layout), and
   `trainer.pt`, the rest of Lightning's checkpoint (`td.save`). Nothing is gathered to save.
   Restoring (`fit(ckpt_path=...)`) loads the shards in place after set-up, when the sharded
   model and its optimizers exist; an unsharded checkpoint (strategy "tandem") loads too.

@@ -5,12 +5,12 @@ scale` a step's samples.
 
 What is where:
 
-- `average`: Rank-0 progress bars and metrics averaged over every rank's samples (`td.progress`,
-  `td.Average`).
-- `logger`: `td.MetricLogger`: scalars averaged over the ranks, written by rank 0 to TensorBoard
+- `average`: Rank-0 progress bars and metrics averaged over every rank's samples (`td.metrics.progress`,
+  `td.metrics.Average`).
+- `logger`: `td.metrics.MetricLogger`: scalars averaged over the ranks, written by rank 0 to TensorBoard
   and CSV.
-- `means`: Means of named values over the ranks: the one reduction of `td.Average` and
-  `td.MetricLogger`.
+- `means`: Means of named values over the ranks: the one reduction of `td.metrics.Average` and
+  `td.metrics.MetricLogger`.
 """
 
 # `td.metrics` (tandem 1.0's namespace for metrics) and what users imported from the one module

@@ -1,6 +1,7 @@
-"""Rank-0 progress bars and metrics averaged over every rank's samples (`td.progress`, `td.Average`).
+"""Rank-0 progress bars and metrics averaged over every rank's samples
+(`td.metrics.progress`, `td.metrics.Average`).
 
-    from tandem import Average, progress
+    from tandem.metrics import Average, progress
 
     metrics = Average()
     for x, y in progress(loader, desc=f"epoch {epoch}"):     # a bar on rank 0 only

@@ -1,6 +1,6 @@
-"""`td.MetricLogger`: scalars averaged over the ranks, written by rank 0 to TensorBoard and CSV.
+"""`td.metrics.MetricLogger`: scalars averaged over the ranks, written by rank 0 to TensorBoard and CSV.
 
-    logger = td.MetricLogger("runs/digits")          # collective: every rank constructs it
+    logger = td.metrics.MetricLogger("runs/digits")          # collective: every rank constructs it
     for step, (x, y) in enumerate(loader):
         ...
         if step % 50 == 0:

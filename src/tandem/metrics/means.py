@@ -1,4 +1,5 @@
-"""Means of named values over the ranks: the one reduction of `td.Average` and `td.MetricLogger`.
+"""Means of named values over the ranks: the one reduction of `td.metrics.Average` and
+`td.metrics.MetricLogger`.
 
     means = reduce_means("Average.compute", {"loss": 12.3}, count=40, group=None, may_be_empty=True)
 
@@ -130,7 +131,7 @@ def explain(ranks: Sequence[int], calls: Sequence[Call]) -> str:
               "update() (or call update(0, ...)) and then counts for nothing."
               if empty_ok else
               "Pass the same names on every rank at each call; to average a value that only some "
-              "ranks have, over those ranks, use td.Average (a rank without samples skips update()).")
+              "ranks have, over those ranks, use td.metrics.Average (a rank without samples skips update()).")
     return (f"{what}: the ranks passed different metric names (nothing was averaged):\n{lines}\n"
             f"Names not on every rank: {', '.join(differing)}.\n{advice}")
 

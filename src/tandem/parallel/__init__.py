@@ -4,7 +4,7 @@ models).
 
 What is where:
 
-- `activation_checkpoint`: Activation checkpointing per block: `td.checkpoint_wrapper(model,
+- `activation_checkpoint`: Activation checkpointing per block: `td.memory.checkpoint_wrapper(model,
   policy=Block)`.
 - `broadcast`: Make replicas start equal: broadcast parameters, buffers and optimizer state from
   one rank.

@@ -1,8 +1,8 @@
-"""Activation checkpointing per block: `td.checkpoint_wrapper(model, policy=Block)`.
+"""Activation checkpointing per block: `td.memory.checkpoint_wrapper(model, policy=Block)`.
 
-    td.checkpoint_wrapper(model, policy=nn.TransformerEncoderLayer)  # every such block
-    td.checkpoint_wrapper(model, policy=lambda m: m in set(model.blocks))  # torch's check_fn
-    td.checkpoint_wrapper(block)                                     # this one module
+    td.memory.checkpoint_wrapper(model, policy=nn.TransformerEncoderLayer)  # every such block
+    td.memory.checkpoint_wrapper(model, policy=lambda m: m in set(model.blocks))  # torch's check_fn
+    td.memory.checkpoint_wrapper(block)                                     # this one module
 
 Each chosen module's forward runs under `torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)`: the block keeps only its inputs during forward and runs its forward

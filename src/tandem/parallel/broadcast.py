@@ -74,7 +74,7 @@ def broadcast_parameters(
 
     A split model is asked how it is split: `td.fully_shard` shards are left alone (each rank
     holds its own part, made from one rank's values when the model was sharded), and copying
-    one rank's tensor-parallel slices (or `td.Branches`) onto ranks that hold other slices is
+    one rank's tensor-parallel slices (or `td.tensor.Branches`) onto ranks that hold other slices is
     refused: pass the group of ranks that hold the same slices, `group=mesh.dp_group`.
 
     Args:

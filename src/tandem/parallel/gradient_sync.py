@@ -3,7 +3,7 @@
     with td.no_sync(model):                         # micro-batches 1..k-1: accumulate locally
         loss_fn(model(x), y).backward()
     loss_fn(model(x), y).backward()                 # the last one reduces everything
-    td.set_requires_gradient_sync(model, False)     # or the FSDP2 spelling, on and off
+    td.fsdp.set_requires_gradient_sync(model, False)     # or the FSDP2 spelling, on and off
 
 The model's owner (`parallel/layout/owner.py`) is asked to switch whatever reduces its
 gradients: its fully_shard units (FSDP2's `set_requires_gradient_sync`), and the reducer of a

@@ -32,17 +32,17 @@ _MODEL_KIND = agreement.checksum("split model operation")
 _DETAIL = 5  # the code of what must match within an operation (an input's shapes)
 #: The calls every rank must make together, whatever it then does with the result, and the fix.
 CALLS = {
-    "state_dict": "model.state_dict() (td.full_state_dict(model) too) gathers the model from "
+    "state_dict": "model.state_dict() (td.fsdp.full_state_dict(model) too) gathers the model from "
                   "every rank: every rank calls it, then rank 0 alone saves (`state = "
                   "model.state_dict()` on every rank, `if td.rank() == 0: torch.save(state, path)`).",
-    "full_optimizer_state_dict": "td.full_optimizer_state_dict gathers the optimizer's state "
+    "full_optimizer_state_dict": "td.fsdp.full_optimizer_state_dict gathers the optimizer's state "
                                  "from every rank: every rank calls it, then rank 0 alone saves.",
 }
 
 
 class ModelCheck:
     """One agreement per operation of a split model: fully_shard's root, a model converted by
-    `td.parallelize`, `td.Branches`, a `td.Pipeline`.
+    `td.parallelize`, `td.tensor.Branches`, a `td.Pipeline`.
 
     Their collectives (fully_shard's gathers and reduce-scatters, the pipeline's messages) are
     not checked one by one; each forward, backward, pipeline step and state-dict call opens

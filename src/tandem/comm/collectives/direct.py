@@ -3,7 +3,7 @@
     with direct.covering(group):           # an agreement already covers this operation
         y = direct.allreduce(x, "sum", group)
 
-Tensor-parallel layers, `td.Branches` and `td.functional` inside a tensor-parallel model call
+Tensor-parallel layers, `td.tensor.Branches` and `td.functional` inside a tensor-parallel model call
 these instead of the user-facing collectives. Their ranks agreed once on the layout (at
 `td.parallelize` or `Branches` construction), and each forward and backward of the model opens
 with one fixed-size agreement (`parallel/model_check.py`) that names a rank in another

@@ -147,7 +147,7 @@ class LocalSGDOwner(WrapperOwner):
         return f"{super().describe()} (period {self.obj.period})"
 
     def checkpoint_refusal(self) -> str:
-        return ("a td.LocalSGD run cannot be checkpointed with td.Checkpointer / td.save_sharded: "
+        return ("a td.LocalSGD run cannot be checkpointed with td.Checkpointer / td.checkpoint.save_sharded: "
                 "between its averagings every rank holds its own parameters and optimizer state, "
                 "and a checkpoint keeps one copy of each tensor, so a restored run would go on from "
                 "one replica (another run). Save every rank's own state instead, e.g. "

@@ -15,21 +15,21 @@ Each rank keeps 1/N of every unit's parameters, gradients and optimizer state
 reduce-scattered (mean) into the shard's `.grad` during backward. Apply it to the inner
 blocks first and the root last, on every rank, with the same model.
 
-Options: `mp_policy=td.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=...)`
+Options: `mp_policy=td.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=...)`
 computes in bf16 into fp32 master shards, FSDP2's fields and defaults (`policies.py`; the older
 `param_dtype=torch.bfloat16` alone reduces in fp32 and casts no inputs);
-`offload_policy=td.CPUOffloadPolicy()` keeps shards, gradients and optimizer state in host
+`offload_policy=td.fsdp.CPUOffloadPolicy()` keeps shards, gradients and optimizer state in host
 memory; `mesh=td.mesh(dp=R, shard=S)` shards over S ranks and all-reduces the shards'
 gradients over the R replicas (HSDP); a model built on the meta device gets its values from
-`td.materialize(model, seed=...)` (`materialize.py`). `reshard_after_forward=False` keeps a
+`td.fsdp.materialize(model, seed=...)` (`materialize.py`). `reshard_after_forward=False` keeps a
 unit gathered from forward to backward (the root always is, as in FSDP2).
-`td.set_requires_gradient_sync(model, False)` accumulates gradients locally (unsharded) over
+`td.fsdp.set_requires_gradient_sync(model, False)` accumulates gradients locally (unsharded) over
 micro-batches; the next synced backward reduces them all.
 GradScaler works unchanged: a rank that saw inf makes every rank skip the step.
 `td.clip_grad_norm_(model, max_norm)` clips by the global norm; torch's
-`nn.utils.clip_grad_norm_` would see this rank's shards only. `td.full_state_dict(model)` and
-`td.load_full_state_dict(model, state)` give and take the ordinary (unsharded) state dict;
-sharded checkpoints that load on any world size are `td.save_sharded`/`td.load_sharded`.
+`nn.utils.clip_grad_norm_` would see this rank's shards only. `td.fsdp.full_state_dict(model)` and
+`td.fsdp.load_full_state_dict(model, state)` give and take the ordinary (unsharded) state dict;
+sharded checkpoints that load on any world size are `td.checkpoint.save_sharded`/`td.checkpoint.load_sharded`.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
         mesh: a `td.mesh(dp=R, shard=S)`: shard over `mesh.shard_group`, all-reduce the
             gradients over `mesh.dp_group` (HSDP; `td.mesh(shard=N)` is plain sharding,
             `td.mesh(dp=N)` plain replication).
-        mp_policy: `td.MixedPrecisionPolicy` (or torch's FSDP2 one).
-        offload_policy: `td.CPUOffloadPolicy()` (or torch's FSDP2 one): shards in host memory.
-        offload: `"cpu"`, the same as `offload_policy=td.CPUOffloadPolicy()`.
+        mp_policy: `td.fsdp.MixedPrecisionPolicy` (or torch's FSDP2 one).
+        offload_policy: `td.fsdp.CPUOffloadPolicy()` (or torch's FSDP2 one): shards in host memory.
+        offload: `"cpu"`, the same as `offload_policy=td.fsdp.CPUOffloadPolicy()`.
         dtensor: keep the shard as FSDP2 does, a `DTensor` parameter (`Shard(0)` over a
             DeviceMesh of the world) with `DTensor` state-dict entries (`dtensor.py`);
             `tandem.fsdp.fully_shard` sets it. Not with group=, mesh= or offload.

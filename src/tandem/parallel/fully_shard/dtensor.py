@@ -22,7 +22,7 @@ keeps its flat fp32 shard as a real `torch.distributed.tensor.DTensor` parameter
 The hot paths use the local tensor: no DTensor dispatch in a gather or a reduce-scatter.
 A unit over a subgroup, a mesh (HSDP) or with CPU offload is refused here with the fix
 (`td.fully_shard`, whose shards are plain tensors), and so are tandem's own checkpoints and
-layout walkers (`td.save_sharded`, `td.Checkpointer`, `td.get_state_dict`: `pieces.py`) and a
+layout walkers (`td.checkpoint.save_sharded`, `td.Checkpointer`, `td.get_state_dict`: `pieces.py`) and a
 change of world (`resize.py`): such a model saves as under FSDP2 (DCP, or the DTensor API).
 """
 
@@ -48,7 +48,7 @@ def refuse_unless_world(group: Any, mesh: Any, offload: Any, offload_policy: Any
             f"tandem.fsdp.fully_shard (FSDP2's DTensor parameters) shards over the whole world "
             f"and keeps the shards where the module is; it was given {', '.join(said)}. Use "
             f"td.fully_shard(module, {said[0]}...) for that: the same sharding with plain tensor "
-            f"shards (td.full_state_dict / td.clip_grad_norm_ instead of DTensor calls)")
+            f"shards (td.fsdp.full_state_dict / td.clip_grad_norm_ instead of DTensor calls)")
 
 
 def join_torch_group() -> None:

@@ -3,7 +3,7 @@
 PyTorch's `fully_shard(module)` turns the module into an `FSDPModule` with methods of its own.
 tandem does not change the module's class; it binds the same names on the instance:
 
-    model.set_requires_gradient_sync(False)   # td.set_requires_gradient_sync(model, False)
+    model.set_requires_gradient_sync(False)   # td.fsdp.set_requires_gradient_sync(model, False)
     model.unshard(); ...; model.reshard()     # gather this unit's parameters, free them again
     model.set_modules_to_forward_prefetch([...]), model.set_modules_to_backward_prefetch([...])
 

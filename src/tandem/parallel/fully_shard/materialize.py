@@ -5,7 +5,7 @@
     for block in model.blocks:
         td.fully_shard(block)
     td.fully_shard(model)
-    td.materialize(model, seed=0)             # each rank: its shards, equal to one process's
+    td.fsdp.materialize(model, seed=0)             # each rank: its shards, equal to one process's
 
 `materialize` replays the initialisation a one-process model gets, `model.apply(init)`:
 `init(module)` on every module, children before their parent, with the global RNG seeded
@@ -72,7 +72,7 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
     meta = [n for n, t in _tensors(model) if t.device.type == "meta"]
     if not pending and not meta:
         raise ValueError(
-            "td.materialize: nothing in this model was built on the meta device; build it under "
+            "td.fsdp.materialize: nothing in this model was built on the meta device; build it under "
             "`with torch.device(\"meta\"): model = Net()`, then td.fully_shard, then materialize")
     slots = _slots(model)  # module -> (its unit, the names it holds there)
     if init is None:
@@ -93,7 +93,7 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
                 _close(mine, open_units.pop(id(mine)), name)
     unset = [n for n, t in made if t.is_floating_point() and bool(torch.isnan(t).any())]
     if unset:
-        raise ValueError(f"td.materialize: {', '.join(unset)} still hold no values after init; "
+        raise ValueError(f"td.fsdp.materialize: {', '.join(unset)} still hold no values after init; "
                          f"make init set them (a buffer computed in __init__ must be computed by "
                          f"init too)")
     for m in model.modules():  # the roots' per-step checks now watch the real shards
@@ -185,7 +185,7 @@ def _check_resettable(model: nn.Module, slots: dict) -> None:
             where = (f" (unit {type(unit.module).__name__} "
                      f"'{names.get(unit.module) or 'the root'}')" if unit is not None else "")
             raise ValueError(
-                f"td.materialize: module '{name or 'the root'}' ({type(m).__name__}){where} holds "
+                f"td.fsdp.materialize: module '{name or 'the root'}' ({type(m).__name__}){where} holds "
                 f"{', '.join(held)} but has no reset_parameters() to initialise them from the "
                 f"meta device. Give init=fn (called on every module, children first, as "
                 f"model.apply(fn)), or add reset_parameters() to {type(m).__name__}")
@@ -216,9 +216,9 @@ def _agree_on_rng(seed: int | None, device: torch.device) -> None:
 
 def _explain_seeds(ranks: tuple[int, ...], said: list[str]) -> str:
     lines = "\n".join(f"  rank {r}: {s}" for r, s in zip(ranks, said, strict=True))
-    return (f"td.materialize: the ranks passed different seeds:\n{lines}\nEach rank would keep "
+    return (f"td.fsdp.materialize: the ranks passed different seeds:\n{lines}\nEach rank would keep "
             f"its shard of a different initialisation (a model no process ever had): "
-            f"pass the same seed on every rank (`td.materialize(model, seed=0)`), or none "
+            f"pass the same seed on every rank (`td.fsdp.materialize(model, seed=0)`), or none "
             f"on every rank (each then takes rank 0's RNG state).")
 
 
@@ -253,7 +253,7 @@ def _close(unit: Unit, opened: tuple[torch.Tensor, torch.Tensor], name: str) -> 
         offset += n
     if unset:
         raise ValueError(
-            f"td.materialize: unit {type(unit.module).__name__} '{name or 'the root'}': init left "
+            f"td.fsdp.materialize: unit {type(unit.module).__name__} '{name or 'the root'}': init left "
             f"{', '.join(unset)} without values; init must set every parameter of the module it "
             f"is called on (it is called on every module, children first)")
     lo = unit.rank * unit.shard_numel

@@ -25,7 +25,7 @@ class UnitPieces:
             raise ValueError(
                 f"{type(unit.module).__name__} was sharded by tandem.fsdp.fully_shard, whose "
                 f"shards are DTensor parameters (FSDP2's): tandem's own checkpoints and layout "
-                f"walkers (td.save_sharded, td.Checkpointer, td.get_state_dict) take "
+                f"walkers (td.checkpoint.save_sharded, td.Checkpointer, td.get_state_dict) take "
                 f"td.fully_shard's plain shards. Save this model as under FSDP2 (DCP's "
                 f"get_model_state_dict/set_model_state_dict, or model.state_dict()'s DTensors "
                 f"and full_tensor()), or shard it with td.fully_shard")

@@ -1,8 +1,8 @@
 """fully_shard's policies as FSDP2 spells them: `MixedPrecisionPolicy`, `CPUOffloadPolicy`.
 
-    td.fully_shard(block, mp_policy=td.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    td.fully_shard(block, mp_policy=td.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                             reduce_dtype=torch.float32),
-                   offload_policy=td.CPUOffloadPolicy())
+                   offload_policy=td.fsdp.CPUOffloadPolicy())
 
 torch's own `torch.distributed.fsdp.MixedPrecisionPolicy` and `CPUOffloadPolicy` are taken
 too (read field by field), so a ported FSDP2 script passes what it already builds.
@@ -64,7 +64,7 @@ def mixed_precision(policy: Any, param_dtype: torch.dtype | None, backend: str) 
     if policy is not None and param_dtype is not None:
         raise ValueError(
             "fully_shard: received both param_dtype= and mp_policy=. Choose one: "
-            "mp_policy=td.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)")
+            "mp_policy=td.fsdp.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)")
     if policy is None:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, cast_forward_inputs=False)
         if param_dtype is not None:
@@ -73,7 +73,7 @@ def mixed_precision(policy: Any, param_dtype: torch.dtype | None, backend: str) 
     fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
     if not all(hasattr(policy, f) for f in fields):
         raise TypeError(f"fully_shard: mp_policy={policy!r} is not a MixedPrecisionPolicy; give "
-                        f"td.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)")
+                        f"td.fsdp.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)")
     policy = MixedPrecisionPolicy(*(getattr(policy, f) for f in fields))
     for field in fields[:3]:
         dtype = getattr(policy, field)
@@ -100,7 +100,7 @@ def offload(policy: Any, shorthand: str | None = None) -> CPUOffloadPolicy | Non
     if shorthand is not None:
         if shorthand != "cpu":
             raise ValueError(f"fully_shard: offload={shorthand!r}: the one place to offload to "
-                             f"is \"cpu\" (or give offload_policy=td.CPUOffloadPolicy(...))")
+                             f"is \"cpu\" (or give offload_policy=td.fsdp.CPUOffloadPolicy(...))")
         if policy is not None:
             raise ValueError("fully_shard: give offload=\"cpu\" or offload_policy=, not both")
         return CPUOffloadPolicy()
@@ -110,7 +110,7 @@ def offload(policy: Any, shorthand: str | None = None) -> CPUOffloadPolicy | Non
         return policy
     if type(policy).__name__ == "CPUOffloadPolicy" and hasattr(policy, "pin_memory"):
         return CPUOffloadPolicy(bool(policy.pin_memory))
-    raise TypeError(f"fully_shard: offload_policy={policy!r}: give td.CPUOffloadPolicy() "
+    raise TypeError(f"fully_shard: offload_policy={policy!r}: give td.fsdp.CPUOffloadPolicy() "
                     f"(or None to keep the shards on the compute device)")
 
 

@@ -108,7 +108,7 @@ class Unit:
                 f"fully_shard: {type(module).__name__} has no parameters to shard; wrap a module "
                 f"that has parameters")
         kinds = {(p.dtype, p.device) for _, _, _, p in owned}
-        self.on_meta = any(p.device.type == "meta" for _, _, _, p in owned)  # td.materialize's
+        self.on_meta = any(p.device.type == "meta" for _, _, _, p in owned)  # td.fsdp.materialize's
         if len(kinds) > 1:
             found = ", ".join(f"{n} {tuple(p.shape)} {p.dtype} on {p.device}" for n, _, _, p in owned)
             raise ValueError(f"fully_shard: a unit's parameters need one dtype and device; found {found}")
@@ -173,7 +173,7 @@ class Unit:
         dtype, device = owned[0][3].dtype, owned[0][3].device
         self.param_dtype = self.param_dtype or dtype
         group = self.group
-        if self.on_meta:  # shapes only: `td.materialize` gives the shard its values
+        if self.on_meta:  # shapes only: `td.fsdp.materialize` gives the shard its values
             self.set_shard(torch.empty(self.shard_numel, dtype=dtype, device="meta"))
         else:
             from tandem.comm.collectives import user as collectives
@@ -332,7 +332,7 @@ class Unit:
                 f"fully_shard: {type(module).__name__} was built on the meta device and its "
                 f"parameters ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}) "
                 f"have no values yet. After the fully_shard calls, run "
-                f"`td.materialize(model, seed=...)` (each module's reset_parameters(), or "
+                f"`td.fsdp.materialize(model, seed=...)` (each module's reset_parameters(), or "
                 f"init=fn), which gives each rank its shard of the one-process initialisation")
         # Reductions left by a backward that raised: keep the collectives in step.
         (self._root if self._root is not None else self).finish_reductions()

@@ -1,8 +1,8 @@
 """How many bytes each rank holds for a model under each of tandem's layouts, before running it.
 
-    est = td.estimate_memory(model, world_size=8, layout="fully_shard", units=model.blocks)
+    est = td.memory.estimate_memory(model, world_size=8, layout="fully_shard", units=model.blocks)
     print(est)                                  # parameters, gradients, optimizer, peak
-    print(td.compare_memory(model, world_size=8, units=model.blocks))   # every layout, one table
+    print(td.memory.compare_memory(model, world_size=8, units=model.blocks))   # every layout, one table
 
 The model may live on the meta device (`with torch.device("meta"): model = Net()`): only
 shapes and dtypes are read, so a model too large for this machine can be estimated. A model

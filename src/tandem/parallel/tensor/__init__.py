@@ -6,7 +6,7 @@ run on different ranks at the same time.
 - `layers`: column- and row-parallel `Linear`, vocabulary-parallel embedding and cross-entropy
 - `attention`: self-attention with its heads split
 - `plan`: `parallelize(model, plan, group)` converts an existing model's layers by name;
-  `full_state_dict(model)` gathers the one-process state back (also `td.full_state_dict`)
+  `full_state_dict(model)` gathers the one-process state back (also `td.fsdp.full_state_dict`)
 - `branches`: `Branches`, a model's parallel paths placed on the ranks of a group
 
 Compose with data parallelism through `td.mesh(dp=, tp=)`: the tp group splits the layers,

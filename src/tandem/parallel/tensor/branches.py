@@ -1,6 +1,6 @@
 """Branches of a model on different ranks, run at the same time on the same batch.
 
-    self.branches = td.Branches([conv_path, pool_path], group=tp_group, join="cat", dim=1)
+    self.branches = td.tensor.Branches([conv_path, pool_path], group=tp_group, join="cat", dim=1)
 
 A model with parallel paths (Inception-style towers, a two-tower encoder, the heads of a
 multi-task model) is split by path: group rank r runs its share of the branches (contiguous,
