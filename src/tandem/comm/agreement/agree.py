@@ -94,6 +94,7 @@ class Posted(NamedTuple):
     codes: Sequence[int]
     work: Work
     message: torch.Tensor
+    values: list[int] | None = None  # what was sent: a result equal to it is "all agree"
 
 
 class Prepared(NamedTuple):
@@ -128,8 +129,11 @@ def post(codes: Sequence[int], group: Group | None, engine: context.Context) -> 
     travels while backward computes and the first bucket rarely waits for it."""
     # Plain lists and one small tensor: on MPI a whole collective takes microseconds, so the
     # agreement's own bookkeeping must not cost more than its message.
-    both = on_wire(torch.tensor(_values(codes), dtype=torch.int64), engine.backend)
-    return Posted(codes, engine.backend.allreduce(both, "max", group), both)
+    values = _values(codes)
+    both = torch.tensor(values, dtype=torch.int64)
+    if not _takes_cpu(engine.backend):
+        both = on_wire(both, engine.backend)
+    return Posted(codes, engine.backend.allreduce(both, "max", group), both, values)
 
 
 _CPU = torch.device("cpu")
@@ -152,6 +156,8 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
     if posted is not None:
         posted.work.wait(engine.timeout)
         result = posted.message.tolist()
+        if result == posted.values:  # every rank's codes equal this rank's: they agree
+            return {}
     else:
         prepared = prepared or prepare(codes)
         both = prepared.tensor.clone()

@@ -127,8 +127,13 @@ class MPIBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, tensor, op, group):
-        # The gradient reducer's call: kept to the minimum (a few microseconds over mpi4py).
-        return self._allreduce_work(*self._post_allreduce(tensor, op, group))
+        # The gradient reducer's call: kept to the minimum (a few microseconds over mpi4py), so
+        # _post_allreduce and _allreduce_work are written out here.
+        handle = self._world if group is None else self._handle(group)
+        spec, after = self.staging.spec(tensor, True)
+        return MPIWork(self.progress, self._iallreduce(handle.comm, spec, self._ops[op]),
+                       (after,) if after else (), (tensor, spec),
+                       (_collective, "allreduce", tensor, self.rank, handle, op))
 
     def allreduce_now(self, tensor, op, group):
         # A blocking td.allreduce: the caller drives it on the spot, which finishes messages up

@@ -77,7 +77,10 @@ class Ledger:
         return self._labels.get(id(group.handle)) or f"[{','.join(map(str, group.ranks))}]"
 
     def issue(self, work: Work, kind: str, group, tensor=None) -> WatchedWork:
-        stream, index = self.count(group)
+        # `count`, written out: every operation passes here (a call per bucket saved).
+        stream = "world" if group is None else self.stream(group)
+        issued = self._issued
+        index = issued[stream] = issued.get(stream, 0) + 1
         return WatchedWork(work, (kind, stream, index, group, tensor, None, None), self)
 
     def count(self, group) -> tuple[str, int]:
@@ -146,6 +149,8 @@ class WatchedBackend(Backend):
     def __init__(self, inner: Backend, dog: Ledger) -> None:
         self._inner, self.watchdog = inner, dog
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
+        # Asked before every message (on_wire): the engine's own answer, with no call between.
+        self.supports_device = inner.supports_device
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)  # engine-specific extras (device, communicator...)

@@ -213,7 +213,8 @@ class Reducer(JoinRounds):
 
     def reset_window(self) -> None:
         """Forget gradients counted since the last round (zero_grad wiped them)."""
-        if self._next == 0:
+        # Only when something was counted: after a step the round is already fresh.
+        if self._next == 0 and (self.max_passes or self._local_passes or self._callback_queued):
             self._reset_round()
 
     def set_sync(self, enabled: bool) -> None:
@@ -324,7 +325,8 @@ class Reducer(JoinRounds):
     # -- completion --------------------------------------------------------------------------
     def finish_round(self) -> float:
         """Launch what backward did not, wait for every bucket in order; return seconds waited."""
-        self._grad_scale = self._samples.scale(self._scale)  # (td.join may have changed it)
+        if self._next < len(self.buckets):  # buckets left to fill: td.join may have changed it
+            self._grad_scale = self._samples.scale(self._scale)
         for b in range(self._next, len(self.buckets)):
             if not self._ready[b]:
                 self._fill_missing(b)

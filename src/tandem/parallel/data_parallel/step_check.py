@@ -96,10 +96,11 @@ class StepCheck:
         if not engine.checks:
             return
         site = user_site() if engine.debug else None
-        counted = self._counts(rounds)
+        base, forwards_now, steps_now = self._base, self.forwards, self.steps
 
-        def mine() -> str:
-            number, forwards, steps = counted
+        def mine() -> str:  # put into words only on a disagreement
+            number, forwards, steps = (rounds - base[0], forwards_now - base[1],
+                                       steps_now - base[2])
             counts = []
             if steps:
                 counts.append(f"after {steps} optimizer steps")
