@@ -1,12 +1,15 @@
-"""Small all-reduces on MPI: tandem's call against raw mpi4py, in the same job.
+"""Small all-reduces: tandem's call against the raw engine call, in the same job.
 
     tandem run -np 2 --backend mpi benchmarks/small_messages.py     # results/small_messages.json
+    tandem run -np 2 --backend gloo benchmarks/small_messages.py --backend gloo \
+        --out results/small_messages_gloo.json
     tandem run -np 2 --backend mpi benchmarks/small_messages.py --sizes 4K,64K --batches 60
 
-Each rank times, for float32 messages of 4 KB to 64 KB, in batches of back-to-back calls
-after a barrier, taking turns batch after batch:
+Each rank times, for float32 messages of 4 KB (1K elements) to 1 MB (256K elements), in
+batches of back-to-back calls after a barrier, taking turns batch after batch:
 
-* mpi4py: `comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)` on a NumPy view (the anchor);
+* the anchor: on MPI, mpi4py's `comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)` on a NumPy
+  view; on Gloo, `torch.distributed.all_reduce(t)` on torch's default group (tandem's);
 * engine: tandem's engine call (`get_backend().allreduce_now`), what its hot paths make;
 * td, checks off: `td.allreduce(t, op="sum", inplace=True)` with `checks=False`;
 * td, checks on: the same call with the argument check (the default): one fixed-size
@@ -14,7 +17,7 @@ after a barrier, taking turns batch after batch:
 
 A batch's time is the slowest rank's. Printed per variant: the best batch (what the call
 costs when the machine lets it run: robust on a shared machine, where other processes take
-the cores) and the median batch, and each one's ratio to mpi4py's.
+the cores) and the median batch, and each one's ratio to the anchor's.
 """
 
 from __future__ import annotations
@@ -40,16 +43,33 @@ def _size(text: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="4K,16K,64K")
+    parser.add_argument("--sizes", default="4K,16K,64K,1M")
+    parser.add_argument("--backend", choices=("mpi", "gloo"), default="mpi")
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--calls", type=int, default=100, help="calls per batch")
     parser.add_argument("--out", default="results/small_messages.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    td.init(backend="mpi")
-    from mpi4py import MPI
+    td.init(backend=args.backend)
+    if args.backend == "mpi":
+        from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+        comm = MPI.COMM_WORLD
+        anchor_name = "mpi4py"
+        barrier = comm.Barrier
+
+        def slowest(seconds: float) -> float:
+            return comm.allreduce(seconds, op=MPI.MAX)
+    else:
+        import torch.distributed as dist
+
+        anchor_name = "torch.dist"
+        barrier = dist.barrier
+
+        def slowest(seconds: float) -> float:
+            value = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            return float(value)
     engine = runtime.get_backend()
     state = runtime.state()
     results = {}
@@ -62,8 +82,14 @@ def main() -> int:
             if work is not None:
                 work.wait(state.timeout)
 
+        if args.backend == "mpi":
+            def anchor(array=array):
+                comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        else:
+            def anchor(buffer=buffer):
+                dist.all_reduce(buffer)
         variants = {
-            "mpi4py": (None, lambda array=array: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)),
+            anchor_name: (None, anchor),
             "engine": (None, now),
             "td": (False, lambda buffer=buffer: td.allreduce(buffer, op="sum", inplace=True)),
             "td+checks": (True, lambda buffer=buffer: td.allreduce(buffer, op="sum", inplace=True)),
@@ -75,26 +101,28 @@ def main() -> int:
                     state.checks = checks
                 for _ in range(3):
                     call()
-                comm.Barrier()
+                barrier()
                 start = time.perf_counter()
                 for _ in range(args.calls):
                     call()
                 seconds = (time.perf_counter() - start) / args.calls
-                samples[name].append(comm.allreduce(seconds, op=MPI.MAX))
+                samples[name].append(slowest(seconds))
         state.checks = True
         results[nbytes] = {name: {"best": min(s), "median": statistics.median(s)}
                            for name, s in samples.items()}
     if td.rank() == 0:
-        print(f"float32 all-reduce (sum, in place), {td.size()} ranks on MPI; per call, slowest "
-              f"rank, {args.batches} batches of {args.calls} calls; ratio = time / mpi4py's")
+        print(f"float32 all-reduce (sum, in place), {td.size()} ranks on {args.backend}; per "
+              f"call, slowest rank, {args.batches} batches of {args.calls} calls; ratio = time / "
+              f"{anchor_name}'s")
         print(f"{'size':>6}  {'variant':<10}{'best us':>9}{'ratio':>7}{'median us':>11}{'ratio':>7}")
         for nbytes, row in results.items():
-            anchor = row["mpi4py"]
+            anchor = row[anchor_name]
             for name, timing in row.items():
                 print(f"{nbytes // 1024:>4} K  {name:<10}{timing['best'] * 1e6:>9.1f}"
                       f"{timing['best'] / anchor['best']:>7.2f}{timing['median'] * 1e6:>11.1f}"
                       f"{timing['median'] / anchor['median']:>7.2f}")
-        write_json({"config": vars(args), "ranks": td.size(), "seconds_per_call": results},
+        write_json({"config": vars(args), "ranks": td.size(), "anchor": anchor_name,
+                    "seconds_per_call": results},
                    args.out)
     td.shutdown()
     return 0
