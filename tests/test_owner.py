@@ -21,7 +21,13 @@ from tandem.testing import run_distributed
 SRC = Path(__file__).resolve().parent.parent / "src" / "tandem"
 # The code that asks the owners: it must not name the classes that answer.
 CONSUMERS = ["parallel/layout", "checkpoint", "elastic", "parallel/data_parallel/join.py",
-             "parallel/gradient_sync.py", "parallel/state_dict.py", "parallel/fully_shard/api.py"]
+             "parallel/gradient_sync.py", "parallel/state_dict.py", "parallel/fully_shard/api.py",
+             # broadcast_parameters/check_replicas, the wrappers' own constructors, resizing,
+             # the memory estimator, tandem scale/memory, MetricLogger's timing, step accounting
+             "parallel/broadcast.py", "parallel/optimizer_broadcast.py",
+             "parallel/data_parallel/local_sgd.py", "parallel/zero/optimizer.py",
+             "parallel/zero/reshard.py", "parallel/fully_shard/resize.py", "parallel/memory",
+             "parallel/tensor/branches.py", "cli", "metrics", "diagnostics/steps.py"]
 WRAPPERS = r"(Pipeline|ZeroOptimizer|DistributedOptimizer|DistributedDataParallel|LocalSGD|Reducer)"
 
 
@@ -41,6 +47,21 @@ def test_consumers_ask_the_owner_instead_of_naming_a_wrapper():
             if any(p.search(line) for p in patterns):
                 found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
     assert not found, "ask owner_of(obj) (parallel/layout/owner.py) instead:\n" + "\n".join(found)
+
+
+def test_one_per_element_rule():
+    """Whether optimizer state is per element ("step" is not, unless the parameter has
+    dimensions) is decided by `layout.pieces.per_element` (and its shape forms) alone."""
+    rule = re.compile(r"""(!=|==) ["']step["']""")
+    found = [f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+             for path in sorted((SRC / "parallel").rglob("*.py")) if path.name != "pieces.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if rule.search(line)]
+    assert not found, "use layout.pieces.per_element / per_flat_element:\n" + "\n".join(found)
+
+
+def test_replica_calls_ask_the_owner_not_the_registry():
+    text = (SRC / "parallel" / "broadcast.py").read_text()
+    assert "owner_of(" in text and not re.search(r"splits\.(kind_of|mixes_slices|split_of)", text)
 
 
 def _net() -> nn.Module:
@@ -124,6 +145,12 @@ def refused_owners() -> dict[str, str]:
             "no_sync of an optimizer": lambda: td.no_sync(sgd()).__enter__(),
             "no_sync of a model nothing reduces": lambda: td.no_sync(_net()).__enter__(),
             "join of a ZeroOptimizer": lambda: td.join(td.ZeroOptimizer(sgd())),
+            # a wrapper that reduces or shards under one that does it again: every wrapper's
+            # owner says it wraps another optimizer, not a class check per pair
+            "ZeroOptimizer over LocalSGD": lambda: td.ZeroOptimizer(td.LocalSGD(sgd(), period=2)),
+            "LocalSGD over ZeroOptimizer": lambda: td.LocalSGD(td.ZeroOptimizer(sgd()), period=2),
+            "ZeroOptimizer over DistributedOptimizer": lambda: td.ZeroOptimizer(
+                td.DistributedOptimizer(sgd())),
     }.items():
         try:
             call()
@@ -141,3 +168,9 @@ def test_what_an_owner_cannot_do_is_refused_with_its_description(backend):
         assert "nothing reduces this model's gradients" in errors["no_sync of a model nothing reduces"]
         assert errors["join of a ZeroOptimizer"].startswith("TypeError: td.join takes "), errors
         assert "got td.ZeroOptimizer(SGD) over 2 ranks" in errors["join of a ZeroOptimizer"], errors
+        for name, inner in [("ZeroOptimizer over LocalSGD", "td.LocalSGD(SGD)"),
+                            ("LocalSGD over ZeroOptimizer", "td.ZeroOptimizer(SGD) over 2 ranks"),
+                            ("ZeroOptimizer over DistributedOptimizer",
+                             "td.DistributedOptimizer over 2 ranks")]:
+            assert errors[name].startswith("TypeError: "), (name, errors[name])
+            assert f"wrap the plain torch optimizer, not {inner}" in errors[name], (name, errors[name])

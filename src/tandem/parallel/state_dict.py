@@ -33,7 +33,7 @@ from tandem.comm.collectives import user as collectives
 from tandem.parallel.fully_shard.api import full_state_dict, load_full_state_dict
 from tandem.parallel.layout import protocol as layout
 from tandem.parallel.layout.owner import owner_of
-from tandem.parallel.layout.pieces import per_element
+from tandem.parallel.layout.pieces import per_element, per_element_of_shape
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
@@ -182,8 +182,7 @@ def _load_optimizer(optimizer: Any, model: Any, saved: dict[str, Any]) -> None:
             continue
         entry: dict[str, Any] = {}
         for key, value in saved["state"][held[0].name].items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(held[0].shape) and (
-                    value.dim() > 0 or key != "step"):
+            if per_element_of_shape(key, value, held[0].shape):
                 local = torch.zeros(p.shape, dtype=value.dtype, device=p.device)
                 for placement in held:
                     full = saved["state"][placement.name][key]

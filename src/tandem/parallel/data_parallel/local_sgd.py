@@ -37,7 +37,7 @@ from tandem.comm.groups import Group, group_size
 from tandem.diagnostics import steps
 from tandem.parallel.data_parallel.samples import RoundSamples
 from tandem.parallel.layout import splits
-from tandem.parallel.layout.owner import WrapperOwner, register
+from tandem.parallel.layout.owner import WrapperOwner, owner_of, register
 
 
 class LocalSGD:
@@ -56,12 +56,12 @@ class LocalSGD:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, period: int, group: Group | None = None) -> None:
-        from tandem.parallel.data_parallel.wrappers import DistributedOptimizer
-
-        if isinstance(optimizer, DistributedOptimizer):
+        wrapper = owner_of(optimizer)
+        if wrapper.role == "optimizer" and wrapper.optimizer() is not optimizer:
             raise TypeError(
-                "LocalSGD keeps gradients local: wrap the plain torch optimizer, not a "
-                "DistributedOptimizer (which would average every step and defeat the period)"
+                f"LocalSGD keeps gradients local: wrap the plain torch optimizer, not "
+                f"{wrapper.describe()} (a wrapper that averages or shards would defeat the "
+                f"period: pass its .optimizer)"
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LocalSGD wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")

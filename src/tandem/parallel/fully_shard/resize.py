@@ -24,6 +24,7 @@ from tandem.parallel.fully_shard.api import units
 from tandem.parallel.fully_shard.reduction import GradientReduction
 from tandem.parallel.fully_shard.unit import unit_of
 from tandem.parallel.layout.flat_shard import FlatShard, missing
+from tandem.parallel.layout.pieces import per_element, per_flat_element
 
 
 def over_the_world(model: nn.Module) -> bool:
@@ -104,18 +105,14 @@ def cut(part: dict[str, Any], model: nn.Module, rank: int) -> dict[str, Any]:
             a, b, state = part["optimizer"][name]
             x, y = _overlap(a, b, lo, hi)
             optimizer[name] = (x, y, {
-                k: v[x - a: y - a] if torch.is_tensor(v) and k != "step" and v.dim() == 1
-                and v.numel() == b - a else v for k, v in state.items()})
+                k: v[x - a: y - a] if per_flat_element(k, v, b - a) else v
+                for k, v in state.items()})
     return {"model": {"shards": shards, "buffers": part["model"]["buffers"]},
             "optimizer": optimizer if part["optimizer"] is not None else None}
 
 
 def _shards(model: nn.Module) -> dict[int, tuple[str, Any]]:
     return {id(unit.shard): (name, unit) for name, unit in units(model)}
-
-
-def _elementwise(key: str, value: Any, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and key != "step" and value.shape == param.shape
 
 
 def optimizer_shards(optimizer: Any, model: nn.Module) -> dict[str, tuple]:
@@ -128,7 +125,7 @@ def optimizer_shards(optimizer: Any, model: nn.Module) -> dict[str, tuple]:
         name, unit = shards[id(param)]
         lo, hi = unit.my_range()
         held[name] = (lo, hi, {
-            k: v.detach()[: hi - lo].clone() if _elementwise(k, v, param) else copy.deepcopy(v)
+            k: v.detach()[: hi - lo].clone() if per_element(k, v, param) else copy.deepcopy(v)
             for k, v in optimizer.state.get(param, {}).items()})
     return held
 
@@ -160,8 +157,7 @@ def load_optimizer_shards(optimizer: Any, model: nn.Module, held: list[dict[str,
         lo, hi = unit.my_range()
         for a, b, state in pieces:
             for k, v in state.items():
-                if not (torch.is_tensor(v) and k != "step" and v.dim() == 1
-                        and v.numel() == b - a):
+                if not per_flat_element(k, v, b - a):
                     new.setdefault(k, copy.deepcopy(v))
                     continue
                 mine = new.setdefault(k, torch.zeros(unit.shard_numel, dtype=v.dtype,

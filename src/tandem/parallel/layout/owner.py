@@ -94,6 +94,12 @@ class Owner:
         """How the model is split, as names (empty: whole on every rank)."""
         return set()
 
+    def not_replicated(self, group: Any) -> dict[int, str]:
+        """The local tensors of the model (by id) that the ranks of `group` hold different parts
+        of, with the split's kind: `td.broadcast_parameters` and `td.check_replicas` leave them
+        alone (or refuse) instead of copying or comparing pieces as replicas."""
+        raise TypeError(f"expected an nn.Module or a td.Pipeline, got {self.describe()}")
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The one-process model's state dict, on every rank (copies; a collective where the
         model is split)."""
@@ -183,6 +189,16 @@ class ModuleOwner(Owner):
     def split_kinds(self) -> set[str]:
         return module_split_kinds(self.module())
 
+    def not_replicated(self, group: Any) -> dict[int, str]:
+        # the local tensors themselves, not `held()`: a DTensor-sharded model refuses to say
+        # its pieces, yet its shards must still be left alone
+        out = {}
+        for tensor in local_state(self.module()).values():
+            kind = split_across(tensor, group)
+            if kind is not None:
+                out[id(tensor)] = kind
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.module().state_dict().items()}
 
@@ -211,7 +227,7 @@ class OptimizerOwner(Owner):
         return self.obj
 
     def copy_from(self, root: int, group: Any) -> None:
-        from tandem.parallel.broadcast import broadcast_optimizer_state
+        from tandem.parallel.optimizer_broadcast import broadcast_optimizer_state
 
         broadcast_optimizer_state(self.obj, root=root, group=group)
 
@@ -324,3 +340,13 @@ def module_split_kinds(model: nn.Module) -> set[str]:
         elif split_of_module(module) is not None:
             kinds.add(splits.TENSOR_PARALLEL)
     return kinds
+
+
+def split_across(tensor: torch.Tensor, group: Any) -> str | None:
+    """How the ranks of `group` hold different parts of `tensor` (None: each that holds it
+    holds the same tensor, a replica): a fully_shard shard always; a tensor-parallel slice (or
+    a `td.tensor.Branches` branch) when `group` reaches ranks that hold other slices of it."""
+    kind = splits.kind_of(tensor)
+    if kind == splits.FULLY_SHARD or splits.mixes_slices(tensor, group):
+        return kind
+    return None

@@ -113,5 +113,17 @@ def per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     """Optimizer state with one value per parameter element (momentum, Adam's moments), not a
     scalar such as Adam's step: the one rule every optimizer-state walker uses (checkpoints,
     ZeroOptimizer's shards, fully_shard's full optimizer state)."""
-    return (isinstance(value, torch.Tensor) and value.shape == param.shape
-            and (param.dim() > 0 or key != "step"))
+    return per_element_of_shape(key, value, tuple(param.shape))
+
+
+def per_element_of_shape(key: str, value: Any, shape: tuple[int, ...]) -> bool:
+    """`per_element` for a parameter of `shape` that is not at hand (a saved one-process
+    parameter's placement, a flat range): the same rule, not a copy of it."""
+    return (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape)
+            and (len(shape) > 0 or key != "step"))
+
+
+def per_flat_element(key: str, value: Any, n: int) -> bool:
+    """`per_element` for the state of a flat 1-D view of `n` elements (a ZeroOptimizer's or a
+    fully_shard unit's range [lo, lo + n) of its flat space)."""
+    return per_element_of_shape(key, value, (n,))

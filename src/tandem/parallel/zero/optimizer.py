@@ -73,6 +73,7 @@ from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps
 from tandem.parallel.data_parallel.samples import RoundSamples
+from tandem.parallel.layout import owner as layout_owner
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.elementwise import sharding
 from tandem.parallel.layout.flat_shard import FlatShard
@@ -115,12 +116,11 @@ class ZeroOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: Group | None = None, *,
                  elementwise: bool | None = None) -> None:
-        from tandem.parallel.data_parallel.wrappers import DistributedOptimizer
-
-        if isinstance(optimizer, DistributedOptimizer):
+        wrapper = layout_owner.owner_of(optimizer)
+        if wrapper.role == "optimizer" and wrapper.optimizer() is not optimizer:
             raise TypeError(
-                "ZeroOptimizer reduces gradients itself: wrap the plain torch optimizer, not a "
-                "DistributedOptimizer (pass the optimizer you gave DistributedOptimizer)"
+                f"ZeroOptimizer reduces gradients itself: wrap the plain torch optimizer, not "
+                f"{wrapper.describe()} (pass the torch optimizer you gave it, its .optimizer)"
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -411,9 +411,7 @@ class ZeroOptimizer:
         summary = []
         for g, (view, _) in enumerate(self._views):
             state = inner["state"].get(g, {})
-            elementwise = {k: str(v.dtype) for k, v in state.items()
-                           if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == view.shape
-                           and k != "step"}
+            elementwise = {k: str(v.dtype) for k, v in state.items() if per_element(k, v, view)}
             others = {k: v for k, v in state.items() if k not in elementwise}
             summary.append((elementwise, others))
         everyone = collectives.allgather_object(summary, group=self.group)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tandem.parallel.layout.flat_shard import FlatShard, missing
-from tandem.parallel.layout.pieces import per_element
+from tandem.parallel.layout.pieces import per_flat_element
 
 
 def shard_state(optimizer: Any) -> dict[str, Any]:
@@ -49,10 +49,7 @@ def shard_state(optimizer: Any) -> dict[str, Any]:
 __all__ = ["cut", "cut_for", "load_shards", "missing", "shard_state", "wanted"]
 
 
-def _per_element(key: str, value: Any, n: int) -> bool:
-    """The one per-element rule (`layout.pieces.per_element`) for state of a flat view of `n`
-    elements."""
-    return per_element(key, value, torch.empty(n, device="meta"))
+_per_element = per_flat_element  # the one rule, for state of a flat view of n elements
 
 
 def wanted(optimizer: Any, rank: int) -> tuple[int, int]:
