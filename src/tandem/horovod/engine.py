@@ -115,7 +115,8 @@ def _agree(mine: Description | None, answered: int = 0
     else:
         codes = mine.codes()
     posted = agreement.post(codes, None, engine)
-    said = "(joined: hvd.join() answers allreduces only)" if mine is None else str(mine)
+    # Put into words only on a mismatch (`mine.__str__`): every operation negotiates.
+    said = "(joined: hvd.join() answers allreduces only)" if mine is None else mine.__str__
     differ = agreement.agree(said, None, codes=codes, posted=posted, tolerated=(_JOINED, _COUNT),
                              error=HorovodMismatchError, explain=_explain, engine=engine)
     return differ, posted

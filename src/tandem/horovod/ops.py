@@ -140,7 +140,7 @@ def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
         native = "sum" if op == Average else op
         negotiated(group, Description("allreduce", tensor, native))
         work = tensor if inplace else tensor.detach()
-        scaled = scale(work, prescale)
+        scaled = work if prescale == 1.0 else scale(work, prescale)  # (the usual 1.0: no call)
         work = scaled if scaled is not work or inplace else work.clone()
         if group is None:  # negotiated: the data goes straight to the engine
             return direct.start_allreduce(work, native, None)
@@ -151,7 +151,8 @@ def _allreduce_start(tensor, op, prescale, postscale, group, inplace):
             return result
         if op == Average:
             truncating_average(result, set_size(group))
-        result = scale(result, postscale)
+        if postscale != 1.0:
+            result = scale(result, postscale)
         if inplace and result is not tensor:
             tensor.copy_(result)
             return tensor
