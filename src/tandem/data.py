@@ -201,8 +201,12 @@ class ShardSampler(Sampler[int]):
         start = self._pass[1] if self._pass is not None else self._start
         per_rank = self.batch_size // self.size
         mine = max(0, min(per_rank, self._count(start) - step * per_rank))
-        globally = max(0, min(self.batch_size, self._used - start - step * self.batch_size))
-        return mine, globally % self.size != 0
+        return mine, self.step_total(step) % self.size != 0
+
+    def step_total(self, step: int) -> int:
+        """The samples of `step` of the pass being read, over all ranks (its global batch)."""
+        start = self._pass[1] if self._pass is not None else self._start
+        return max(0, min(self.batch_size, self._used - start - step * self.batch_size))
 
     def batch_taken(self) -> None:
         """The loader handed one more batch of this pass to the script (one global batch of
@@ -343,7 +347,8 @@ def _timed(batches: Iterator[Any], per_rank: int, sampler: ShardSampler) -> Iter
             timeline.batch_fetched(start, end)
         if torch.is_grad_enabled():
             mine, uneven = sampler.step_samples(step)
-            record_batch(mine / global_batch, uneven, global_batch)
+            total = sampler.step_total(step)
+            record_batch(mine / global_batch, uneven, global_batch, mine / total if total else 0.0)
         sampler.batch_taken()
         yield batch
 

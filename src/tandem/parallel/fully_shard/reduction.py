@@ -12,7 +12,10 @@ the shard's `.grad`, in the shard's dtype and memory (the host when offloaded).
 
 The weight is 1 (the summed weights: ranks x replicas, the mean), or on an uneven step of
 `td.partition_dataset(pad=False)` / `td.samples(n)` this rank's samples, by which its gradient
-is then multiplied: the one-process mean over all samples (`data_parallel/samples.py`).
+is then multiplied: the one-process mean over all samples (`data_parallel/samples.py`). With
+gradient sync off (accumulation) each pass's gradient is multiplied by its own weight as it
+joins the accumulated one, and the weight sent is their mean: each micro-batch counts as one
+process following torch's recipe (each micro-batch's mean loss / M) counts it.
 
 The packed input is the unit's whole gradient: were every unit's kept until the end of
 backward, a step would hold the whole model's gradient, unsharded. So at most
@@ -30,7 +33,7 @@ import torch
 from tandem import runtime
 from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_size
-from tandem.parallel.data_parallel.samples import RoundSamples
+from tandem.parallel.data_parallel.samples import PassSamples
 from tandem.parallel.fully_shard import optimizer_check
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.split_grads import as_split_grad
@@ -52,26 +55,30 @@ class GradientReduction:
         self._pending: tuple[Any, Any] | None = None  # (work, its output)
         self._input: torch.Tensor | None = None  # alive until the reduce-scatter is done
         self._scattered = True  # no reduce-scatter outstanding
-        self._samples = RoundSamples(enabled=True)  # uneven batches: each rank by its samples
+        self._samples = PassSamples()  # uneven batches: each pass by its samples
 
     def start(self, grad: torch.Tensor, shard: torch.Tensor, sync: bool) -> bool:
         """Start reducing the unit's gradient (True), or accumulate it while `sync` is off."""
-        self._samples.update()  # the batch reported since the last gradient, if any
+        # This pass's weight (1 on an even batch): each micro-batch of a window by its own.
+        factor = self._samples.factor(self.size * self.replicas)
         if not sync:
             grad = grad.to(shard.dtype)
-            self.unsynced = grad.clone() if self.unsynced is None else self.unsynced.add_(grad)
+            if self.unsynced is None:
+                self.unsynced = grad.mul(factor) if factor != 1.0 else grad.clone()
+            else:
+                self.unsynced.add_(grad, alpha=factor)
             return False
         if self.unsynced is not None:
-            grad, self.unsynced = self.unsynced.add_(grad), None
+            grad, self.unsynced = self.unsynced.add_(grad, alpha=factor), None
+            factor = 1.0  # applied
         grad = grad.to(self.reduce_dtype or shard.dtype)
         n, s = self.size, shard.numel()
         packed = torch.empty(n, s + 2, dtype=grad.dtype, device=grad.device)
         packed[:, :s].copy_(grad.view(n, s))
         packed[:, s] = torch.isfinite(grad).all().logical_not().to(grad.dtype)
-        if self._samples.weighted:  # an uneven batch: this rank's gradient by its samples
-            packed[:, :s].mul_(self._samples.weight)
-        packed[:, s + 1] = self._samples.scale(1.0)
-        self._samples.reset()
+        if factor != 1.0:  # an uneven batch: this rank's gradient by its samples
+            packed[:, :s].mul_(factor)
+        packed[:, s + 1] = self._samples.divisor()
         work, out = None, packed[0]
         if n > 1:
             backend = runtime.get_backend()

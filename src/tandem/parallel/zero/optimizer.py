@@ -36,7 +36,11 @@ couples parameters (LBFGS) is refused with the reason.
 step (1, or its samples when `td.partition_dataset(pad=False)` or `td.samples(n)` reported an
 uneven batch; see `parallel/data_parallel/samples.py`), summed by the same reduce-scatter. The
 averaged gradient is the weighted sum divided by the summed weights: the one-process mean over
-all samples, with no extra message.
+all samples, with no extra message. Under gradient accumulation (several backward passes per
+step) each micro-batch is weighted by its own samples, as one process following torch's recipe
+(each micro-batch's mean loss / M) would: when a micro-batch's weight differs from the one
+before, what `.grad` holds is rescaled before the next backward adds to it
+(`samples.WindowSamples`), so on uneven steps `.grad` is this rank's gradient times a factor.
 
 **Where it differs from `DistributedOptimizer`:** the model's `.grad` stays this rank's own
 gradient after backward() (the average exists only as shards, made in `step()`), so recipes
@@ -72,7 +76,7 @@ from tandem.comm.collectives import user as collectives
 from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps
-from tandem.parallel.data_parallel.samples import RoundSamples
+from tandem.parallel.data_parallel.samples import WindowSamples
 from tandem.parallel.layout import owner as layout_owner
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.elementwise import sharding
@@ -141,7 +145,8 @@ class ZeroOptimizer:
             if p.requires_grad:  # torch's own clip_grad_norm_ is refused with the fix
                 mark_grads(p, splits.Split(splits.ZERO, group))
         self.group = group
-        self._samples = RoundSamples(enabled=True)  # uneven batches: each rank by its samples
+        # Uneven batches: each rank's micro-batches by their samples (samples.py).
+        self._samples = WindowSamples(group_size(group), self._local_grads, self._active)
         self._params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         flat = [p for params in self._params for p in params]
         if not flat:
@@ -170,6 +175,7 @@ class ZeroOptimizer:
         rank's; its state starts empty (the caller loads it)."""
         optimizer = self.optimizer
         self._size, self._rank = group_size(self.group), group_rank(self.group)
+        self._samples.size = self._size
         self._reduced = False  # clip_grad_norm_ reduced this step's gradients already
         self._flat: torch.Tensor | None = None
         # Natural offsets: the parameters end to end, group by group (the one-process order).
@@ -271,12 +277,11 @@ class ZeroOptimizer:
     def _reduce_gradients(self) -> torch.Tensor:
         """Reduce-scatter the local gradients: this rank's shard of their average. Returns the
         flat buffer, free for the parameters' all-gather."""
-        self._samples.update()  # the batch reported since the last step, if any
         flat = self._pack_gradients()
         wire = flat.view(self._size, self.shard_numel + 1)
-        if self._samples.weighted:  # an uneven batch: this rank's gradient by its samples
-            wire.mul_(self._samples.weight)
-        wire[:, self.shard_numel] = self._samples.scale(1.0)
+        if self._samples.factor != 1.0:  # uneven micro-batches: this rank's by their samples
+            wire.mul_(self._samples.factor)
+        wire[:, self.shard_numel] = self._samples.divisor()
         self._samples.reset()
         self._communicate("reducescatter", self._wire_grad, flat)
         # The summed weights (the group's size on an even step): no host read.
@@ -328,6 +333,14 @@ class ZeroOptimizer:
         return loss
 
     # -- the flat space ----------------------------------------------------------------------
+    def _local_grads(self):
+        """The gradients backward accumulates into (rescaled within a window: samples.py)."""
+        return (p.grad for params in self._params for p in params if p.grad is not None)
+
+    def _active(self) -> bool:
+        """Whether this is still the ZeroOptimizer of its parameters (not an earlier loop's)."""
+        return owner_of(self._params[0][0]) is self
+
     def _pieces(self):
         """(param, its flat offset) for every parameter, group by group."""
         for params, offsets in zip(self._params, self._offsets, strict=True):
