@@ -31,9 +31,12 @@ from torch import nn
 from tandem import runtime
 from tandem.comm.agreement import exchange
 from tandem.comm.collectives import direct
+from tandem.comm.collectives import user as collectives
 from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_ranks, group_size
 from tandem.parallel import model_check
+from tandem.parallel.layout.owner import local_state, split_of_module
+from tandem.parallel.layout.pieces import Held, whole
 from tandem.parallel.tensor.layers import mark_sliced
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
@@ -123,6 +126,41 @@ class Branches(nn.Module):
         return (f"Branches over ranks {list(group_ranks(self.group))}: the ranks' branches "
                 f"returned outputs that cannot be joined (nothing was sent):\n{lines}\nEvery "
                 f"branch must return {need}.")
+
+    # -- the layout protocol (`parallel/layout/pieces.py`): each branch whole, on its rank --------
+    def _own(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """This rank's branches' parameters and persistent buffers under the one-process names:
+        the local `mine.j.x` is branch `first_branch + j`, `mine.{first_branch + j}.x`."""
+        out = []
+        for key, tensor in local_state(self.mine).items():
+            j, rest = key.split(".", 1)
+            out.append((f"{prefix}mine.{self.first_branch + int(j)}.{rest}", tensor))
+        return out
+
+    def local_pieces(self, prefix: str) -> list[Held]:
+        """Every tensor of this rank's branches, whole, under its one-process name: a checkpoint
+        saves each branch once (from the ranks that hold it) and loads it on any group size."""
+        nested = [name for name, m in self.mine.named_modules() if name
+                  and split_of_module(m) is not None]
+        if nested:
+            raise ValueError(
+                f"Branches over ranks {list(group_ranks(self.group))}: branch module "
+                f"{nested[0]!r} is itself split (tensor parallel or fully_shard): a checkpoint "
+                f"cannot name its pieces inside a branch. Split the branches' layers outside "
+                f"Branches, or keep the branches whole")
+        return [Held(tensor, (whole(name, tensor),)) for name, tensor in self._own(prefix)]
+
+    def full_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every branch's tensors under the one-process names, on every rank of the group (a
+        collective)."""
+        mine = {name: tensor.detach().cpu() for name, tensor in self._own(prefix)}
+        if group_size(self.group) == 1:
+            return mine
+        out: dict[str, torch.Tensor] = {}
+        for part in collectives.allgather_object(mine, group=self.group):
+            out.update(part)
+        device = next((t.device for _, t in self._own(prefix)), torch.device("cpu"))
+        return {name: tensor.to(device) for name, tensor in out.items()}
 
     def extra_repr(self) -> str:
         return (f"branches {self.first_branch}..{self.first_branch + len(self.mine) - 1} of "
