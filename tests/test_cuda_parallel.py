@@ -16,7 +16,7 @@ from test_cuda import requires_cuda
 from test_fully_shard import CASES, _assert_equivalent
 from test_fully_shard import check_equivalence as check_fully_shard
 from test_pipeline import check_equivalence as check_pipeline
-from test_recipes import ENV, check_recipes, recipe_failures
+from test_recipes import check_recipes, recipe_failures
 from test_tensor_parallel import check_transformer_matches_one_process
 
 import tandem as td
@@ -31,7 +31,7 @@ def test_recipes_on_the_gpu(backend):
     CUDA GradScaler on 2 ranks give the one-process result."""
     if backend == "mpi":
         pytest.importorskip("mpi4py")
-    results = run_distributed(check_recipes, world_size=2, backend=backend, timeout=240, env=ENV,
+    results = run_distributed(check_recipes, world_size=2, backend=backend, timeout=240,
                               args=(None, "cuda"))
     failures = recipe_failures(results)
     assert not failures, "\n".join(failures)
