@@ -277,6 +277,8 @@ SLOW: dict[str, str] = {
         "torch.compile of a checkpointed context-parallel model, 12-15 s each",
     "tests/test_context_parallel.py::test_compiled_rank_that_skips_an_attention_call_is_named":
         "torch.compile of two context-parallel models per backend, 20-30 s each",
+    **{f"tests/test_optimizer_matrix.py::test_every_optimizer_equals_one_process_or_is_refused_with_the_reason[HSDP-{b}]":
+       "a 4-rank world (HSDP, 2 replicas x 2 shards) of its own, 11-13 s" for b in ("gloo", "mpi")},
 }
 
 

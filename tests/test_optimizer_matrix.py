@@ -1,5 +1,8 @@
 """Every torch optimizer under every way of splitting equals one process, or is refused with
 the reason and the alternative (issue 40). One world per engine steps every optimizer in turn.
+HSDP (td.fully_shard over td.mesh(dp=2, shard=2), 4 ranks) refuses as fully_shard does; a
+td.Pipeline of 2 stages gives each rank whole parameters (its stage's), so any optimizer is
+exact there.
 
 fully_shard hands the optimizer flat 1-D shards, tensor parallelism slices of each matrix: exact
 for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor, Muon or LAMB, which
@@ -92,7 +95,10 @@ def _train(model, optimizer, rows) -> None:
     for step in range(STEPS):
         x, y = _batch(step)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if isinstance(model, td.Pipeline):  # x read on the first stage, y on the last
+            model.train_step(x, y, torch.nn.functional.mse_loss)
+        else:
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         optimizer.step()
 
 
@@ -105,6 +111,11 @@ def _wrapped(wrapper: str, make):
         return model, model, td.DistributedOptimizer(make(model.parameters()))
     if wrapper == "fully_shard":
         td.fully_shard(model)
+    elif wrapper == "HSDP":  # 2 replicas of 2 shards
+        td.fully_shard(model, mesh=td.mesh(dp=2, shard=2))
+    elif wrapper == "pipeline":  # 2 stages, each rank its own stage's parameters
+        pipe = td.Pipeline(model, chunks=2)
+        return pipe, pipe, make(pipe.parameters())
     elif wrapper == "tensor parallel":
         td.parallelize(model, {"0": "colwise", "2": "rowwise"})
     else:
@@ -116,7 +127,7 @@ def check_matrix(wrapper: str):
     td.init()
     share = ROWS // td.size()
     mine = slice(td.rank() * share, (td.rank() + 1) * share)
-    if wrapper == "tensor parallel":  # every rank computes on the whole batch
+    if wrapper in ("tensor parallel", "pipeline"):  # every rank computes on the whole batch
         mine = slice(None)
     outcome = {}
     for name, make in OPTIMIZERS.items():
@@ -135,23 +146,28 @@ def check_matrix(wrapper: str):
 
 
 SHARDED = {"fully_shard": "td.DistributedDataParallel",  # ZeroOptimizer: whole parameters
+           "HSDP": "td.DistributedDataParallel",  # a Pipeline's stages: whole parameters too
            "tensor parallel": "element-wise optimizer"}
+WORLD = {"HSDP": 4}  # td.mesh(dp=2, shard=2); the others 2 ranks (a pipeline: 2 stages)
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-@pytest.mark.parametrize("wrapper", ["ZeroOptimizer", "fully_shard", "tensor parallel",
-                                     "DistributedOptimizer", "DDP"])
+@pytest.mark.parametrize("wrapper", ["ZeroOptimizer", "fully_shard", "HSDP", "tensor parallel",
+                                     "pipeline", "DistributedOptimizer", "DDP"])
 def test_every_optimizer_equals_one_process_or_is_refused_with_the_reason(wrapper, backend):
-    outcome = run_distributed(check_matrix, 2, backend, args=(wrapper,))[0]
+    outcomes = run_distributed(check_matrix, WORLD.get(wrapper, 2), backend, args=(wrapper,))
+    assert all(outcome.keys() == outcomes[0].keys() for outcome in outcomes)
     for name in OPTIMIZERS:
-        kind, value = outcome[name]
+        for outcome in outcomes[1:]:  # every rank the same outcome (a refusal on all of them)
+            assert outcome[name][0] == outcomes[0][name][0], (name, outcome[name], outcomes[0][name])
+        kind, value = outcomes[0][name]
         if wrapper in SHARDED and name in NOT_ELEMENTWISE:
             assert kind == "refused", f"{name}: {value}"
-            if wrapper == "fully_shard" and name == "Muon":
+            if wrapper in ("fully_shard", "HSDP") and name == "Muon":
                 assert "Muon only supports 2D parameters" in value  # torch's, at construction
                 continue
             short = name.split(" ")[0]
-            split = "td.fully_shard" if wrapper == "fully_shard" else "tensor parallelism"
+            split = "tensor parallelism" if wrapper == "tensor parallel" else "td.fully_shard"
             assert f"{short} under {split}" in value and SHARDED[wrapper] in value, value
             assert "optimizer.elementwise = True" in value
         else:
