@@ -33,10 +33,13 @@ estimated.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from tandem.comm.groups import group_size
+from tandem.parallel.layout.owner import owner_of
 from tandem.parallel.memory import layouts as formulas
 from tandem.parallel.memory import sharded
 from tandem.parallel.memory.layouts import OPTIMIZERS
@@ -55,19 +58,32 @@ LAYOUTS = {
 OFFLOADS = (None, "cpu")
 
 
-def estimate_memory(model: nn.Module, *, world_size: int, layout: str, optimizer: str = "adam",
+def estimate_memory(model: nn.Module, *, world_size: int | None = None, layout: str | None = None,
+                    optimizer: str | Any = "adam",
                     param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                     offload: str | None = None, units: Iterable[nn.Module | str] | None = None,
                     balance: str | Sequence[int] | None = None,
                     plan: Mapping[str, str] | None = None) -> MemoryEstimate:
     """Estimate the bytes per rank of `model` under `layout` over `world_size` ranks.
 
+    The model and the optimizer may be the objects you train: their owners
+    (`parallel/layout/owner.py`) then say what the names would: `layout` (a `td.fully_shard`
+    model: "fully_shard"; a `td.ZeroOptimizer`: "zero"; a plain or data-parallel one: "ddp"),
+    `optimizer` (torch's Adam, AdamW or SGD under any of tandem's wrappers) and `world_size`
+    (the ranks of the split's group, in a running job).
+
+        est = td.memory.estimate_memory(model, optimizer=td.ZeroOptimizer(torch.optim.Adam(...)))
+
     Args:
         model: the one-process model, on any device (meta included), or one already wrapped
             by `td.fully_shard` (its units are then used).
-        world_size: N, the ranks the layout splits over (the pipeline's stages, tp's ranks).
-        layout: "ddp", "zero", "fully_shard", "pipeline" or "tp" (see `LAYOUTS`).
-        optimizer: "adam", "adamw", "sgd" or "sgd-momentum".
+        world_size: N, the ranks the layout splits over (the pipeline's stages, tp's ranks);
+            None: the size of the group the model's or optimizer's split is over (tandem must
+            be initialised).
+        layout: "ddp", "zero", "fully_shard", "pipeline" or "tp" (see `LAYOUTS`); None: the
+            layout the model and optimizer are in.
+        optimizer: "adam", "adamw", "sgd" or "sgd-momentum", or the optimizer itself (a torch
+            Adam, AdamW or SGD, or one of tandem's wrappers over one).
         param_dtype: fully_shard's compute dtype: the units are gathered in it (default: the
             parameters' own dtype; the shards stay in theirs).
         reduce_dtype: fully_shard's gradient reduce-scatter dtype (default: the parameters').
@@ -90,6 +106,8 @@ def estimate_memory(model: nn.Module, *, world_size: int, layout: str, optimizer
             elsewhere), or a model already wrapped by td.fully_shard estimated as "pipeline" or
             "tp", or given `units=`; each message says the fix.
     """
+    layout, world_size = _from_owners(model, optimizer, layout, world_size)
+    optimizer = _optimizer_name(optimizer)
     _check_arguments(world_size, layout, optimizer, offload)
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -152,6 +170,7 @@ def compare_memory(model: nn.Module, *, world_size: int, optimizer: str = "adam"
         ValueError: a `world_size` below 1, an unknown layout, optimizer or offload, or an
             option `estimate_memory` refuses.
     """
+    optimizer = _optimizer_name(optimizer)
     _check_arguments(world_size, "ddp", optimizer, options.get("offload"))
     takes = {"fully_shard": ("units", "param_dtype", "reduce_dtype", "offload"),
              "pipeline": ("balance",), "tp": ("plan",)}
@@ -172,6 +191,58 @@ def compare_memory(model: nn.Module, *, world_size: int, optimizer: str = "adam"
         out.append(estimate_memory(model, world_size=world_size, layout=layout,
                                    optimizer=optimizer, **mine))
     return MemoryComparison(out)
+
+
+# -- what the model's and optimizer's owners say --------------------------------------------------
+def _optimizer_name(optimizer: str | Any) -> str:
+    """The estimate's name of `optimizer`: a name as given, else its owner's torch optimizer."""
+    if isinstance(optimizer, str):
+        return optimizer
+    owner = owner_of(optimizer)
+    inner = owner.optimizer()
+    if inner is None:
+        raise TypeError(f"optimizer= takes a name ({', '.join(map(repr, OPTIMIZERS))}) or an "
+                        f"optimizer, got {owner.describe()}")
+    if isinstance(inner, torch.optim.SGD):
+        return "sgd-momentum" if any(g.get("momentum", 0) for g in inner.param_groups) else "sgd"
+    names = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
+    if type(inner) in names:
+        return names[type(inner)]
+    raise ValueError(f"the estimate knows the state of Adam, AdamW and SGD, not "
+                     f"{owner.describe()}: pass optimizer= the name of the one whose state is "
+                     f"closest ({', '.join(map(repr, OPTIMIZERS))})")
+
+
+def _from_owners(model: nn.Module, optimizer: str | Any, layout: str | None,
+                 world_size: int | None) -> tuple[str, int]:
+    """`layout` and `world_size`, those not given from what the owners of `model` and
+    `optimizer` answer."""
+    if layout is not None and world_size is not None:
+        return layout, world_size
+    model_owner = owner_of(model)
+    kinds = model_owner.split_kinds()
+    optimizer_owner = None if isinstance(optimizer, str) else owner_of(optimizer)
+    splits_model = [k for k in kinds if k != "fully_shard"]
+    if layout is None and splits_model:
+        raise ValueError(f"{model_owner.describe()} is split ({', '.join(sorted(splits_model))}): "
+                         f"each rank holds its part, and the estimate needs the whole model. "
+                         f"Estimate the unsplit model (built on the meta device) with "
+                         f"layout='pipeline' or layout='tp', plan=...")
+    if layout is None:
+        if "fully_shard" in kinds:
+            layout = "fully_shard"
+        elif optimizer_owner is not None and optimizer_owner.sharded_over_world():
+            layout = "zero"
+        else:
+            layout = "ddp"
+    if world_size is None:
+        group = optimizer_owner.group if optimizer_owner is not None else None
+        try:
+            world_size = group_size(group)
+        except RuntimeError as error:
+            raise ValueError(f"world_size=None is the size of the job, and tandem is not "
+                             f"initialised here ({error}): give world_size=N") from error
+    return layout, world_size
 
 
 # -- arguments and the model's tensors --------------------------------------------------------
