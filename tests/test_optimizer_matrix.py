@@ -8,7 +8,8 @@ fully_shard hands the optimizer flat 1-D shards, tensor parallelism slices of ea
 for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor, Muon or LAMB, which
 are refused there (`parallel/layout/elementwise.py`). ZeroOptimizer shards those by whole
 parameters (each stepped whole by one rank): exact too. DistributedOptimizer and the DDP wrapper
-keep the whole parameters on every rank: any optimizer is exact there.
+keep the whole parameters on every rank: any optimizer is exact there. A sharded cell (ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam)
+saved by td.Checkpointer on 2 ranks and restored on 3 goes on as one process.
 """
 
 import pytest
@@ -86,14 +87,14 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(8, 3, bias=False))
 
 
-def _batch(step: int):
+def _batch(step: int, rows: int = ROWS):
     generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(ROWS, 6, generator=generator), torch.randn(ROWS, 3, generator=generator)
+    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 3, generator=generator)
 
 
-def _train(model, optimizer, rows) -> None:
-    for step in range(STEPS):
-        x, y = _batch(step)
+def _train(model, optimizer, rows, steps=range(STEPS), batch_rows=ROWS) -> None:
+    for step in steps:
+        x, y = _batch(step, batch_rows)
         optimizer.zero_grad()
         if isinstance(model, td.Pipeline):  # x read on the first stage, y on the last
             model.train_step(x, y, torch.nn.functional.mse_loss)
@@ -216,3 +217,41 @@ def test_an_optimizer_tandem_cannot_classify_is_refused_with_the_flag_and_the_fl
     assert "NeedsClosure under td.ZeroOptimizer" in message
     assert "could not be checked" in message and "optimizer.elementwise = True" in message
     assert built == "ZeroOptimizer"
+
+
+RESHARDED = {"ZeroOptimizer": ["Adam", "Muon"], "fully_shard": ["Adam"]}  # flat and whole
+
+
+def check_resharded(wrapper: str, directory: str, first: int, last: int):
+    """Restore (after `first` steps) on this world, train to `last`, save: each optimizer's
+    difference from one process after `last` steps. 12 rows: 6 or 4 per rank."""
+    td.init()
+    share = 12 // td.size()
+    mine = slice(td.rank() * share, (td.rank() + 1) * share)
+    outcome = {}
+    for name in RESHARDED[wrapper]:
+        make = OPTIMIZERS[name]
+        reference = _model()
+        _train(reference, make(reference.parameters()), slice(None), range(last), 12)
+        model, net, optimizer = _wrapped(wrapper, make)
+        checkpointer = td.Checkpointer(f"{directory}/{name}", keep=1)
+        if first:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(0.5)  # the checkpoint, not the seed, must bring the values back
+            assert checkpointer.restore(model=model, optimizer=optimizer) == first  # the next step
+        _train(net, optimizer, mine, range(first, last), 12)
+        checkpointer.save(last - 1, model=model, optimizer=optimizer)
+        full = td.fsdp.full_state_dict(model)
+        outcome[name] = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_sharded_optimizer_resumes_from_2_ranks_on_3_as_one_process(backend, tmp_path):
+    for wrapper in RESHARDED:
+        for world, first, last in ((2, 0, 2), (3, 2, 3)):
+            for rank, outcome in enumerate(run_distributed(
+                    check_resharded, world, backend, args=(wrapper, str(tmp_path / wrapper), first, last))):
+                for name, diff in outcome.items():
+                    assert diff < 1e-6, (wrapper, name, world, rank, diff)
