@@ -8,8 +8,9 @@ fully_shard hands the optimizer flat 1-D shards, tensor parallelism slices of ea
 for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor, Muon or LAMB, which
 are refused there (`parallel/layout/elementwise.py`). ZeroOptimizer shards those by whole
 parameters (each stepped whole by one rank): exact too. DistributedOptimizer and the DDP wrapper
-keep the whole parameters on every rank: any optimizer is exact there. A sharded cell (ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam)
-saved by td.Checkpointer on 2 ranks and restored on 3 goes on as one process.
+keep the whole parameters on every rank: any optimizer is exact there. Sharded cells
+(ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam) saved by td.Checkpointer on 2
+ranks and restored on 3 go on as one process.
 """
 
 import pytest
