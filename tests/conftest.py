@@ -282,6 +282,8 @@ SLOW: dict[str, str] = {
     **{f"tests/test_optimizer_matrix.py::test_a_sharded_optimizer_resumes_from_2_ranks_on_3_as_one_process[{b}]":
        "DCP checkpoints of 3 optimizers saved on 2 ranks and restored on 3 (2 worlds), 18-27 s"
        for b in ("gloo", "mpi")},
+    "tests/test_branches_checkpoint.py::test_branches_checkpoint_holds_each_branch_once_and_loads_on_another_world[mpi]":
+        "a Branches checkpoint saved on 2 ranks and loaded on 3 (2 worlds), 13 s (fast: [gloo])",
 }
 
 
