@@ -5,6 +5,7 @@
     owner.optimizer()              # the torch optimizer that keeps the state (None: not one)
     owner.set_gradient_sync(False) # accumulate locally (False: nothing to switch here)
     owner.leave(); owner.rejoin()  # a change of world (td.elastic)
+    owner.not_replicated(group)    # what group's ranks hold different parts of (not broadcast)
     owner.describe()               # for messages: "td.ZeroOptimizer over 3 ranks (flat shards)"
 
 Each way of splitting (the data-parallel reducer behind `DistributedOptimizer` and
@@ -12,11 +13,12 @@ Each way of splitting (the data-parallel reducer behind `DistributedOptimizer` a
 tensor-parallel layers through the pieces of `parallel/layout/pieces.py` that the module owner
 walks) registers its owner class for its own class in its own module, with `register`, as
 `parallel/layout/splits.py` registers split tensors. A consumer (checkpoints, clip, no_sync,
-join, elastic state, the memory estimator, metrics) calls `owner_of(obj)` and never names a
-wrapper class: FSDP2's `fully_shard.state(module)` and DCP's one `get_state_dict` are the
-models. What an object nobody registered gets: `ModuleOwner` for an `nn.Module` (whole tensors
-and the split modules inside it), `OptimizerOwner` for a torch optimizer (per-element state
-follows its parameters' pieces, the one rule of `elementwise.per_element`), `Owner` otherwise.
+join, elastic state, broadcast_parameters and check_replicas, the memory estimator, the
+wrappers' own constructors) calls `owner_of(obj)` and never names a wrapper class: FSDP2's
+`fully_shard.state(module)` and DCP's one `get_state_dict` are the models. What an object
+nobody registered gets: `ModuleOwner` for an `nn.Module` (whole tensors and the split modules
+inside it), `OptimizerOwner` for a torch optimizer (per-element state follows its parameters'
+pieces, the one rule of `pieces.per_element`), `Owner` otherwise.
 """
 
 from __future__ import annotations
