@@ -106,7 +106,10 @@ class Reducer(JoinRounds):
         self._on_round_end = on_round_end
         self._mean_scale = 1.0 / self._size if op == "mean" else 1.0
         self._scale = self._mean_scale
-        self._samples = samples.RoundSamples(enabled=op == "mean")  # weights of uneven batches
+        # Weights of uneven batches, each micro-batch of an accumulation window by its own
+        # (samples.py); op="sum" sums as it says, so it takes no report.
+        self._samples = samples.WindowSamples(self._size, self._accumulated_grads,
+                                              lambda: op == "mean" and not self._closed)
 
         # Expected gradient-ready order: reverse registration order.
         ordered = list(reversed(named_params))
@@ -193,10 +196,14 @@ class Reducer(JoinRounds):
         self._grad_scale = self._scale  # what _move_in multiplies by: see _take_samples
 
     def _take_samples(self) -> None:
-        """A batch handed out since the last backward pass: its samples count. Once per pass
-        (a report comes from the loader or `td.samples`, between passes), not per gradient."""
-        self._samples.update()
-        self._grad_scale = self._samples.scale(self._scale)
+        """The window's weighting, once per pass (a report comes from the loader or
+        `td.samples` between passes, and `WindowSamples` has already rescaled what the
+        earlier passes left in `.grad`): the factor on an uneven window, else 1/size."""
+        self._grad_scale = self._samples.factor if self._samples.weighted else self._scale
+
+    def _accumulated_grads(self):
+        """What autograd has added up so far, outside the buckets' reduction."""
+        return (p.grad for p in self._params if p.grad is not None)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters this reducer averages, with their names (in reduction order)."""
@@ -310,7 +317,7 @@ class Reducer(JoinRounds):
         for position in self._unused[b]:
             bucket.tail[position] = 0.0
         if b == 0 and self._samples.weighted:
-            self._contributors.fill_(self._samples.weight)  # summed: the divisor of the mean
+            self._contributors.fill_(self._samples.divisor())  # summed: the divisor of the mean
         if timeline.ENABLED:
             self._launched_ns[b] = timeline.now()
         self._works[b] = self._hook(bucket)
@@ -326,7 +333,7 @@ class Reducer(JoinRounds):
     def finish_round(self) -> float:
         """Launch what backward did not, wait for every bucket in order; return seconds waited."""
         if self._next < len(self.buckets):  # buckets left to fill: td.join may have changed it
-            self._grad_scale = self._samples.scale(self._scale)
+            self._take_samples()
         for b in range(self._next, len(self.buckets)):
             if not self._ready[b]:
                 self._fill_missing(b)

@@ -31,14 +31,13 @@ divided by the window's M micro-batches) weights every micro-batch alike, so eac
 of micro-batch j needs its own weight m_kj / n_j. ZeroOptimizer (`WindowSamples`: it rescales
 what `.grad` holds when a micro-batch's weight differs from the one before) and fully_shard
 (`PassSamples`: each pass's gradient is weighted as it joins the accumulated one) do exactly
-that; `td.partition_dataset` knows each n_j, `td.samples(n, total=n_j)` says it. The reducer
-(DistributedOptimizer, DDP) still adds a window's reports up and scales the accumulated
-gradient once (exact when its micro-batches are equal); each report counts once, however many
-backward passes follow it. A
-report made before the reducer (the DistributedOptimizer or DistributedDataParallel) was built
-does not count: it belongs to an earlier loop. A step without a new report is reduced as
-before (the mean over ranks). Every rank must weight alike: when argument checks are on, the
-per-step agreement (step_check.py) names a rank that weights a step the others do not.
+that, and so does the data-parallel reducer (DistributedOptimizer, DDP: `WindowSamples` too,
+its factor the scale of the gradients it moves into a bucket and its divisor the contributed
+element); `td.partition_dataset` knows each n_j, `td.samples(n, total=n_j)` says it. A report
+made before the wrapper was built does not count: it belongs to an earlier loop. A step
+without a new report is reduced as before (the mean over ranks). Every rank must weight
+alike: when argument checks are on, the per-step agreement (step_check.py) names a rank that
+weights a step the others do not.
 Cost: one more pass over the gradients (the division) on a weighted step; none on the others.
 Only op="mean" is weighted; op="sum" sums as it says.
 """
@@ -155,6 +154,8 @@ class WindowSamples:
     def reset(self) -> None:
         """A new window: nothing counted; `.grad` (zeroed by the script) in units of 1."""
         self.factor = 1.0
+        self.weighted = False  # an uneven report in this window: the reduction divides
+        self.code = 0  # what its weights are relative to (the per-step agreement compares it)
         self._factors = 0.0
         self._reports = 0
         self._counts: set[float] = set()
@@ -162,6 +163,8 @@ class WindowSamples:
     def _report(self) -> None:
         if not self._active():  # an earlier loop's wrapper: its window is over for good
             return
+        if latest.uneven:
+            self.weighted, self.code = True, latest.code
         factor = report_factor(self.size)
         if latest.uneven and not latest.share:
             self._counts.add(latest.weight)
