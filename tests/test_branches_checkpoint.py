@@ -6,7 +6,9 @@ branch 0 and rank 1's branch 2 were both `branches.mine.0.*` and one overwrote t
 Branches answers the layout protocol (`local_pieces`: branch `first + j` whole, as
 `mine.{first + j}.*`), so the checkpoint holds every branch once, torch's own loader reads it as
 the one-process model, and it loads on another number of ranks (4 branches: 2 + 2 saved,
-1 + 1 + 2 loaded) with the optimizer's momentum, training on as one process does.
+1 + 1 + 2 loaded) with the optimizer's momentum, training on as one process does. Like the other
+split modules, `model.state_dict()` gathers the one-process state dict and `load_state_dict`
+takes one, each rank keeping its branches.
 """
 
 import pytest
@@ -73,6 +75,11 @@ def save_branches(directory: str) -> list[str]:
     td.checkpoint.save_sharded(directory, model=model, optimizer=opt)
     from tandem.parallel.layout.owner import owner_of
 
+    # model.state_dict() speaks the one-process model too (gathered over the group)
+    full, expected = model.state_dict(), _reference(2).state_dict()
+    assert sorted(full) == sorted(expected), (sorted(full), sorted(expected))
+    far = max((full[k] - v).abs().max().item() for k, v in expected.items())
+    assert far < 1e-6, far
     return sorted(p.name for held in owner_of(model).held() for p in held.placements
                   if ".mine." in p.name)
 
@@ -92,6 +99,14 @@ def load_branches(directory: str) -> dict[str, float]:
             out[f"branch {first + j} {name}"] = (p - theirs[name]).abs().max().item()
     for name, p in model.head.named_parameters():
         out[f"head {name}"] = (p - dict(reference.head.named_parameters())[name]).abs().max().item()
+    # and load_state_dict takes the one-process state dict, each rank keeping its branches
+    torch.manual_seed(6)
+    plain = Joined(Towers())
+    plain.load_state_dict(reference.state_dict())
+    for j, branch in enumerate(plain.branches.mine):
+        theirs = dict(reference.branches.mine[first + j].named_parameters())
+        for name, p in branch.named_parameters():
+            out[f"loaded branch {first + j} {name}"] = (p - theirs[name]).abs().max().item()
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +75,10 @@ class Branches(nn.Module):
         self._sizes: dict[tuple[int, ...], list[int]] = {}  # this rank's output shape -> all sizes
         names = [type(b).__name__ for b in branches]
         owner = f"[{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}]"
+        # model.state_dict() speaks the one-process model (a collective over the group), and
+        # load_state_dict takes it back, as for the other split modules (layout/state_hooks.py)
+        self.register_state_dict_post_hook(Branches._to_full)
+        self.register_load_state_dict_pre_hook(Branches._to_local)
         _checks[self] = model_check.ModelCheck.make(
             "Branches", owner, [f"{names} join={join} dim={dim}"], group, self.mine.parameters())
 
@@ -161,6 +166,24 @@ class Branches(nn.Module):
             out.update(part)
         device = next((t.device for _, t in self._own(prefix)), torch.device("cpu"))
         return {name: tensor.to(device) for name, tensor in out.items()}
+
+    def _to_full(self, state: dict, prefix: str, metadata: Any) -> None:
+        for key in local_state(self.mine):
+            state.pop(f"{prefix}mine.{key}", None)
+        state.update(self.full_tensors(prefix))
+
+    def _to_local(self, state: dict, prefix: str, *rest: Any) -> None:
+        """A one-process state dict (every branch's entries) is cut to this rank's branches,
+        renamed to their local names; a dict of local entries loads as it is."""
+        if self.count == len(self.mine) or not any(
+                key.startswith(f"{prefix}mine.{self.count - 1}.") for key in state):
+            return  # a world of one, or this rank's own local entries
+        keep = {local: state.get(one) for one, local in
+                ((name, f"{prefix}mine.{key}") for (name, _), key in
+                 zip(self._own(prefix), local_state(self.mine), strict=True))}
+        for key in [k for k in state if k.startswith(f"{prefix}mine.")]:
+            del state[key]
+        state.update({k: v for k, v in keep.items() if v is not None})
 
     def extra_repr(self) -> str:
         return (f"branches {self.first_branch}..{self.first_branch + len(self.mine) - 1} of "
