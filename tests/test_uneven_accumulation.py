@@ -10,34 +10,20 @@ distributed model on the same samples in the same order and returns the largest 
 """
 
 import contextlib
-import importlib.util
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from test_uneven_shards import BACKENDS, TOL, data, mlp  # the same model, data and tolerance
 from torch.utils.data import DataLoader, TensorDataset
 
 import tandem as td
 from tandem.data import epoch_order
 from tandem.testing import run_distributed
 
-BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None, reason="no mpi4py"))]
-TOL = 1e-6
 N, BATCH = 100, 30
 WINDOWS = [3, 3, 2]  # micro-batches per step over 2 epochs of 4: (30 30 30) (10 30 30) (30 10)
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
-
-
-def data(n, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
 def sgd(params):
