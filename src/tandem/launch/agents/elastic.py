@@ -37,7 +37,8 @@ from typing import TextIO
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.coordinator import REMOTE_STOP_S
-from tandem.launch.agents.elastic_nodes import ElasticMember, ElasticRanks, Node, Nodes
+from tandem.launch.agents.elastic_nodes import ElasticRanks, Node, Nodes
+from tandem.launch.agents.member import Member
 from tandem.launch.agents.multinode import gloo_interface, job_secret, listen_address
 from tandem.launch.config import LaunchConfig, LaunchError
 from tandem.launch.events import (
@@ -468,6 +469,6 @@ def launch(config: LaunchConfig) -> int:
         secret = job_secret(config)  # --secret, TANDEM_SECRET, stdin with --secret -, or new
         if config.node_rank == 0:
             return ElasticJob(config, secret).run()
-        return ElasticMember(config, secret, gloo_interface(config.master[0])).run()
+        return Member(config, secret, gloo_interface(config.master[0])).run()
     except rendezvous.PortInUseError as error:
         raise LaunchError(str(error)) from None

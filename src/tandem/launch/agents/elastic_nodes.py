@@ -23,14 +23,13 @@ are unique in the job, and a round lists them in rank order, whatever machine ru
   job's code. A node that loses node 0 stops its workers and exits 1.
 
 `ElasticRanks` starts the workers on each machine, `Nodes` is node 0's table of machines,
-`ElasticMember` the agent of nodes 1, 2, ....
+`member.Member` the agent of nodes 1, 2, ... (fixed or elastic).
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -39,22 +38,18 @@ from tandem import rendezvous
 from tandem.launch.agents.admission import admit, await_hang_ups
 from tandem.launch.agents.control import ControlServer, Peer
 from tandem.launch.agents.coordinator import lost_after
-from tandem.launch.agents.multinode import Member
 from tandem.launch.config import LaunchConfig, StartError
 from tandem.launch.events import (
     AgentExited,
-    Event,
-    JobState,
     Joined,
     Lost,
-    Message,
     Rejected,
     Signalled,
 )
 from tandem.launch.local.output import RankOutput, signals_blocked
 from tandem.launch.local.processes import start_failure_code, start_ranks
 from tandem.launch.local.ranks import LocalRanks, Placement, rank_command, rank_environment
-from tandem.launch.local.supervisor import DRAIN_S, Failure, Supervisor
+from tandem.launch.local.supervisor import Failure
 
 START_WINDOW_S = 3.0  # with --min-np slots there, how long node 0 still waits for the others
 
@@ -247,100 +242,3 @@ class Nodes:
         waiting = {node.number for node in self.nodes.values() if node.peer is not None
                    and node.peer.send(("finish", {"code": code, "summary": summary}))}
         await_hang_ups(self.events, waiting)
-
-
-class ElasticMember(Member):
-    """The agent of node 1, 2...: starts the workers node 0 gives it, reports their exits."""
-
-    def __init__(self, config: LaunchConfig, secret: str, interface: str | None = None) -> None:
-        super().__init__(config, secret, interface)
-        self.ranks = ElasticRanks(config, self.events, self.output)
-
-    def _run(self) -> int:
-        code = self._join()
-        if code is not None:
-            return code
-        watch = _MemberWatch(self)
-        watch.run()
-        self.output.join(DRAIN_S)
-        return watch.verdict()
-
-
-class _MemberWatch(Supervisor):
-    """Node k's side: every worker exit goes to node 0, which decides; a stop, the finish
-    or a lost node 0 ends this node's workers."""
-
-    def __init__(self, member: ElasticMember) -> None:
-        super().__init__(member.ranks, member.events, member.output,
-                         node=member.config.node_rank, host=socket.gethostname())
-        self.member = member
-        self.ended: tuple[str, object] | None = None  # ("finish", body) / ("lost", why) / ...
-
-    def others_running(self) -> bool:
-        return self.ended is None
-
-    def rank_exited(self, worker: int, returncode: int) -> None:
-        self.member.peer.send(("exit", {"worker": worker, "returncode": returncode,
-                                        "pid": self.ranks.pids.get(worker),
-                                        "tail": list(self.output.tail(worker))}))
-        self._stopped()
-
-    def rank_finished(self, worker: int) -> None:
-        self.member.peer.send(("exit", {"worker": worker, "returncode": 0}))
-        self._stopped()
-
-    def _stopped(self) -> None:
-        """A stop that node 0 asked for is over once the workers are: wait for its word
-        (the finish, or workers of a later round) without a deadline again."""
-        if not self.ranks.live and self.ended is None:
-            self.advance(JobState.RUNNING)
-
-    def interrupted(self, signum: int) -> None:
-        """Ctrl-C here takes this machine out of the job: node 0 goes on without it."""
-        super().interrupted(signum)
-        self.ended = ("signal", signum)
-
-    def _stop_workers(self) -> None:
-        if self.ranks.live and not self.stopping:
-            self.stop(None)
-
-    def other(self, event: Event) -> None:
-        if isinstance(event, Lost):
-            self.member.say(f"node 0 ({self.member.master}) is unreachable: {event.why}; "
-                            "stopping this node's workers")
-            self.ended = ("lost", event.why)
-            self._stop_workers()
-            return
-        if not isinstance(event, Message):
-            return
-        kind, body = event.kind, event.body
-        if kind == "workers" and self.ended is None and not self.stopping:
-            self.ranks.start_workers(body["workers"], body["slots"], body["first_rank"],
-                                     body["size"], body["round"], tuple(body["store"]),
-                                     rendezvous.store_key(self.member.secret),
-                                     self.member.interface)
-        elif kind == "stop":
-            self._stop_workers()
-        elif kind == "kill":  # a stuck worker (`elastic._ElasticWatch._silent`)
-            self.ranks.signal(signal.SIGKILL, set(body["workers"]))
-        elif kind == "finish":
-            self.ended = ("finish", body)
-            self._stop_workers()
-        elif kind == "refused":
-            self.member.say(f"node 0 refused this agent: {body['reason']}")
-            self.ended = ("refused", body)
-        elif kind == "note":
-            self.output.message(body["text"])
-
-    def give_up(self) -> None:
-        self.member.say(f"workers {sorted(self.ranks.live)} did not exit after SIGKILL")
-
-    def verdict(self) -> int:
-        kind, body = self.ended or ("lost", None)
-        if kind == "finish":
-            if body.get("summary"):
-                self.output.message(body["summary"])
-            return int(body["code"])
-        if kind == "signal":
-            return 128 + int(body)
-        return 2 if kind == "refused" else 1

@@ -5,11 +5,12 @@
 
 Node 0's agent (`coordinator.Coordinator`) hosts the rendezvous store at ADDR:PORT and a control
 plane on a port the system picks, whose address it publishes in the store. Every other agent
-(`Member`, here) connects to the store, reads that address, connects, and authenticates with the
-job's secret (`--secret`/`TANDEM_SECRET`; node 0 generates one and prints it when none is
-given; `--secret -` reads it from standard input). Node 0 admits each node once (a node rank
-out of range, a duplicate or a different `--nnodes` is refused with the reason) and assigns
-the ranks: node r runs ranks r*np .. r*np+np-1 (each node's own -np, in node order).
+(`member.Member`, the same for elastic jobs) connects to the store, reads that address,
+connects, and authenticates with the job's secret (`--secret`/`TANDEM_SECRET`; node 0
+generates one and prints it when none is given; `--secret -` reads it from standard input).
+Node 0 admits each node once (a node rank out of range, a duplicate or a different `--nnodes`
+is refused with the reason) and assigns the ranks: node r runs ranks r*np .. r*np+np-1 (each
+node's own -np, in node order).
 
 Then each attempt: node 0 says "start" with the placement, every agent runs its ranks and
 reports their failures at once; the first failure anywhere stops every rank on every node; each
@@ -37,15 +38,11 @@ import sys
 from typing import TextIO
 
 from tandem import rendezvous
-from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents import control, ssh
-from tandem.launch.agents.admission import versions
-from tandem.launch.agents.coordinator import REMOTE_STOP_S, Coordinator, lost_after
+from tandem.launch.agents.coordinator import REMOTE_STOP_S, Coordinator
 from tandem.launch.agents.hosts import LOCAL_NAMES, holds_address
+from tandem.launch.agents.member import Member
 from tandem.launch.config import LaunchConfig, LaunchError
-from tandem.launch.events import Event, Lost, Message, Signalled
-from tandem.launch.local.ranks import Placement
-from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor
 
 
 def gloo_interface(master_host: str) -> str | None:
@@ -109,147 +106,6 @@ def job_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str:
     print(f"tandem run: no --secret given: this job's secret is {secret}; start the other "
           f"nodes with --secret {secret} (or TANDEM_SECRET={secret})", file=sys.stderr, flush=True)
     return secret
-
-
-class Member(Agent):
-    """The agent of node 1, 2...: joins node 0, runs its ranks when told, stops when told."""
-
-    def __init__(self, config: LaunchConfig, secret: str, interface: str | None = None,
-                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
-        super().__init__(config, stdout=stdout, stderr=stderr)
-        self.secret, self.interface = secret, interface
-        self.peer: control.Peer | None = None
-        self.master = "{}:{}".format(*config.master)
-
-    def say(self, text: str) -> None:
-        self.output.message(f"tandem run (node {self.config.node_rank}): {text}")
-
-    def close(self) -> None:
-        super().close()
-        if self.peer is not None:
-            self.peer.close()
-
-    def _join(self) -> int | None:
-        """Connect and authenticate; None when joined, else the exit code (after saying why)."""
-        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
-        host, port = self.config.master
-        try:
-            store = rendezvous.StoreClient(host, port, rendezvous.store_key(self.secret), timeout)
-            try:
-                address = store.get("tandem/control").decode()
-            finally:
-                store.close()
-            control_host, control_port = address.rsplit(":", 1)
-            conn = control.connect((control_host, int(control_port)), self.secret, timeout)
-        except control.AuthenticationFailed as error:  # at the store or the control plane
-            self.say(f"cannot join node 0 at {self.master}: {error} (the secrets differ). "
-                     "Give every node the same --secret (or TANDEM_SECRET)")
-            return 2
-        except rendezvous.StoreTimeout as error:  # a store without the control plane's address
-            self.say(f"the rendezvous store at {self.master} has no tandem control plane "
-                     f"({error}); is node 0 a `tandem run --nnodes` agent of this job?")
-            return 1
-        except ConnectionError as error:
-            self.say(f"node 0 is unreachable: {error}")
-            return 1
-        conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
-                             "nproc": self.config.np, "host": socket.gethostname(),
-                             "elastic": self.config.elastic, **versions()}))
-        self.peer = control.Peer(conn, 0, self.events, lost_after(self.config))
-        self.peer.start()
-        return None
-
-    def _run(self) -> int:
-        code = self._join()
-        if code is not None:
-            return code
-        while True:
-            event = self.events.get()
-            if isinstance(event, Signalled):
-                self.peer.send(("interrupted", {"signum": event.signum}))
-                return 128 + event.signum
-            if isinstance(event, Lost):
-                self.say(f"node 0 ({self.master}) is unreachable: {event.why}")
-                return 1
-            if not isinstance(event, Message):
-                continue
-            kind, body = event.kind, event.body
-            if kind == "refused":
-                self.say(f"node 0 refused this agent: {body['reason']}")
-                return 2
-            if kind == "note":
-                self.output.message(body["text"])
-            elif kind == "finish":
-                if body.get("summary"):
-                    self.output.message(body["summary"])
-                return int(body["code"])
-            elif kind == "start":
-                code = self._attempt(body)
-                if code is not None:
-                    return code
-
-    def _attempt(self, body: dict) -> int | None:
-        """Run one attempt; None to wait for node 0's verdict, else this agent's exit code."""
-        attempt = body["attempt"]
-        self.ranks.start(Placement(attempt, body["offset"], body["world"], tuple(body["store"]),
-                                   rendezvous.store_key(self.secret), self.interface,
-                                   torch_port=body.get("torch_port"),
-                                   run_id=body.get("run_id", ""), node=body.get("node", 0),
-                                   nodes=body.get("nodes", 1)))
-        run = _MemberAttempt(self, attempt)
-        run.run()
-        self.output.join(DRAIN_S)
-        if run.lost is not None:
-            return 1
-        tails = {rank: self.output.tail(rank) for rank in run.failed}
-        self.peer.send(("done", {"attempt": attempt, "tails": tails}))
-        if run.finish is not None:
-            if run.finish.get("summary"):
-                self.output.message(run.finish["summary"])
-            return int(run.finish["code"])
-        return None
-
-
-class _MemberAttempt(Supervisor):
-    """One attempt as node 1, 2... sees it: report failures to node 0, stop when it says so."""
-
-    def __init__(self, member: Member, attempt: int) -> None:
-        super().__init__(member.ranks, member.events, member.output,
-                         node=member.config.node_rank, host=socket.gethostname())
-        self.member, self.attempt = member, attempt
-        self.failed: dict[int, int] = {}
-        self.lost: str | None = None
-        self.finish: dict | None = None
-
-    def rank_exited(self, rank: int, returncode: int) -> None:
-        """Every failure goes to node 0, which decides what the job's first failure was."""
-        self.failed[rank] = returncode
-        self.member.peer.send(("exit", {"attempt": self.attempt, "rank": rank,
-                                        "returncode": returncode, "pid": self.ranks.pids[rank]}))
-        self.stop(self.rank_failure(rank, returncode))
-
-    def interrupted(self, signum: int) -> None:
-        self.member.peer.send(("interrupted", {"attempt": self.attempt, "signum": signum}))
-        self.stop(Failure(node=self.node, host=self.host, interrupt=signum), signum)
-
-    def give_up(self) -> None:
-        self.member.say(f"ranks {sorted(self.ranks.live)} did not exit after SIGKILL")
-
-    def other(self, event: Event) -> None:
-        if isinstance(event, Lost):
-            self.lost = event.why
-            self.member.say(f"node 0 ({self.member.master}) is unreachable: {self.lost}; "
-                            "stopping this node's ranks")
-            self.stop(None)
-        elif isinstance(event, Message):
-            kind, message = event.kind, event.body
-            if kind == "stop" and message.get("attempt") == self.attempt:
-                self.stop(None)
-            elif kind == "finish":
-                self.finish = message
-                self.stop(None)
-            elif kind == "note":
-                self.output.message(message["text"])
 
 
 def launch_hosts(config: LaunchConfig) -> int:
