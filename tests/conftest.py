@@ -284,6 +284,8 @@ SLOW: dict[str, str] = {
        for b in ("gloo", "mpi")},
     "tests/test_branches_checkpoint.py::test_branches_checkpoint_holds_each_branch_once_and_loads_on_another_world[mpi]":
         "a Branches checkpoint saved on 2 ranks and loaded on 3 (2 worlds), 13 s (fast: [gloo])",
+    "tests/test_mpi_elastic.py::test_an_mpi_world_that_loses_a_rank_shrinks_and_ends_as_one_process":
+        "Open MPI's mpiexec with ULFM, a rank killed and the world shrunk: a fresh job, 12-40 s",
 }
 
 

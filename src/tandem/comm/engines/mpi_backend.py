@@ -343,6 +343,42 @@ class MPIBackend(Backend):
         self._world.comm.Free()
         self.staging.pool.clear()
 
+    def shrink(self) -> MPIBackend:
+        """After a rank of this world failed: an engine on the ranks alive (ULFM, Open MPI 5
+        under `mpiexec --with-ft ulfm`; `rank_failed` tells such a failure). Revokes the world
+        communicator, so every survivor still waiting in it fails at once, shrinks it
+        (`MPIX_Comm_shrink`: the survivors, renumbered in their old order) and moves the exit
+        barrier onto the shrunk one. This engine stops without freeing its communicators
+        (freeing one would wait for the lost rank); its groups are gone with it. Collective
+        over the survivors."""
+        comm = self._world.comm
+        comm.Revoke()
+        shrunk = comm.Shrink()
+        self.progress.stop()
+        self._closed = True
+        mpi_exit.adopt(shrunk)
+        return MPIBackend(self._MPI, shrunk, self.progress.default_timeout,
+                          "thread" if self.progress.threaded else "none")
+
+
+def rank_failed(error: BaseException | None) -> bool:
+    """Whether `error` (a tandem operation's, or its cause) is ULFM's word that a peer failed
+    (MPI_ERR_PROC_FAILED) or that a survivor revoked the communicator (MPI_ERR_REVOKED): then
+    `MPIBackend.shrink` can go on without the lost rank. Other MPIs: never."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return False
+    failed = {getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                              "ERR_REVOKED") if hasattr(MPI, name)}
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, MPI.Exception) and error.Get_error_class() in failed:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
 
 def _collective(name: str, tensor, me: int, handle: Communicator, op=None,
                 root=None) -> tuple[str, str]:

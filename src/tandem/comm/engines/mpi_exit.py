@@ -46,6 +46,13 @@ def install(MPI: Any, timeout: float) -> None:
         _guard.timeout, _guard.policy = timeout, policy
 
 
+def adopt(comm: Any) -> None:
+    """The exit barrier meets the ranks of `comm` from now on (a world shrunk after a rank
+    failed, `MPIBackend.shrink`): the lost rank would never arrive. Collective over `comm`."""
+    if _guard is not None:
+        _guard.comm = comm.Dup()
+
+
 class _ExitGuard:
     def __init__(self, MPI: Any, timeout: float, policy: str) -> None:
         self.MPI = MPI

@@ -16,8 +16,26 @@ in an allreduce (`scripts/ulfm-probe.py`):
   reported (the survivors wait), and `MPIR_CVAR_ENABLE_FT=1` aborts MPI_Init (an assertion in
   ch4_request.h).
 
-tandem's MPI engine does not drive ULFM yet, so both are refused; the message says what this
-mpiexec is and what an elastic MPI job would need.
+tandem's MPI engine can shrink its world with ULFM: `MPIBackend.shrink` revokes its
+communicator, shrinks it and moves the exit barrier onto the survivors, and
+`scripts/ulfm-shrink.py` (a prototype that redoes by hand what td.init built over the engine)
+takes 3 ranks, one of which `os._exit`s in step 5, to 2 that restore td.elastic.State's last
+commit and end with the one-process result (3e-8; 0.05 s from the failed collective to the
+resumed state; tests/test_mpi_elastic.py under scripts/test-openmpi.sh). What is missing before
+`tandem run --backend mpi --min-np` can use it, so both MPIs are still refused:
+
+- over shared memory (tandem's one-node jobs: `btl=^tcp`) with the detector, the shrink and
+  the training work, but the survivors then hang at exit (mpiexec never ends); over TCP
+  mpiexec ends with the lost rank's code (9), which `tandem run` would have to take as a
+  success when --min-np survivors finished;
+- the detector's 1 s timeout took a healthy rank importing torch on 2 busy cores for a lost
+  one (MPI_ERR_PROC_FAILED in td.init's set-up): only its defaults (~10 s) are safe;
+- `td.elastic.run` knows a lost peer by the watchdog's errors and a new world by the
+  launcher's next round (`runtime.rejoin`); on MPI it would catch `rank_failed` errors and
+  call a `runtime.shrink()` (the prototype's `shrink()`), and an MPI world can only shrink:
+  no rank can join it (`MPI_Comm_spawn` would be the way), so --max-np cannot grow it back.
+
+The message says what this mpiexec is and what an elastic MPI job would need.
 """
 
 from __future__ import annotations
@@ -82,7 +100,9 @@ def elastic_mpi_refusal() -> str:
         what, ulfm = describe(mpiexec)
         here = f"this {what}" if what.startswith(("Open MPI", "MPICH")) else what
         if ulfm:
-            here += ", but tandem's MPI engine does not shrink a world with it yet"
+            here += (", and tandem's MPI engine can shrink a world with it "
+                     "(scripts/ulfm-shrink.py), but `tandem run` does not start or resize one "
+                     "yet")
     return ("an elastic job cannot run on MPI: an MPI world is fixed once mpiexec started it, "
             f"unless the MPI can shrink it, which needs {NEEDED}; {here}. Use --backend gloo "
             "(or nccl) for an elastic job, or a fixed -np with --max-restarts")
