@@ -286,6 +286,10 @@ SLOW: dict[str, str] = {
         "a Branches checkpoint saved on 2 ranks and loaded on 3 (2 worlds), 13 s (fast: [gloo])",
     "tests/test_mpi_elastic.py::test_an_mpi_world_that_loses_a_rank_shrinks_and_ends_as_one_process":
         "Open MPI's mpiexec with ULFM, a rank killed and the world shrunk: a fresh job, 12-40 s",
+    **{"tests/test_optimizer_matrix.py::test_every_optimizer_equals_one_process_or_is_refused_with_the_reason"
+       f"[Branches x {w}-{b}]":
+       "a 4-rank world (Branches over mesh.tp_group, the wrapper over dp_group), 2-21 s (fast: [Branches-*])"
+       for w in ("ZeroOptimizer", "DistributedOptimizer", "DDP") for b in ("gloo", "mpi")},
 }
 
 

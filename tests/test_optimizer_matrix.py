@@ -1,17 +1,24 @@
 """Every torch optimizer under every way of splitting equals one process, or is refused with
 the reason and the alternative (issue 40). One world per engine steps every optimizer in turn.
 HSDP (td.fully_shard over td.mesh(dp=2, shard=2), 4 ranks) refuses as fully_shard does; a
-td.Pipeline of 2 stages gives each rank whole parameters (its stage's), so any optimizer is
-exact there.
+td.Pipeline of 2 stages gives each rank whole parameters (its stage's), so any optimizer that steps
+each tensor on its own is exact there.
 
 fully_shard hands the optimizer flat 1-D shards, tensor parallelism slices of each matrix: exact
 for an element-wise update (SGD, Adam, ...), another algorithm for Adafactor, Muon or LAMB, which
 are refused there (`parallel/layout/elementwise.py`). ZeroOptimizer shards those by whole
 parameters (each stepped whole by one rank): exact too. DistributedOptimizer and the DDP wrapper
-keep the whole parameters on every rank: any optimizer is exact there. Sharded cells
+keep the whole parameters on every rank: any optimizer is exact there. td.tensor.Branches gives
+each rank whole branches (3 towers on 2 ranks: 1 tensor and 3): any optimizer that steps each
+tensor on its own is exact there, alone or with ZeroOptimizer, DistributedOptimizer or DDP over
+mesh.dp_group (dp=2 x tp=2, 4 ranks). LBFGS, whose step couples every parameter through one
+history and calls a closure, is exact under DDP (each backward the closure runs is averaged) and
+refused with the alternative everywhere else. Sharded cells
 (ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam) saved by td.Checkpointer on 2
 ranks and restored on 3 go on as one process.
 """
+
+import functools
 
 import pytest
 import torch
@@ -78,8 +85,10 @@ OPTIMIZERS = {  # name -> a maker over parameters
     "Muon": lambda ps: optim.Muon(ps, lr=0.01),
     "Lamb (hand-written)": lambda ps: Lamb(ps),
     "HandSgd (unknown, element-wise)": lambda ps: HandSgd(ps),
+    "LBFGS": lambda ps: optim.LBFGS(ps, lr=0.5, max_iter=3),  # its step calls the closure
 }
 NOT_ELEMENTWISE = {"Adafactor", "Muon", "Lamb (hand-written)"}
+COUPLED = {"LBFGS"}  # one history over all parameters: no rank may step a share of them
 
 
 def _model() -> torch.nn.Module:
@@ -88,24 +97,75 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(8, 3, bias=False))
 
 
+class Paths(torch.nn.Module):
+    """Three paths over one input, concatenated: `mine`, as td.tensor.Branches names them."""
+
+    def __init__(self, paths):
+        super().__init__()
+        self.mine = torch.nn.ModuleList(paths)
+
+    def forward(self, x):
+        return torch.cat([path(x) for path in self.mine], -1)
+
+
+class Towers(torch.nn.Module):
+    """Three towers of different depths (so a rank of 2 holds 1 tensor, the other 3) and a
+    head; under td.tensor.Branches its state dict keeps these names."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        linear = torch.nn.Linear
+        self.paths = Paths([torch.nn.Sequential(linear(6, 4, bias=False), torch.nn.Tanh()),
+                            linear(6, 3, bias=False),
+                            torch.nn.Sequential(linear(6, 5, bias=False), torch.nn.Tanh(),
+                                                linear(5, 2, bias=False))])
+        self.head = linear(9, 3, bias=False)
+
+    def forward(self, x):
+        return self.head(self.paths(x))
+
+
+def _branches(group=None) -> Towers:
+    """Towers with its paths spread over `group` (rank 0 of 2: path 0; rank 1: paths 1, 2)."""
+    model = Towers()
+    model.paths = td.tensor.Branches(list(model.paths.mine), group=group, join="cat")
+    return model
+
+
+def _reference(wrapper: str) -> torch.nn.Module:
+    return Towers() if wrapper.startswith("Branches") else _model()
+
+
 def _batch(step: int, rows: int = ROWS):
     generator = torch.Generator().manual_seed(100 + step)
     return torch.randn(rows, 6, generator=generator), torch.randn(rows, 3, generator=generator)
 
 
+def _loss(model, optimizer, x, y, rows):
+    """One forward and backward (what LBFGS's closure runs, several times a step)."""
+    optimizer.zero_grad()
+    if isinstance(model, td.Pipeline):  # x read on the first stage, y on the last
+        return model.train_step(x, y, torch.nn.functional.mse_loss)
+    loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+    loss.backward()
+    return loss
+
+
 def _train(model, optimizer, rows, steps=range(STEPS), batch_rows=ROWS) -> None:
     for step in steps:
         x, y = _batch(step, batch_rows)
-        optimizer.zero_grad()
-        if isinstance(model, td.Pipeline):  # x read on the first stage, y on the last
-            model.train_step(x, y, torch.nn.functional.mse_loss)
+        if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
+            optimizer.step(functools.partial(_loss, model, optimizer, x, y, rows))
         else:
-            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        optimizer.step()
+            _loss(model, optimizer, x, y, rows)
+            optimizer.step()
 
 
 def _wrapped(wrapper: str, make):
     """(the model, what the loop calls, the optimizer) for `wrapper`."""
+    if wrapper.startswith("Branches"):
+        return _wrapped_branches(wrapper, make)
     model = _model()
     if wrapper == "ZeroOptimizer":
         return model, model, td.ZeroOptimizer(make(model.parameters()))
@@ -125,15 +185,39 @@ def _wrapped(wrapper: str, make):
     return model, model, make(model.parameters())
 
 
+def _wrapped_branches(wrapper: str, make):
+    """td.tensor.Branches alone (a plain optimizer), or over mesh.tp_group with a wrapper over
+    mesh.dp_group (the replicas of each rank's branches)."""
+    if wrapper == "Branches":
+        model = _branches()
+        return model, model, make(model.parameters())
+    mesh = td.mesh(dp=2, tp=2)
+    model = _branches(mesh.tp_group)
+    if wrapper == "Branches x ZeroOptimizer":
+        return model, model, td.ZeroOptimizer(make(model.parameters()), group=mesh.dp_group)
+    if wrapper == "Branches x DistributedOptimizer":
+        return model, model, td.DistributedOptimizer(make(model.parameters()), group=mesh.dp_group)
+    return model, td.DistributedDataParallel(model, group=mesh.dp_group), make(model.parameters())
+
+
+def _rows(wrapper: str) -> slice:
+    """This rank's rows of the batch: its data-parallel share (the whole batch where the ranks
+    split the model only)."""
+    if wrapper in ("tensor parallel", "pipeline", "Branches"):  # every rank: the whole batch
+        return slice(None)
+    if wrapper.startswith("Branches"):  # dp=2 x tp=2: the replica's share
+        share, rank = ROWS // 2, td.mesh(dp=2, tp=2).dp_rank
+    else:
+        share, rank = ROWS // td.size(), td.rank()
+    return slice(rank * share, (rank + 1) * share)
+
+
 def check_matrix(wrapper: str):
     td.init()
-    share = ROWS // td.size()
-    mine = slice(td.rank() * share, (td.rank() + 1) * share)
-    if wrapper in ("tensor parallel", "pipeline"):  # every rank computes on the whole batch
-        mine = slice(None)
+    mine = _rows(wrapper)
     outcome = {}
     for name, make in OPTIMIZERS.items():
-        reference = _model()
+        reference = _reference(wrapper)
         _train(reference, make(reference.parameters()), slice(None))
         try:
             model, net, optimizer = _wrapped(wrapper, make)
@@ -150,12 +234,36 @@ def check_matrix(wrapper: str):
 SHARDED = {"fully_shard": "td.DistributedDataParallel",  # ZeroOptimizer: whole parameters
            "HSDP": "td.DistributedDataParallel",  # a Pipeline's stages: whole parameters too
            "tensor parallel": "element-wise optimizer"}
-WORLD = {"HSDP": 4}  # td.mesh(dp=2, shard=2); the others 2 ranks (a pipeline: 2 stages)
+BRANCHES = ["Branches", "Branches x ZeroOptimizer", "Branches x DistributedOptimizer", "Branches x DDP"]
+WORLD = {"HSDP": 4, **{w: 4 for w in BRANCHES[1:]}}  # mesh(dp=2, shard=2 / tp=2); the others 2
+
+
+def _refusal(wrapper: str, name: str) -> list[str] | None:
+    """What the refusal of `name` under `wrapper` says (the optimizer, the split, the
+    alternative); None: it equals one process."""
+    short = name.split(" ")[0]
+    zero = [f"{short} under td.ZeroOptimizer", "td.DistributedDataParallel(model)"]
+    closure = [f"({short}'s step calls one)", "td.DistributedDataParallel(model)"]
+    whole = [f"{short} under td.tensor.Branches", "td.DistributedDataParallel"]
+    if name in COUPLED:  # DDP averages every backward the closure runs: exact
+        return {"ZeroOptimizer": zero, "Branches x ZeroOptimizer": zero,
+                "DistributedOptimizer": closure, "Branches x DistributedOptimizer": closure,
+                "fully_shard": [f"{short} under td.fully_shard", SHARDED["fully_shard"]],
+                "HSDP": [f"{short} under td.fully_shard", SHARDED["HSDP"]],
+                "tensor parallel": [f"{short} under tensor parallelism", SHARDED["tensor parallel"]],
+                "pipeline": [f"{short} under td.Pipeline", "td.DistributedDataParallel"],
+                "Branches": whole, "Branches x DDP": whole}.get(wrapper)
+    if wrapper in SHARDED and name in NOT_ELEMENTWISE:
+        if wrapper in ("fully_shard", "HSDP") and name == "Muon":
+            return ["Muon only supports 2D parameters"]  # torch's, at construction
+        split = "tensor parallelism" if wrapper == "tensor parallel" else "td.fully_shard"
+        return [f"{short} under {split}", SHARDED[wrapper], "optimizer.elementwise = True"]
+    return None
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("wrapper", ["ZeroOptimizer", "fully_shard", "HSDP", "tensor parallel",
-                                     "pipeline", "DistributedOptimizer", "DDP"])
+                                     "pipeline", "DistributedOptimizer", "DDP", *BRANCHES])
 def test_every_optimizer_equals_one_process_or_is_refused_with_the_reason(wrapper, backend):
     outcomes = run_distributed(check_matrix, WORLD.get(wrapper, 2), backend, args=(wrapper,))
     assert all(outcome.keys() == outcomes[0].keys() for outcome in outcomes)
@@ -163,15 +271,10 @@ def test_every_optimizer_equals_one_process_or_is_refused_with_the_reason(wrappe
         for outcome in outcomes[1:]:  # every rank the same outcome (a refusal on all of them)
             assert outcome[name][0] == outcomes[0][name][0], (name, outcome[name], outcomes[0][name])
         kind, value = outcomes[0][name]
-        if wrapper in SHARDED and name in NOT_ELEMENTWISE:
-            assert kind == "refused", f"{name}: {value}"
-            if wrapper in ("fully_shard", "HSDP") and name == "Muon":
-                assert "Muon only supports 2D parameters" in value  # torch's, at construction
-                continue
-            short = name.split(" ")[0]
-            split = "tensor parallelism" if wrapper == "tensor parallel" else "td.fully_shard"
-            assert f"{short} under {split}" in value and SHARDED[wrapper] in value, value
-            assert "optimizer.elementwise = True" in value
+        said = _refusal(wrapper, name)
+        if said is not None:
+            assert kind == "refused", f"{name} under {wrapper}: {value}"
+            assert all(part in value for part in said), (said, value)
         else:
             assert kind == "difference", f"{name} under {wrapper}: {value}"
             assert value < 1e-6, f"{name} under {wrapper}: {value} from one process"

@@ -89,6 +89,13 @@ def broadcast_parameters(
     pieces = _pieces(model_or_state_dict, group)
     named = [(name, t) for name, t in named if pieces.get(id(t)) != splits.FULLY_SHARD]
     mixed = [name for name, t in named if id(t) in pieces]
+    if mixed and pieces[id(dict(named)[mixed[0]])] == splits.BRANCH:
+        raise ValueError(
+            f"broadcast_parameters over ranks {list(group_ranks(group))} would copy rank {root}'s "
+            f"td.tensor.Branches branch {mixed[0]!r} onto ranks that hold other branches under "
+            f"that name, corrupting the model: broadcast within the ranks that hold the same "
+            f"branches, td.broadcast_parameters(model, group=mesh.dp_group) (a "
+            f"td.DistributedDataParallel model: give it group=mesh.dp_group too)")
     if mixed:
         raise ValueError(
             f"broadcast_parameters over ranks {list(group_ranks(group))} would copy rank {root}'s "

@@ -58,7 +58,7 @@ def join_active() -> bool:
 
 def _split_kind(optimizer: Any) -> str | None:
     """How the parameters a torch optimizer steps are split (fully_shard, tensor parallel,
-    pipeline), if they are."""
+    Branches, pipeline), if they are."""
     from tandem.parallel.layout import splits
 
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -66,7 +66,7 @@ def _split_kind(optimizer: Any) -> str | None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             kind = splits.kind_of(param)
-            if kind in (splits.FULLY_SHARD, splits.TENSOR_PARALLEL, splits.PIPELINE):
+            if kind in splits.MODEL_SPLITS:
                 return kind
     return None
 

@@ -208,8 +208,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Step the wrapped optimizer on the averaged gradients."""
         if closure is not None:
             raise ValueError(
-                "DistributedOptimizer.step() takes no closure: gradients are averaged once per "
-                "step, and a closure would run backward again after that"
+                f"DistributedOptimizer.step() takes no closure ({type(self.optimizer).__name__}'s "
+                f"step calls one): gradients are averaged once per step, and a closure would run "
+                f"backward again after that. Wrap the model instead, "
+                f"td.DistributedDataParallel(model), and step the plain optimizer: every "
+                f"backward the closure runs is averaged"
             )
         if timeline.ENABLED:
             timeline.step_started()  # backward is over

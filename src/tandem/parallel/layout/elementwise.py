@@ -14,6 +14,10 @@ numbers. An optimizer the probe cannot run (its constructor wants more than para
 hyper-parameters, its step wants a closure) is refused with the flag that settles it:
 `optimizer.elementwise = True` (or False) set by the user, who knows.
 
+Whole tensors held by one rank (a pipeline stage's, a `td.tensor.Branches` branch's) take any
+optimizer that updates each tensor on its own (`refuse_unless_per_tensor`): only one that
+couples tensors (LBFGS) is refused there.
+
 `td.ZeroOptimizer` can do better than refuse: an optimizer that is not element-wise but
 updates each tensor on its own (Adafactor, Muon, LAMB) is sharded by *whole parameters*
 (`sharding`: "whole"), each stepped by one rank. Only an optimizer that couples tensors (LBFGS's
@@ -123,6 +127,22 @@ def refuse_unless_elementwise(optimizer: torch.optim.Optimizer, split: str,
         f"other numbers). "
         f"{alternative}. If {name}'s update does treat each element on its own, say so: "
         f"`optimizer.elementwise = True` before wrapping")
+
+
+def refuse_unless_per_tensor(optimizer: torch.optim.Optimizer, split: str,
+                             alternative: str) -> None:
+    """Raise when `optimizer` couples its parameters (LBFGS), so that stepping only the whole
+    tensors `split` gives this rank would run another algorithm than one process.
+    `alternative`: what to do instead, in words."""
+    why = why_not_per_tensor(optimizer)
+    if why is None:
+        return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"{name} under {split}: {name} {why}, so stepping only the tensors this rank holds "
+        f"would run another algorithm than one process (silently other numbers). "
+        f"{alternative}. If {name}'s update does treat each tensor on its own, say so: "
+        f"`optimizer.elementwise = False` before its first step")
 
 
 def _probe(cls: type, hyper: dict[str, Any]) -> bool | str:

@@ -333,21 +333,24 @@ def module_held(model: nn.Module, base: str) -> list[Held]:
 
 
 def module_split_kinds(model: nn.Module) -> set[str]:
-    """'fully_shard' and 'tensor parallel', for the split modules inside `model`."""
+    """'fully_shard', 'tensor parallel' and 'branch' (td.tensor.Branches: each branch whole on
+    one rank), for the split modules inside `model`."""
     kinds = set()
     for module in model.modules():
         marked = [split.kind for split in _MODULE_SPLITS if split.marks(module)]
         if marked:
             kinds.update(marked)
-        elif split_of_module(module) is not None:
-            kinds.add(splits.TENSOR_PARALLEL)
+        elif split_of_module(module) is not None:  # its tensors say how (the splits registry)
+            found = {splits.kind_of(p) for p in module.parameters()} & splits.NOT_REPLICAS
+            kinds.update(found or {splits.TENSOR_PARALLEL})
     return kinds
 
 
 def split_across(tensor: torch.Tensor, group: Any) -> str | None:
     """How the ranks of `group` hold different parts of `tensor` (None: each that holds it
     holds the same tensor, a replica): a fully_shard shard always; a tensor-parallel slice (or
-    a `td.tensor.Branches` branch) when `group` reaches ranks that hold other slices of it."""
+    a `td.tensor.Branches` branch: whole, but other ranks hold other branches under its local
+    name) when `group` reaches ranks that hold other slices (branches) of it."""
     kind = splits.kind_of(tensor)
     if kind == splits.FULLY_SHARD or splits.mixes_slices(tensor, group):
         return kind

@@ -10,7 +10,10 @@ GradScaler, `.add_`) except norms over the whole tensor (`torch.linalg.vector_no
 one-process tensor by reducing over the group that holds its pieces:
 
 - a fully_shard shard: over the unit's group (every rank holds the same units, in order);
-- a tensor-parallel slice or a `Branches` branch: over the tensor-parallel group.
+- a tensor-parallel slice: over the tensor-parallel group;
+- a `Branches` branch (whole on its rank): over the Branches' group, each rank's tensors paired
+  in order, so torch's `clip_grad_norm_` sees the whole model's norm when every rank holds as
+  many branch tensors (`td.clip_grad_norm_` reduces one partial sum per group: any counts).
 
 A `ZeroOptimizer`'s gradient is this rank's own until its `step()` averages it: its norm is
 refused with the fix, `opt.clip_grad_norm_(max_norm)`.

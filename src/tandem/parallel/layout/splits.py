@@ -3,6 +3,7 @@ call asks (instead of markers set on the tensors).
 
     splits.mark(shard, "fully_shard", group)      # fully_shard: a flat shard of a unit
     splits.mark(weight, "tensor parallel", group) # a tensor-parallel slice
+    splits.mark(weight, "branch", group)          # a td.tensor.Branches branch: whole, on one rank
     splits.mark(old, "replaced")                  # a parameter fully_shard took out of the model
 
 `td.clip_grad_norm_` reduces norms over the groups of split gradients, `broadcast_parameters`
@@ -23,11 +24,20 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem.comm.groups import Group, group_ranks
 from tandem.diagnostics import steps
-from tandem.parallel.layout.elementwise import refuse_unless_elementwise
+from tandem.parallel.layout.elementwise import refuse_unless_elementwise, refuse_unless_per_tensor
 
 FULLY_SHARD = "fully_shard"
 TENSOR_PARALLEL = "tensor parallel"
 PIPELINE = "pipeline"  # a stage's own parameters; the group is the pipeline's
+# A td.tensor.Branches branch's tensor: whole, held by one rank of the group (the others hold
+# other branches). Its optimizer may be any: each rank steps whole tensors, as one process does.
+BRANCH = "branch"
+# The kinds whose collectives run inside forward and backward (td.join cannot stand in for
+# them), and whose plain torch optimizer records its steps.
+MODEL_SPLITS = frozenset({FULLY_SHARD, TENSOR_PARALLEL, BRANCH, PIPELINE})
+# The kinds whose ranks hold different tensors under one name: averaging or broadcasting over
+# a group that reaches several of them mixes them.
+NOT_REPLICAS = frozenset({TENSOR_PARALLEL, BRANCH})
 REPLACED = "replaced"
 # A ZeroOptimizer's parameter: replicated, but its .grad is this rank's own until step()
 # averages it. Never registered (the parameter is whole); only its gradient says so, to
@@ -59,9 +69,10 @@ def _watch_optimizers() -> None:
     - the first step of each checks that it holds no parameter fully_shard took out of the
       model (it would step tensors the model no longer uses; the loss would print as usual
       while nothing trains), and that an optimizer over shards or slices updates each element
-      on its own (`elementwise`: Adafactor, Muon or LAMB would run another algorithm);
+      on its own (`elementwise`: Adafactor, Muon or LAMB would run another algorithm; whole
+      tensors, a pipeline stage's or a Branches branch's, take any optimizer);
     - a plain torch optimizer over split parameters (fully_shard shards, tensor-parallel slices,
-      a pipeline stage) or over a `DistributedDataParallel` model's records its steps for
+      Branches branches, a pipeline stage) or over a `DistributedDataParallel` model's records its steps for
       `tandem scale` and `MetricLogger(timing=True)`, as DistributedOptimizer, LocalSGD and
       ZeroOptimizer do themselves."""
     global _watching
@@ -86,7 +97,7 @@ def _account_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     holds = _splits_seen.get(optimizer)
     if holds is None:
         holds = _splits_seen[optimizer] = any(
-            kind_of(p) in (FULLY_SHARD, TENSOR_PARALLEL, PIPELINE) or reducer_of(p) is not None
+            kind_of(p) in MODEL_SPLITS or reducer_of(p) is not None
             for group in optimizer.param_groups for p in group["params"])
     if holds:
         steps.step_done()
@@ -112,6 +123,19 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         refuse_unless_elementwise(optimizer, "tensor parallelism", "Keep the tensor-parallel "
                                   "layers' parameters with an element-wise optimizer such as "
                                   "AdamW, or train the model data-parallel")
+    # Whole one-process tensors, each held by one rank (a stage's, a branch's): any optimizer
+    # that updates each tensor on its own steps them as one process does
+    if PIPELINE in kinds:
+        refuse_unless_per_tensor(optimizer, "td.Pipeline", "The other stages' parameters are on "
+                                 "other ranks: use an optimizer that steps each tensor on its "
+                                 "own (AdamW, Adafactor, Muon, ...), or train the whole model "
+                                 "on every rank with td.DistributedDataParallel")
+    if BRANCH in kinds:
+        refuse_unless_per_tensor(optimizer, "td.tensor.Branches", "The other branches' "
+                                 "parameters are on other ranks: use an optimizer that steps "
+                                 "each tensor on its own (AdamW, Adafactor, Muon, ...), or "
+                                 "train the model with its branches whole on every rank "
+                                 "(td.DistributedDataParallel)")
     _checked.add(optimizer)
 
 
@@ -121,12 +145,35 @@ def split_of(tensor: torch.Tensor) -> Split | None:
 
 
 def mixes_slices(tensor: torch.Tensor, group: Group | None) -> bool:
-    """Whether `group` holds several different tensor-parallel slices of `tensor` (averaging or
-    broadcasting over it would mix them)."""
+    """Whether `group` holds several different tensor-parallel slices of `tensor`, or several
+    Branches branches under its name (averaging or broadcasting over it would mix them)."""
     split = split_of(tensor)
-    if split is None or split.kind != TENSOR_PARALLEL:
+    if split is None or split.kind not in NOT_REPLICAS:
         return False
     return len(set(group_ranks(group)) & set(group_ranks(split.group))) > 1
+
+
+def refuse_mixing(named: list[tuple[str, torch.Tensor]], group: Group | None, who: str) -> None:
+    """Raise when `who` (a wrapper that treats the ranks of `group` as replicas) is given
+    tensors that those ranks hold different slices or branches of, naming the first and the
+    alternative for its kind."""
+    mixed = [(name, split_of(t)) for name, t in named if mixes_slices(t, group)]
+    if not mixed:
+        return
+    name, split = mixed[0]
+    ranks = list(group_ranks(group))
+    if split.kind == BRANCH:
+        raise ValueError(
+            f"{who} over ranks {ranks} would treat {name!r} as a replica, but it is a "
+            f"td.tensor.Branches branch held whole by one rank of {list(group_ranks(split.group))} "
+            f"(the others hold other branches under its name): training another model. Each "
+            f"branch's optimizer state already lives on its rank alone: step the model with the "
+            f"plain torch optimizer (any, Adafactor and Muon included, gives one process's "
+            f"result), or shard over the ranks that hold the same branches, group=mesh.dp_group")
+    raise ValueError(
+        f"{who} over ranks {ranks} would average different tensor-parallel slices of {name!r}, "
+        f"training another model: shard over the ranks that hold the same slices, "
+        f"group=mesh.dp_group")
 
 
 def kind_of(tensor: torch.Tensor) -> str | None:

@@ -36,9 +36,10 @@ from tandem.comm.collectives import user as collectives
 from tandem.comm.engines.backend import Group
 from tandem.comm.groups import group_rank, group_ranks, group_size
 from tandem.parallel import model_check
+from tandem.parallel.layout import split_grads, splits
 from tandem.parallel.layout.owner import local_state, split_of_module
 from tandem.parallel.layout.pieces import Held, whole
-from tandem.parallel.tensor.layers import mark_sliced
+from tandem.parallel.tensor import region_ops
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
 
@@ -69,7 +70,7 @@ class Branches(nn.Module):
         rank = group_rank(group)
         first, last = rank * len(branches) // n, (rank + 1) * len(branches) // n
         self.mine = nn.ModuleList(branches[first:last])  # only this rank's branches are kept
-        mark_sliced(group, *self.mine.parameters())  # the ranks of `group` hold different ones
+        _mark_whole(group, self.mine)  # the ranks of `group` hold different ones, each whole
         self.first_branch, self.count = first, len(branches)
         self.group, self.join, self.dim = group, join, dim
         self._sizes: dict[tuple[int, ...], list[int]] = {}  # this rank's output shape -> all sizes
@@ -191,6 +192,20 @@ class Branches(nn.Module):
 
 
 _checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Branches -> its ModelCheck
+
+
+def _mark_whole(group: Group | None, mine: nn.Module) -> None:
+    """Register this rank's branches' parameters as whole tensors held by this rank alone
+    (`splits.BRANCH`): any optimizer may step them (Adafactor, Muon and LAMB included: each is
+    a whole one-process tensor), while a reduction or broadcast over `group` would mix branches
+    and is refused. Their gradients' norms reduce over `group` (`split_grads`), so torch's
+    `clip_grad_norm_` sees the whole model's norm when each rank holds as many tensors. A layer
+    already split inside a branch keeps its own split."""
+    region_ops.remember(group)  # for the regions' compiled operators (copy_to, reduce_from)
+    for param in mine.parameters():
+        if splits.split_of(param) is None:
+            splits.mark(param, splits.BRANCH, group)
+            split_grads.mark_grads(param)
 
 
 class _GatherUneven(torch.autograd.Function):

@@ -132,12 +132,16 @@ class ZeroOptimizer:
             optimizer.elementwise = elementwise
         # "flat": any cut of the flat space; "whole": whole parameters per rank (shape-aware)
         self.sharding = sharding(optimizer, "td.ZeroOptimizer", "Use td.DistributedOptimizer "
-                                 "(the optimizer state replicated, the one-process result)")
+                                 "(the optimizer state replicated, the one-process result), or "
+                                 "td.DistributedDataParallel(model) with the plain optimizer "
+                                 "for one whose step takes a closure")
         if any(splits.kind_of(p) == splits.FULLY_SHARD for g in optimizer.param_groups for p in g["params"]):
             raise TypeError("these parameters are td.fully_shard shards (optimizer state already 1/N "
                             "per rank): give them to the plain torch optimizer, unwrapped")
         if group is not None and group.rank < 0:
             raise ValueError(f"rank {runtime.rank()} is not a member of {group!r}")
+        splits.refuse_mixing([(f"group{g}.param{i}", p) for g, pg in enumerate(optimizer.param_groups)
+                              for i, p in enumerate(pg["params"])], group, "td.ZeroOptimizer")
         self.optimizer = optimizer
         splits.accounted_elsewhere(optimizer)  # this class records its steps itself
         for p in (q for g in optimizer.param_groups for q in g["params"]):
