@@ -9,6 +9,7 @@ reader. `tandem.X.Y` belongs to the folder `tandem.X`; a top-level module is its
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import shutil
 import subprocess
@@ -35,6 +36,13 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def _trees() -> dict[str, ast.Module]:
+    """Every module's syntax tree, parsed once for the file's tests (parsing the ~300 files took
+    a few seconds per test)."""
+    return {module: ast.parse(path.read_text(), str(path)) for module, path in modules().items()}
+
+
 def _imported(module: str, node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> list[str]:
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
@@ -51,12 +59,18 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom, known: dict[str, P
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the tandem modules it imports anywhere in its body."""
+    """Module -> the tandem modules it imports anywhere in its body (a fresh copy each call)."""
+    return {module: set(deps) for module, deps in _import_graph().items()}
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
     known = modules()
+    trees = _trees()
     graph: dict[str, set[str]] = {}
-    for module, path in known.items():
+    for module in known:
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(trees[module]):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for name in _imported(module, node, known):
@@ -244,8 +258,7 @@ def private_reach_ins() -> list[str]:
     """`from tandem.x import _name` and `module._name` for a tandem module: another module's
     private names, read from outside it."""
     found = []
-    for module, path in modules().items():
-        tree = ast.parse(path.read_text(), str(path))
+    for module, tree in _trees().items():
         imported: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and ((node.module or "").startswith("tandem")
