@@ -4,9 +4,10 @@ check what it needs.
 Without `--backend` (or TANDEM_BACKEND) the backend is `default_backend(config)`, the one
 choice the ranks make too (`settings.choose_backend`): NCCL with GPUs, else MPI when it can run
 this job, else Gloo. MPI jobs go to `mpiexec.launch`; Gloo and NCCL jobs to the rank
-supervisor (`supervisor.LocalJob`), or, with `--max-restarts`, `--nnodes` or remote hosts
-(`-H node1:4`), to `multinode.launch`. Nothing here imports torch: the machine is probed
-without it (`cuda_available`), and the rendezvous store is hosted once the ranks are started.
+supervisor (`supervisor.LocalJob`), or, with `--max-restarts`, `--nnodes`, remote hosts
+(`-H node1:4`) or an elastic range (`--min-np/--max-np`), to the one agent (`multinode.launch`).
+Nothing here imports torch: the machine is probed without it (`cuda_available`), and the
+rendezvous store is hosted once the ranks are started.
 
 `--resume-on-preempt N` (`resumed`) runs the job again when it exits EXIT_PREEMPTED (75: its
 ranks saved at the step they agreed on), up to N times: the script restores its newest
@@ -180,14 +181,10 @@ def launch_once(config: LaunchConfig) -> int:
     removed, size = shm.remove_stale()
     if removed:
         print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
-    if config.elastic:
-        from tandem.launch.agents import elastic, elastic_hosts  # a world that shrinks and grows
-
-        return elastic_hosts.launch_hosts(config) if config.hosts else elastic.launch(config)
-    if config.backend == "mpi":
+    if config.backend == "mpi" and not config.elastic:
         return mpiexec.launch(config)
-    if config.max_restarts or config.nnodes > 1 or config.remote_hosts:
-        from tandem.launch.agents import multinode  # restarts, several agents, ssh
+    if config.elastic or config.max_restarts or config.nnodes > 1 or config.remote_hosts:
+        from tandem.launch.agents import multinode  # the agent: restarts, nodes, ssh, elastic
 
         return multinode.launch(config)
     return LocalJob(config).run()

@@ -1,24 +1,25 @@
-"""The agents of a job that restarts, spans machines or is elastic: node 0's coordinator, the
-control plane, hosts, ssh.
+"""The one agent of every job that restarts, spans machines or is elastic: a fixed job is an
+elastic job whose size cannot change (min = max), restarted whole while restarts are left.
 
 What is where:
 
-- `admission`: What node 0 says to the other agents of a multi-node job, fixed (`coordinator`)
-  or elastic (`elastic_nodes`): whether one is let in (`refusal`,...
+- `admission`: What node 0 says to the other agents of a multi-node job: whether one is let
+  in (`refusal`,...
 - `control`: The control plane between the agents of a multi-node job: authenticated messages,
   heartbeats.
-- `coordinator`: Node 0's agent, the coordinator: runs a job in attempts, restarts it when a
-  rank fails.
-- `elastic`: `tandem run --min-np A --max-np B`: a job that goes on when ranks fail and grows
-  when it can.
-- `elastic_hosts`: `tandem run --min-np A --max-np B -H h0:4,h1:4` (or `--hostfile`): an elastic
-  job whose agents this machine starts, over ssh, and whose discovery...
-- `elastic_nodes`: An elastic job across machines: one agent per machine, node 0 forms the
-  rounds.
+- `coordinator`: Node 0's agent of every such job: the store, the control plane, the attempts
+  (a fixed job restarts them whole; an elastic one runs its attempt in rounds).
+- `elastic`: `tandem run --min-np A --max-np B`: the rounds of an elastic job, which goes on
+  when ranks fail and grows when it can.
 - `elastic_options`: What `tandem run` refuses about an elastic job's options
   (--min-np/--max-np, the discovery script), before anything starts: the reason in words,...
 - `hosts`: Host lists as `horovodrun` spells them: `-H node1:4,node2:4` and `--hostfile`.
-- `multinode`: Multi-node jobs: one agent per machine, joined by an authenticated control plane.
+- `member`: The agent of node 1, 2... of every multi-node job, fixed or elastic: one loop for
+  both.
+- `multinode`: `launch`, the way in for every job the agent runs: --nnodes, -H/--hostfile,
+  restarts, elastic ranges.
+- `nodes`: Node 0's table of the job's machines: letting the other agents in, who runs where,
+  ending the job on all of them.
 - `ssh`: `tandem run -H node1:4,node2:4`: where the ranks go, and the commands that start remote
   agents.
 """

@@ -19,28 +19,41 @@ event like the others: once every worker that trained to the end has exited, wor
 came too late (still starting, or in a round the finished ones never entered) are stopped,
 and the job ends with the finished workers' code (`_ElasticWatch.late`).
 
-Across machines (`--nnodes`), this agent is node 0: the workers of the other nodes' agents
-(`elastic_nodes`) are in its rounds too, their exits come as messages, a lost node takes its
-workers with it in one round, and a node that joins grows the job like a discovered slot.
+`Rounds` is the elastic policy of the one agent, node 0's `coordinator.Coordinator` (a fixed
+job is the case min = max, restarted whole instead): the coordinator hosts the store and the
+control plane, admits the other agents (`nodes.Nodes`) and ends the job; `Rounds` runs its one
+attempt in rounds. Across machines (`--nnodes`, `-H`), the workers of the other nodes' agents
+(`member.Member`) are in its rounds too, their exits come as messages, a lost node takes its
+workers with it in one round, and a node that joins grows the job like a discovered slot:
+
+    node0$ tandem run --nnodes 3 --node-rank 0 --master 10.0.0.1:29500 --min-np 2 --max-np 6 \\
+               -np 2 train.py
+    node1$ tandem run --nnodes 3 --node-rank 1 --master 10.0.0.1:29500 --secret S \\
+               --min-np 2 --max-np 6 -np 2 train.py
+
+`-np` is each machine's number of slots, `--min-np/--max-np` the whole job's range of ranks and
+`--nnodes` the most machines. At the start node 0 waits for every node, or, once the nodes
+joined offer `--min-np` slots, for `nodes.START_WINDOW_S` more; round 0 is formed from the
+machines there (up to `--max-np`). With -H (`multinode.launch_hosts`), this machine, the first
+host of the list, is node 0 and starts an agent over ssh on every other host that gets ranks;
+with `--host-discovery-script`, a listed host that runs no agent (a new one, or one whose agent
+was lost) gets one under the lowest free node rank, and node 0's own line sets its slots. A
+host whose agent is lost leaves the job (one round without its ranks) until the script lists it
+again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
 import threading
 import time
-from typing import TextIO
 
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.coordinator import REMOTE_STOP_S
-from tandem.launch.agents.elastic_nodes import ElasticRanks, Node, Nodes
-from tandem.launch.agents.member import Member
-from tandem.launch.agents.multinode import gloo_interface, job_secret, listen_address
-from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.agents.nodes import Node
 from tandem.launch.events import (
     Event,
     Joined,
@@ -53,8 +66,7 @@ from tandem.launch.events import (
 )
 from tandem.launch.local.output import block_agent_signals, signals_blocked
 from tandem.launch.local.processes import describe
-from tandem.launch.local.ranks import MASTER_ADDR
-from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
+from tandem.launch.local.supervisor import Failure, Supervisor
 from tandem.rendezvous.elastic_rounds import (
     Round,
     arrived,
@@ -69,80 +81,40 @@ DISCOVERY_TIMEOUT_S = 10.0  # a discovery script that takes longer is killed and
 SILENT_POLL_S = 0.25  # how often the agent looks whether a rank named a silent peer
 
 
-class ElasticJob(Agent):
-    """Node 0 of an elastic job (the only node, on one machine); `run()` returns its exit code."""
+class Rounds:
+    """An elastic job's attempt, run in rounds for node 0's agent `job` (the coordinator: its
+    store, its nodes, its ranks)."""
 
-    def __init__(self, config: LaunchConfig, secret: str | None = None,
-                 stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 expected_nodes: int | None = None) -> None:
-        super().__init__(config, ranks=ElasticRanks, stdout=stdout, stderr=stderr)
+    def __init__(self, job) -> None:
+        self.job, config = job, job.config
         self.low, self.high = config.min_np or 1, config.max_np or config.np
-        self.nodes = Nodes(config, self.events, self.output, secret, expected_nodes)
-        self.agents = None  # -H: the agents this machine starts (`elastic_hosts.HostAgents`)
+        self.nodes, self.ranks, self.output = job.nodes, job.ranks, job.output
+        self.agents = None  # -H: the agents this machine starts (`ssh.HostAgents`)
         self.discovery = config.discovery  # (-H: given here, the agents' configs have none)
-        self.on_listening = None  # -H: starts them, given the store's port
-        self.store: rendezvous.StoreServer | None = None
-        self.store_address: tuple[str, int] = (MASTER_ADDR, 0)  # what the workers are told
-        self.gloo_interface: str | None = None
         self.round: Round | None = None
         self.next_worker = 0
         self.pending: set[int] = set()  # started, not yet in a round (`grow`, `admit`)
         self.first_round: dict[int, int] = {}  # worker -> the first round that included it
-        self._stop_discovery = threading.Event()
+        self._stop = threading.Event()
 
-    def close(self) -> None:
-        super().close()
-        self.nodes.close()
-        if self.store is not None:
-            self.store.close()
+    @property
+    def store(self) -> rendezvous.StoreServer:
+        return self.job.store
 
-    def _open(self) -> None:
-        """The store (and, across nodes, the control plane) the job lives on."""
-        if not self.nodes.several:
-            with signals_blocked():  # the store's threads leave our signals to this one
-                self.store = rendezvous.StoreServer(MASTER_ADDR, 0)
-            self.store_address = (MASTER_ADDR, self.store.port)
-            return
-        host, port = self.config.master
-        listen = listen_address(self.config.master, self.config.nnodes)
-        key = rendezvous.store_key(self.nodes.secret)
+    def start(self) -> _ElasticWatch:
+        """Round 0 on the nodes there now, discovery and the watch for silent ranks; the watch
+        over them."""
+        self.begin()
         with signals_blocked():
-            self.store = rendezvous.StoreServer(
-                listen, port, key, lambda where, why: self.events.put(Rejected(where, why)))
-        self.store_address = (host, self.store.port)
-        self.gloo_interface = gloo_interface(host)
-        self.nodes.open(self.store, listen)
-        if self.on_listening is not None:
-            self.on_listening(self.store.port)
+            if self.discovery is not None:
+                threading.Thread(target=self._discover, name="tandem-discovery",
+                                 daemon=True).start()
+            threading.Thread(target=self._watch_silent, name="tandem-elastic-silent",
+                             daemon=True).start()
+        return _ElasticWatch(self)
 
-    def _run(self) -> int:
-        self._open()
-        try:
-            failure = self.nodes.gather(self.config.timeout or DEFAULT_TIMEOUT_S)
-            if failure is None:
-                self.start()
-                if self.discovery is not None:
-                    with signals_blocked():
-                        threading.Thread(target=self._discover, name="tandem-discovery",
-                                         daemon=True).start()
-                with signals_blocked():
-                    threading.Thread(target=self._watch_silent, name="tandem-elastic-silent",
-                                     daemon=True).start()
-                failure = _ElasticWatch(self).run()
-        finally:
-            self._stop_discovery.set()
-            self.ranks.reap()
-        self.output.join(DRAIN_S)
-        text = None
-        if failure is not None and failure.interrupt is None:
-            if failure.node in (None, 0) and failure.rank is not None:
-                failure = dataclasses.replace(failure,
-                                              tail=tuple(self.output.tail(failure.rank)))
-            text = summary(failure)
-            self.output.message(text)
-        code = 0 if failure is None else failure.code
-        self.nodes.finish(code, text)
-        return code
+    def stop(self) -> None:
+        self._stop.set()
 
     # -- rounds ----------------------------------------------------------------------------
     def publish(self, workers: list[int], why: str, since: float) -> Round:
@@ -165,14 +137,15 @@ class ElasticJob(Agent):
         node.workers.update(zip(workers, slots, strict=True))
         if node.peer is None:
             self.ranks.start_workers(workers, slots, first_rank, size, number,
-                                     self.store_address, self.store.key, self.gloo_interface)
+                                     self.job.store_address, self.store.key,
+                                     self.job.gloo_interface)
         else:
             self.nodes.send(node, ("workers", {
                 "workers": workers, "slots": slots, "first_rank": first_rank, "size": size,
-                "round": number, "store": self.store_address}))
+                "round": number, "store": self.job.store_address}))
         return workers
 
-    def start(self) -> None:
+    def begin(self) -> None:
         """The job's first workers, on the nodes there now (node 0's first): round 0."""
         counts, left = {}, self.high
         for number in sorted(self.nodes.nodes):
@@ -193,12 +166,12 @@ class ElasticJob(Agent):
         new = self._place(node, count, first, first + count, -1)
         self.pending.update(new)
         keys = [ready_key(worker) for worker in new]
-        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+        timeout = self.job.config.timeout or DEFAULT_TIMEOUT_S
 
         def wait_ready() -> None:
             block_agent_signals()
             if self.store.wait_for(keys, timeout):
-                self.events.put(WorkersReady(tuple(new)))
+                self.job.events.put(WorkersReady(tuple(new)))
 
         threading.Thread(target=wait_ready, name="tandem-elastic-ready", daemon=True).start()
 
@@ -228,26 +201,26 @@ class ElasticJob(Agent):
         """Ranks whose wait timed out name the peers that did not answer their watchdog
         (`elastic_rounds.report_silent`): one `SilentRanks` event per round."""
         told = -1
-        while not self._stop_discovery.is_set():
+        while not self._stop.is_set():
             number = self.round.number
             if number == told or not self.store.wait_for([silent_key(number)], SILENT_POLL_S):
-                self._stop_discovery.wait(SILENT_POLL_S if number == told else 0)
+                self._stop.wait(SILENT_POLL_S if number == told else 0)
                 continue
             text = self.store.get(silent_key(number))
             if text is not None:
-                self.events.put(SilentRanks(number, json.loads(text)))
+                self.job.events.put(SilentRanks(number, json.loads(text)))
             told = number
 
     # -- discovery -------------------------------------------------------------------------
     def _discover(self) -> None:
         said = None
-        while not self._stop_discovery.wait(DISCOVERY_S):
+        while not self._stop.wait(DISCOVERY_S):
             slots, problem = discover(self.discovery)
             if problem is not None and problem != said:
                 self.output.message(f"tandem run: --host-discovery-script: {problem}")
             said = problem
             if slots is not None:
-                self.events.put(SlotsOffered(slots))
+                self.job.events.put(SlotsOffered(slots))
 
 
 def discover(script: str) -> tuple[dict[str, int] | None, str | None]:
@@ -273,13 +246,14 @@ class _ElasticWatch(Supervisor):
     """The supervisor's loop, where a failed rank shrinks the job instead of ending it, and,
     across nodes, the other agents' reports, arrivals and losses."""
 
-    def __init__(self, job: ElasticJob) -> None:
-        super().__init__(job.ranks, job.events, job.output)
-        self.job = job
+    def __init__(self, rounds: Rounds) -> None:
+        super().__init__(rounds.ranks, rounds.job.events, rounds.output)
+        self.job = rounds
+        self.tails: dict[int, tuple[str, ...]] = {}  # (a fixed attempt's; exits carry them)
         self.finished: set[int] = set()  # workers that exited 0
         self.dismissed: set[int] = set()  # late workers stopped at the job's end (`late`)
         self.silenced: dict[int, str] = {}  # stuck workers killed (`_silent`) -> why
-        if job.nodes.several:
+        if rounds.nodes.several:
             self.kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
 
     def finishing(self) -> bool:
@@ -458,17 +432,3 @@ class _ElasticWatch(Supervisor):
         ranks = sorted(self.job.round.rank_of(w) for w in in_round)
         self.end(f"node {number} ({node.host}) is unreachable", Failure(
             node=number, host=node.host, lost=reason, ranks=(ranks[0], ranks[-1])))
-
-
-def launch(config: LaunchConfig) -> int:
-    """Node 0 of an elastic job, or another node's agent (`elastic_nodes`). (With -H:
-    `elastic_hosts.launch_hosts`.)"""
-    if config.nnodes == 1:
-        return ElasticJob(config).run()
-    try:
-        secret = job_secret(config)  # --secret, TANDEM_SECRET, stdin with --secret -, or new
-        if config.node_rank == 0:
-            return ElasticJob(config, secret).run()
-        return Member(config, secret, gloo_interface(config.master[0])).run()
-    except rendezvous.PortInUseError as error:
-        raise LaunchError(str(error)) from None

@@ -25,8 +25,7 @@ from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents import control
 from tandem.launch.agents.admission import versions
-from tandem.launch.agents.coordinator import lost_after
-from tandem.launch.agents.elastic_nodes import ElasticRanks
+from tandem.launch.agents.nodes import ElasticRanks, lost_after
 from tandem.launch.config import LaunchConfig
 from tandem.launch.events import Event, JobState, Lost, Message
 from tandem.launch.local.ranks import Placement

@@ -40,9 +40,11 @@ from typing import TextIO
 from tandem import rendezvous
 from tandem.launch.agents import control, ssh
 from tandem.launch.agents.coordinator import REMOTE_STOP_S, Coordinator
+from tandem.launch.agents.elastic import Rounds
 from tandem.launch.agents.hosts import LOCAL_NAMES, holds_address
 from tandem.launch.agents.member import Member
 from tandem.launch.config import LaunchConfig, LaunchError
+from tandem.launch.local.ranks import MASTER_ADDR
 
 
 def gloo_interface(master_host: str) -> str | None:
@@ -109,27 +111,43 @@ def job_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str:
 
 
 def launch_hosts(config: LaunchConfig) -> int:
-    """-H/--hostfile with remote hosts: this machine coordinates, the others get agents."""
+    """-H/--hostfile with remote hosts (or any elastic -H job): this machine is node 0, the
+    other hosts get agents over ssh. A fixed job runs node 0's ranks here only when this machine
+    is the first host; an elastic one must list it first."""
+    elastic = config.elastic
     placed = ssh.place(config.np, config.hosts)
     first, first_count = placed[0]
+    if elastic and not config.hosts[0].is_local:
+        raise LaunchError(f"an elastic -H job runs node 0 here: list this machine first "
+                          f"(-H localhost:N,{config.hosts[0].name}:...), or start one agent per "
+                          f"machine with --nnodes")
     here = first_count if first.is_local else 0
     others = placed[1:] if first.is_local else placed
-    nnodes = 1 + len(others)
+    # elastic: every host has a slot, so the job never has more than --max-np (or the list's)
+    nnodes = max(config.max_np or config.np, len(config.hosts)) + 1 if elastic else 1 + len(others)
+    master = None if elastic else config.master
     # Before anything starts: a master that is not this machine's, unknown names, no ssh,
     # hosts that ssh cannot reach.
-    listen = listen_address(config.master, nnodes) if config.master is not None else None
+    listen = listen_address(master, nnodes) if master is not None else None
     ssh.check_reachable(ssh.check_hosts([host for host, _ in placed]))
-    note = ssh.unused(config.np, config.hosts, standby=config.max_restarts > 0)
+    note = None if elastic else ssh.unused(config.np, config.hosts,
+                                           standby=config.max_restarts > 0)
     if note:
         print(note, file=sys.stderr, flush=True)
-    master_host, port = config.master or (ssh.master_towards([h for h, _ in others]), 0)
+    master_host, port = master or (ssh.master_towards([h for h, _ in others]), 0)
     secret = control.new_secret()
-    local_config = dataclasses.replace(config, np=max(here, 1), hosts=())  # this node's share
-    coordinator = Coordinator(local_config, nproc=here, nnodes=nnodes, store=(master_host, port),
+    local = dataclasses.replace(config, np=max(here, 1), hosts=(), discovery=None)  # node 0's
+    coordinator = Coordinator(local, nproc=here, nnodes=nnodes, store=(master_host, port),
                               secret=secret, gloo_interface=gloo_interface(master_host),
-                              host=socket.gethostname(), listen=listen)
+                              listen=listen, expected_nodes=1 + len(others),
+                              rounds=Rounds if elastic else None)
     agents = ssh.HostAgents(config, secret, master_host, nnodes, coordinator.events)
+    agents.hosts[0] = config.hosts[0].name
     spares = [host for host in config.hosts if host not in {h for h, _ in placed}]
+    if elastic:  # a lost host leaves; discovery may list it (or others) again
+        coordinator.rounds.agents, coordinator.rounds.discovery = agents, config.discovery
+    else:  # a lost host's ranks go on on a spare host
+        coordinator.on_lost = lambda node, count: agents.replace(node, count, spares)
 
     def start_agents(store_port: int) -> None:
         agents.port = store_port
@@ -137,7 +155,6 @@ def launch_hosts(config: LaunchConfig) -> int:
             agents.start(host, count, node)
 
     coordinator.on_listening = start_agents
-    coordinator.on_lost = lambda node, count: agents.replace(node, count, spares)
     coordinator.echo_to_peers = False
     try:
         return coordinator.run()
@@ -146,21 +163,23 @@ def launch_hosts(config: LaunchConfig) -> int:
 
 
 def launch(config: LaunchConfig) -> int:
-    """Run a restartable or multi-node job (see the module docstring); return its exit code."""
+    """Run a job through the agents: restarts, several nodes, hosts, an elastic range (see the
+    module docstring); return its exit code."""
+    rounds = Rounds if config.elastic else None
     try:
-        if config.remote_hosts:
+        if config.remote_hosts or (config.elastic and config.hosts):
             return launch_hosts(config)
         if config.nnodes == 1:
             # --master on one node: host the store there (a taken port is an error, not ignored).
-            return Coordinator(config, nproc=config.np, host=socket.gethostname(),
-                               store=config.master or ("127.0.0.1", 0)).run()
+            return Coordinator(config, nproc=config.np, store=config.master or (MASTER_ADDR, 0),
+                               rounds=rounds).run()
         host, port = config.master
         if config.node_rank != 0:
             return Member(config, job_secret(config), gloo_interface(host)).run()
         listen = listen_address(config.master, config.nnodes)  # before a secret is printed
         return Coordinator(config, nproc=config.np, nnodes=config.nnodes, store=(host, port),
                            secret=job_secret(config), listen=listen,
-                           gloo_interface=gloo_interface(host), host=socket.gethostname()).run()
+                           gloo_interface=gloo_interface(host), rounds=rounds).run()
     except rendezvous.PortInUseError as error:
         raise LaunchError(str(error)) from None
 

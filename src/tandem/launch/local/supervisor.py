@@ -3,7 +3,7 @@
 One loop (`Supervisor.run`) serves every kind of job: a plain single-node job (`LocalJob`,
 whose ranks `ranks.LocalRanks` or, under `--backend mpi`, `mpiexec.MPIExecRanks` start), each
 attempt of a restartable or multi-node job on node 0 (`coordinator.Coordinator`) and on the
-other nodes (`multinode.Member`). Rank exits, signals to the agent and, on multi-node jobs,
+other nodes (`member.Member`). Rank exits, signals to the agent and, on multi-node jobs,
 messages from other agents all arrive as events on one queue, which the main thread reads
 with a deadline:
 

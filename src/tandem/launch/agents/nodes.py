@@ -1,63 +1,50 @@
-"""An elastic job across machines: one agent per machine, node 0 forms the rounds.
+"""Node 0's table of the job's machines, fixed job or elastic: its own, and the agents that
+joined over the control plane, with their slots and the ranks (workers) live in them.
 
-    node0$ tandem run --nnodes 3 --node-rank 0 --master 10.0.0.1:29500 --min-np 2 --max-np 6 \\
-               -np 2 train.py
-    node1$ tandem run --nnodes 3 --node-rank 1 --master 10.0.0.1:29500 --secret S \\
-               --min-np 2 --max-np 6 -np 2 train.py
+`Nodes` lets the other agents in (`gather` before the first attempt or round, `admit`: the
+checks of `admission`, plus a lost node's replacement running as many ranks as it did), knows
+who runs where (`live`, `node_of`, `gone`), talks to them (`send`, `tell_all`) and ends the
+job on all of them (`finish`). A fixed job waits for every node; an elastic one, once the nodes
+there offer `--min-np` slots, waits `START_WINDOW_S` more and starts with those.
 
-`-np` is each machine's number of slots, `--min-np/--max-np` the whole job's range of ranks and
-`--nnodes` the most machines. Node 0's agent (`elastic.ElasticJob`) hosts the store and the
-control plane as a fixed multi-node job does (`multinode`, `control`: the same secret, the same
-authentication) and is the only one that forms rounds (`rendezvous.elastic_rounds`): worker ids
-are unique in the job, and a round lists them in rank order, whatever machine runs them.
-
-- At the start node 0 waits for every node, or, once the nodes joined offer `--min-np` slots,
-  for `START_WINDOW_S` more; round 0 is formed from the machines there (up to `--max-np`).
-- A node that joins later (a new machine, or a lost one's agent started again) grows the job
-  at the ranks' next `State.commit()`, as a discovery script's new slot does on one machine.
-- A worker that fails on another node is reported to node 0 (`("exit", ...)`), which forms the
-  next round without it, as for its own ranks. A node whose agent goes away or silent
-  (`control.Peer`: its connection closed, or no heartbeat for `lost_after`) loses all its
-  workers at once: one round without them.
-- The job ends on node 0: it tells every agent (`("finish", ...)`), and each exits with the
-  job's code. A node that loses node 0 stops its workers and exits 1.
-
-`ElasticRanks` starts the workers on each machine, `Nodes` is node 0's table of machines,
-`member.Member` the agent of nodes 1, 2, ... (fixed or elastic).
+`ElasticRanks` starts ranks on one machine: a fixed job's attempt (`LocalRanks.start`), or an
+elastic round's new workers in groups (`start_workers`).
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from dataclasses import dataclass, field
 
 from tandem import rendezvous
+from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.admission import admit, await_hang_ups
-from tandem.launch.agents.control import ControlServer, Peer
-from tandem.launch.agents.coordinator import lost_after
+from tandem.launch.agents.control import ControlServer, Peer, reached_at
 from tandem.launch.config import LaunchConfig, StartError
-from tandem.launch.events import (
-    AgentExited,
-    Joined,
-    Lost,
-    Rejected,
-    Signalled,
-)
+from tandem.launch.events import AgentExited, Joined, Lost, Rejected, Signalled
 from tandem.launch.local.output import RankOutput, signals_blocked
 from tandem.launch.local.processes import start_failure_code, start_ranks
 from tandem.launch.local.ranks import LocalRanks, Placement, rank_command, rank_environment
 from tandem.launch.local.supervisor import Failure
 
-START_WINDOW_S = 3.0  # with --min-np slots there, how long node 0 still waits for the others
+START_WINDOW_S = 3.0  # elastic: with --min-np slots there, how long node 0 waits for the others
+# An agent silent this long (or the timeout, if shorter) is lost. The agents' heartbeats
+# (`control.HEARTBEAT_S`) run in threads of their own, never behind a collective: eight missed
+# beats name a pulled cable or a frozen host in about 4 s (was 30 s), and the job then moves
+# on at once (elastic: the round without its workers; fixed: restart or end).
+MAX_LOST_AFTER_S = 4.0
+
+
+def lost_after(config: LaunchConfig) -> float:
+    return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
 
 
 class ElasticRanks(LocalRanks):
-    """The workers of an elastic job on one machine: started in groups, whenever a round adds
-    some; the output and the events name each by its worker id (its rank when the job started).
-    """
+    """The ranks of a job on one machine: a fixed job's attempt (`start`), or an elastic job's
+    workers, started in groups whenever a round adds some; the output and the events name each
+    by its worker id (its rank when the job started)."""
 
     def start_workers(self, workers: list[int], slots: list[int], first_rank: int, size: int,
                       number: int, store: tuple[str, int], store_key: str,
@@ -94,9 +81,10 @@ class Node:
 
     number: int
     host: str
-    slots: int
+    slots: int  # a fixed job: the ranks it runs (its -np)
     peer: Peer | None = None  # None: node 0 itself
     workers: dict[int, int] = field(default_factory=dict)  # live worker id -> its local slot
+    reached: str | None = None  # the local address its agent came in at
 
     def capacity(self) -> int:
         """How many more workers it takes."""
@@ -112,22 +100,24 @@ class Nodes:
     """Node 0's machines: its own (node 0) and the agents that joined over the control plane."""
 
     def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
-                 secret: str | None, expected: int | None = None) -> None:
+                 secret: str | None, *, nnodes: int, nproc: int, host: str,
+                 expected: int | None = None) -> None:
         self.config, self.events, self.output = config, events, output
-        self.secret = secret
-        self.expected = expected or config.nnodes  # how many nodes round 0 waits for
-        self.nodes = {0: Node(0, socket.gethostname(), config.np)}
+        self.secret, self.nnodes, self.elastic = secret, nnodes, config.elastic
+        self.expected = expected or nnodes  # how many nodes the first round or attempt waits for
+        self.nodes = {0: Node(0, host, nproc)}
         self.server: ControlServer | None = None
+        self.replacing: dict[int, int] = {}  # lost node -> the ranks its replacement must run
 
     @property
     def several(self) -> bool:
-        return self.config.nnodes > 1
+        return self.nnodes > 1
 
-    def open(self, store: rendezvous.StoreServer, listen: str) -> None:
-        """Listen for the other agents; tell them where through the store."""
+    def open(self, store: rendezvous.StoreServer, listen: str, advertised: str) -> None:
+        """Listen for the other agents; tell them where (`advertised`) through the store."""
         with signals_blocked():
             self.server = ControlServer(listen, self.secret, self.events)
-        store.set("tandem/control", f"{self.config.master[0]}:{self.server.port}")
+        store.set("tandem/control", f"{advertised}:{self.server.port}")
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -137,6 +127,9 @@ class Nodes:
             self.server.close()
 
     # -- who is where ----------------------------------------------------------------------
+    def peers(self) -> dict[int, Peer]:
+        return {number: node.peer for number, node in self.nodes.items() if node.peer is not None}
+
     def live(self) -> set[int]:
         return {worker for node in self.nodes.values() for worker in node.workers}
 
@@ -158,23 +151,32 @@ class Nodes:
         return sum(node.slots for node in self.nodes.values())
 
     # -- agents coming and going -------------------------------------------------------------
+    def _check(self, hello: dict) -> str | None:
+        """The job's own check of a hello: an elastic node offers slots; a lost node's
+        replacement runs as many ranks as it did."""
+        node, nproc = hello["node_rank"], hello.get("nproc")
+        if self.elastic and not (isinstance(nproc, int) and nproc >= 1):
+            return f"it offers {nproc!r} slots: give it -np N (1 or more)"
+        if node in self.replacing and nproc != self.replacing[node]:
+            return (f"it would run {nproc} rank(s) in place of node {node}, which ran "
+                    f"{self.replacing[node]}: give it -np {self.replacing[node]}")
+        return None
+
     def admit(self, joined: Joined) -> Node | None:
         """An authenticated agent said hello: its node, or None when it was turned away."""
-        def slots(hello: dict) -> str | None:
-            if isinstance(hello.get("nproc"), int) and hello["nproc"] >= 1:
-                return None
-            return f"it offers {hello.get('nproc')!r} slots: give it -np N (1 or more)"
-
-        admitted = admit(joined, nnodes=self.config.nnodes, present=set(self.nodes),
-                         elastic=True, events=self.events, lost_after=lost_after(self.config),
-                         output=self.output, also=slots)
+        admitted = admit(joined, nnodes=self.nnodes, present=set(self.nodes),
+                         elastic=self.elastic, events=self.events,
+                         lost_after=lost_after(self.config), output=self.output,
+                         also=self._check)
         if admitted is None:
             return None
         hello, peer = admitted
-        node = Node(hello["node_rank"], str(hello.get("host", joined.where)), hello["nproc"], peer)
+        node = Node(hello["node_rank"], str(hello.get("host", joined.where)),
+                    int(hello["nproc"]), peer, reached=reached_at(joined.conn))
         self.nodes[node.number] = node
-        self.output.message(f"tandem run: elastic: node {node.number} ({node.host}) joined "
-                            f"with {node.slots} slot(s)")
+        if self.elastic:
+            self.output.message(f"tandem run: elastic: node {node.number} ({node.host}) joined "
+                                f"with {node.slots} slot(s)")
         return node
 
     def lost(self, number: int) -> tuple[Node | None, list[int]]:
@@ -187,27 +189,25 @@ class Nodes:
         return node, sorted(node.workers)
 
     def gather(self, timeout: float) -> Failure | None:
-        """Before round 0: wait for every node, or for `START_WINDOW_S` once the nodes here
-        offer --min-np slots; a `Failure` when too few come within `timeout` (or Ctrl-C)."""
+        """Before the first attempt or round (and for a lost node's replacement): wait for
+        every node; an elastic job, once the nodes here offer --min-np slots, for
+        `START_WINDOW_S` more. A `Failure` when too few come within `timeout` (or Ctrl-C)."""
         start = time.monotonic()
         enough_since = None
         low = self.config.min_np or 1
+        rejected: list[str] = []
         while len(self.nodes) < self.expected:
             now = time.monotonic()
-            if self.slots() >= low:
+            wait = timeout - (now - start)
+            if self.elastic and self.slots() >= low:
                 enough_since = enough_since or now
                 if now - enough_since >= START_WINDOW_S:
                     break
                 wait = START_WINDOW_S - (now - enough_since)
             else:
                 enough_since = None
-                wait = timeout - (now - start)
                 if wait <= 0:
-                    missing = sorted(set(range(self.config.nnodes)) - set(self.nodes))
-                    return Failure(node=missing[0], host="?", lost=(
-                        f"too few nodes joined within {timeout:g} s: {self.slots()} slot(s), "
-                        f"--min-np {low} needed (missing: node(s) "
-                        f"{', '.join(map(str, missing))})"))
+                    return self._too_few(timeout, rejected)
             try:
                 event = self.events.get(timeout=max(0.0, wait))
             except queue.Empty:
@@ -218,15 +218,34 @@ class Nodes:
                 case Joined():
                     self.admit(event)
                 case Rejected(where, why):
+                    rejected.append(f"{where}: {why}")
                     self.output.message(f"tandem run: rejected an agent from {where}: {why}")
                 case Lost(node):
                     self.lost(node)
                     self.output.message(f"tandem run: node {node} left before the job started")
                 case AgentExited(node, host, code) if node not in self.nodes:  # ssh failed?
+                    if not self.elastic:
+                        return Failure(node=node, host=host, lost=(
+                            f"its agent exited (code {code}) before joining; can this machine "
+                            f"ssh to {host} without a password, with tandem installed at the "
+                            f"same path?"))
                     self.expected -= 1
                     self.output.message(f"tandem run: the agent for {host} exited (code "
                                         f"{code}) before joining; the job starts without it")
         return None
+
+    def _too_few(self, timeout: float, rejected: list[str]) -> Failure:
+        missing = sorted(set(range(self.nnodes)) - set(self.nodes))
+        nodes = ", ".join(map(str, missing))
+        if self.elastic:
+            return Failure(node=missing[0], host="?", lost=(
+                f"too few nodes joined within {timeout:g} s: {self.slots()} slot(s), "
+                f"--min-np {self.config.min_np or 1} needed (missing: node(s) {nodes})"))
+        extra = f"; rejected: {'; '.join(rejected)}" if rejected else ""
+        return Failure(node=missing[0], host="?", lost=(
+            f"its agent did not join within {timeout:g} s (missing: node(s) {nodes}){extra}. "
+            f"Start `tandem run --nnodes {self.nnodes} --node-rank R --master ADDR:PORT "
+            f"--secret ...` on each node"))
 
     # -- talking to them ---------------------------------------------------------------------
     def send(self, node: Node, message: tuple) -> None:
@@ -242,3 +261,6 @@ class Nodes:
         waiting = {node.number for node in self.nodes.values() if node.peer is not None
                    and node.peer.send(("finish", {"code": code, "summary": summary}))}
         await_hang_ups(self.events, waiting)
+
+
+__all__ = ["ElasticRanks", "MAX_LOST_AFTER_S", "Node", "Nodes", "START_WINDOW_S", "lost_after"]
