@@ -14,8 +14,8 @@ tensor on its own is exact there, alone or with ZeroOptimizer, DistributedOptimi
 mesh.dp_group (dp=2 x tp=2, 4 ranks). LBFGS, whose step couples every parameter through one
 history and calls a closure, is exact under DDP (each backward the closure runs is averaged) and
 refused with the alternative everywhere else. Sharded cells
-(ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam) saved by td.Checkpointer on 2
-ranks and restored on 3 go on as one process.
+(ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam, Branches' Adafactor and Muon) saved
+by td.Checkpointer on 2 ranks and restored on 3 go on as one process.
 """
 
 import functools
@@ -323,7 +323,8 @@ def test_an_optimizer_tandem_cannot_classify_is_refused_with_the_flag_and_the_fl
     assert built == "ZeroOptimizer"
 
 
-RESHARDED = {"ZeroOptimizer": ["Adam", "Muon"], "fully_shard": ["Adam"]}  # flat and whole
+RESHARDED = {"ZeroOptimizer": ["Adam", "Muon"], "fully_shard": ["Adam"],  # flat and whole
+             "Branches": ["Adafactor", "Muon"]}  # 1 + 2 towers saved, 1 + 1 + 1 restored
 
 
 def check_resharded(wrapper: str, directory: str, first: int, last: int):
@@ -331,11 +332,11 @@ def check_resharded(wrapper: str, directory: str, first: int, last: int):
     difference from one process after `last` steps. 12 rows: 6 or 4 per rank."""
     td.init()
     share = 12 // td.size()
-    mine = slice(td.rank() * share, (td.rank() + 1) * share)
+    mine = slice(None) if wrapper == "Branches" else slice(td.rank() * share, (td.rank() + 1) * share)
     outcome = {}
     for name in RESHARDED[wrapper]:
         make = OPTIMIZERS[name]
-        reference = _model()
+        reference = _reference(wrapper)
         _train(reference, make(reference.parameters()), slice(None), range(last), 12)
         model, net, optimizer = _wrapped(wrapper, make)
         checkpointer = td.Checkpointer(f"{directory}/{name}", keep=1)

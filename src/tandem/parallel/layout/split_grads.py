@@ -13,7 +13,9 @@ one-process tensor by reducing over the group that holds its pieces:
 - a tensor-parallel slice: over the tensor-parallel group;
 - a `Branches` branch (whole on its rank): over the Branches' group, each rank's tensors paired
   in order, so torch's `clip_grad_norm_` sees the whole model's norm when every rank holds as
-  many branch tensors (`td.clip_grad_norm_` reduces one partial sum per group: any counts).
+  many branch tensors. When they hold different numbers, the ranks could not pair their calls
+  (a wrong norm on one rank, a wait on another): the norm is refused with the fix,
+  `td.clip_grad_norm_(model, max_norm)`, which reduces one partial sum per group (any counts).
 
 A `ZeroOptimizer`'s gradient is this rank's own until its `step()` averages it: its norm is
 refused with the fix, `opt.clip_grad_norm_(max_norm)`.
@@ -106,6 +108,12 @@ def _global_norm(tensor: Any, order: float) -> torch.Tensor:
             "torch's norm of a pipeline stage's gradient sees that stage's tensors only, and the "
             "stages hold different tensors: clip a td.Pipeline with td.clip_grad_norm_(pipe, "
             "max_norm), which reduces over its stages")
+    if split.kind == splits.BRANCH_UNPAIRED:
+        raise ValueError(
+            "torch's norm of a td.tensor.Branches branch's gradient: the ranks of the Branches' "
+            "group hold different numbers of branch tensors, so their norms cannot be paired "
+            "into the whole model's: clip with td.clip_grad_norm_(model, max_norm), which "
+            "reduces over the group whatever each rank holds")
     order = float(order)
     if order == math.inf:
         local = torch.linalg.vector_norm(plain.float(), order).reshape(1)

@@ -32,6 +32,10 @@ PIPELINE = "pipeline"  # a stage's own parameters; the group is the pipeline's
 # A td.tensor.Branches branch's tensor: whole, held by one rank of the group (the others hold
 # other branches). Its optimizer may be any: each rank steps whole tensors, as one process does.
 BRANCH = "branch"
+# The gradient of a BRANCH tensor when the group's ranks hold different numbers of branch
+# tensors: never registered, only its gradient says so, to torch's norms (`split_grads`), which
+# cannot pair the ranks' tensors then and refuse with the fix.
+BRANCH_UNPAIRED = "branch (unpaired)"
 # The kinds whose collectives run inside forward and backward (td.join cannot stand in for
 # them), and whose plain torch optimizer records its steps.
 MODEL_SPLITS = frozenset({FULLY_SHARD, TENSOR_PARALLEL, BRANCH, PIPELINE})

@@ -70,7 +70,7 @@ class Branches(nn.Module):
         rank = group_rank(group)
         first, last = rank * len(branches) // n, (rank + 1) * len(branches) // n
         self.mine = nn.ModuleList(branches[first:last])  # only this rank's branches are kept
-        _mark_whole(group, self.mine)  # the ranks of `group` hold different ones, each whole
+        _mark_whole(group, self.mine, branches)  # the ranks of `group` hold different ones, each whole
         self.first_branch, self.count = first, len(branches)
         self.group, self.join, self.dim = group, join, dim
         self._sizes: dict[tuple[int, ...], list[int]] = {}  # this rank's output shape -> all sizes
@@ -194,18 +194,24 @@ class Branches(nn.Module):
 _checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Branches -> its ModelCheck
 
 
-def _mark_whole(group: Group | None, mine: nn.Module) -> None:
+def _mark_whole(group: Group | None, mine: nn.Module, branches: Sequence[nn.Module]) -> None:
     """Register this rank's branches' parameters as whole tensors held by this rank alone
     (`splits.BRANCH`): any optimizer may step them (Adafactor, Muon and LAMB included: each is
     a whole one-process tensor), while a reduction or broadcast over `group` would mix branches
     and is refused. Their gradients' norms reduce over `group` (`split_grads`), so torch's
-    `clip_grad_norm_` sees the whole model's norm when each rank holds as many tensors. A layer
-    already split inside a branch keeps its own split."""
+    `clip_grad_norm_` sees the whole model's norm when each rank holds as many tensors; when
+    they hold different numbers (every rank knows them: each builds every branch), it is
+    refused with the fix. A layer already split inside a branch keeps its own split."""
     region_ops.remember(group)  # for the regions' compiled operators (copy_to, reduce_from)
+    n = group_size(group)
+    counts = {sum(1 for b in branches[r * len(branches) // n:(r + 1) * len(branches) // n]
+                  for p in b.parameters() if p.requires_grad and splits.split_of(p) is None)
+              for r in range(n)}
+    paired = splits.BRANCH if len(counts) == 1 else splits.BRANCH_UNPAIRED
     for param in mine.parameters():
         if splits.split_of(param) is None:
             splits.mark(param, splits.BRANCH, group)
-            split_grads.mark_grads(param)
+            split_grads.mark_grads(param, splits.Split(paired, group))
 
 
 class _GatherUneven(torch.autograd.Function):
