@@ -1,6 +1,8 @@
 """What `tandem.horovod`'s Horovod semantics cost per call: hvd vs td vs torch.distributed.
 
     python benchmarks/horovod_ops.py [--np 2] [--iters 200] [--out results/horovod_ops.json]
+    tandem run -np 2 --backend mpi benchmarks/horovod_ops.py --backend mpi \
+        --out results/horovod_ops_mpi.json          # on MPI: mpi4py's Allreduce is the anchor
 
 Every `hvd` operation on the global set runs one negotiation first, tandem's fixed-size
 agreement (how a joined rank learns what to answer, and how a mismatch becomes Horovod's
@@ -47,17 +49,27 @@ def _messages(call, tensor) -> int:
     return sum(issued.values()) - before
 
 
-def measure(iters: int, rounds: int) -> dict:
+def _anchor(backend: str):
+    """The raw engine call, out of place as hvd.allreduce is: (its name, the call)."""
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        return "mpi4py", lambda t: comm.Allreduce(MPI.IN_PLACE, t.clone().numpy(), op=MPI.SUM)
     import torch.distributed as dist
 
+    return "torch.distributed", lambda t: dist.all_reduce(t.clone())
+
+
+def measure(iters: int, rounds: int, backend: str = "gloo") -> dict:
     import tandem.horovod as hvd
 
     hvd.init()
-    calls = {
-        "torch.distributed": lambda t: dist.all_reduce(t.clone()),
+    calls = dict([_anchor(backend)])
+    calls.update({
         "td.allreduce": lambda t: td.allreduce(t, op="sum"),
         "hvd.allreduce": lambda t: hvd.allreduce(t, op=hvd.Sum),
-    }
+    })
     rows = {}
     for numel in SIZES:
         tensor = torch.ones(numel)
@@ -77,25 +89,40 @@ def main() -> int:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--backend", choices=("gloo", "mpi"), default="gloo",
+                        help="mpi: run under `tandem run --backend mpi` (--np is then -np's)")
     parser.add_argument("--out", default="results/horovod_ops.json")
     args = parser.parse_args()
-    rows = td.spawn(measure, args.np, args=(args.iters, args.rounds), backend="gloo")[0]
-    print(f"{args.np} ranks on Gloo, blocking allreduce (sum), median of {args.rounds} x "
-          f"{args.iters} calls; messages per call: torch 1, td and hvd as counted")
-    print(f"{'elements':>10}{'torch (us)':>12}{'td (us)':>10}{'hvd (us)':>10}"
-          f"{'td/torch':>10}{'hvd/torch':>11}{'hvd/td':>8}{'td msgs':>9}{'hvd msgs':>9}")
+    if args.backend == "mpi":
+        td.init(backend="mpi")
+        rows = measure(args.iters, args.rounds, "mpi")
+        args.np = td.size()
+        if td.rank() != 0:
+            td.shutdown()
+            return 0
+    else:
+        rows = td.spawn(measure, args.np, args=(args.iters, args.rounds), backend="gloo")[0]
+    anchor = "mpi4py" if args.backend == "mpi" else "torch.distributed"
+    short = "mpi4py" if args.backend == "mpi" else "torch"
+    print(f"{args.np} ranks on {args.backend}, blocking allreduce (sum), median of {args.rounds} "
+          f"x {args.iters} calls; messages per call: {short} 1, td and hvd as counted")
+    print(f"{'elements':>10}{short + ' (us)':>12}{'td (us)':>10}{'hvd (us)':>10}"
+          f"{'td/' + short:>11}{'hvd/' + short:>11}{'hvd/td':>8}{'td msgs':>9}{'hvd msgs':>9}")
     for numel, row in rows.items():
-        base, mine, front = row["torch.distributed"], row["td.allreduce"], row["hvd.allreduce"]
+        base, mine, front = row[anchor], row["td.allreduce"], row["hvd.allreduce"]
         counted = row["messages"]
         print(f"{numel:>10}{base * 1e6:>12.1f}{mine * 1e6:>10.1f}{front * 1e6:>10.1f}"
-              f"{mine / base:>10.2f}{front / base:>11.2f}{front / mine:>8.2f}"
+              f"{mine / base:>11.2f}{front / base:>11.2f}{front / mine:>8.2f}"
               f"{counted['td.allreduce']:>9}{counted['hvd.allreduce']:>9}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"np": args.np, "iters": args.iters, "rounds": args.rounds,
+    out.write_text(json.dumps({"np": args.np, "backend": args.backend, "anchor": anchor,
+                               "iters": args.iters, "rounds": args.rounds,
                                "seconds_per_call": rows},
                               indent=1))
     print(f"wrote {out}")
+    if args.backend == "mpi":
+        td.shutdown()
     return 0
 
 

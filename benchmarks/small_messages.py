@@ -4,6 +4,7 @@
     tandem run -np 2 --backend gloo benchmarks/small_messages.py --backend gloo \
         --out results/small_messages_gloo.json
     tandem run -np 2 --backend mpi benchmarks/small_messages.py --sizes 4K,64K --batches 60
+    tandem run -np 2 --backend mpi benchmarks/small_messages.py --op broadcast   # or allgather
 
 Each rank times, for float32 messages of 4 KB (1K elements) to 1 MB (256K elements), in
 batches of back-to-back calls after a barrier, taking turns batch after batch:
@@ -40,6 +41,57 @@ def _size(text: str) -> int:
     return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
 
 
+def _calls(op: str, backend: str, engine, state, buffer: torch.Tensor, array):
+    """(the raw engine call, tandem's engine call, td's call) of `op` on `buffer`."""
+    def wait(work) -> None:
+        if work is not None:
+            work.wait(state.timeout)
+
+    if op == "allreduce":
+        if backend == "mpi":
+            from mpi4py import MPI
+
+            def anchor():
+                MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        else:
+            import torch.distributed as dist
+
+            def anchor():
+                dist.all_reduce(buffer)
+        return (anchor, lambda: wait(engine.allreduce_now(buffer, "sum", None)),
+                lambda: td.allreduce(buffer, op="sum", inplace=True))
+    if op == "broadcast":
+        if backend == "mpi":
+            from mpi4py import MPI
+
+            def anchor():
+                MPI.COMM_WORLD.Bcast(array, root=0)
+        else:
+            import torch.distributed as dist
+
+            def anchor():
+                dist.broadcast(buffer, 0)
+        return (anchor, lambda: wait(engine.broadcast_now(buffer, 0, None)),
+                lambda: td.broadcast(buffer, root=0))
+    # allgather: a new output per call, as td.allgather returns one
+    size = td.size()
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        def anchor():
+            out = torch.empty(size * buffer.numel())
+            MPI.COMM_WORLD.Allgather(array, out.numpy())
+    else:
+        import torch.distributed as dist
+
+        def anchor():
+            dist.all_gather_into_tensor(torch.empty(size * buffer.numel()), buffer)
+    return (anchor,
+            lambda: engine.allgather_into(torch.empty(size * buffer.numel()), buffer,
+                                          None).wait(state.timeout),
+            lambda: td.allgather(buffer))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +99,8 @@ def main() -> int:
     parser.add_argument("--backend", choices=("mpi", "gloo"), default="mpi")
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--calls", type=int, default=100, help="calls per batch")
+    parser.add_argument("--op", choices=("allreduce", "broadcast", "allgather"),
+                        default="allreduce", help="the collective timed (default allreduce)")
     parser.add_argument("--out", default="results/small_messages.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -77,22 +131,12 @@ def main() -> int:
         buffer = torch.zeros(nbytes // 4)  # zeros: repeated in-place sums stay finite
         array = buffer.numpy()
 
-        def now(buffer=buffer):
-            work = engine.allreduce_now(buffer, "sum", None)
-            if work is not None:
-                work.wait(state.timeout)
-
-        if args.backend == "mpi":
-            def anchor(array=array):
-                comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
-        else:
-            def anchor(buffer=buffer):
-                dist.all_reduce(buffer)
+        anchor, now, ours = _calls(args.op, args.backend, engine, state, buffer, array)
         variants = {
             anchor_name: (None, anchor),
             "engine": (None, now),
-            "td": (False, lambda buffer=buffer: td.allreduce(buffer, op="sum", inplace=True)),
-            "td+checks": (True, lambda buffer=buffer: td.allreduce(buffer, op="sum", inplace=True)),
+            "td": (False, ours),
+            "td+checks": (True, ours),
         }
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.batches):
@@ -111,7 +155,9 @@ def main() -> int:
         results[nbytes] = {name: {"best": min(s), "median": statistics.median(s)}
                            for name, s in samples.items()}
     if td.rank() == 0:
-        print(f"float32 all-reduce (sum, in place), {td.size()} ranks on {args.backend}; per "
+        what = {"allreduce": "all-reduce (sum, in place)", "broadcast": "broadcast from rank 0",
+                "allgather": "all-gather (equal first dims)"}[args.op]
+        print(f"float32 {what}, {td.size()} ranks on {args.backend}; per "
               f"call, slowest rank, {args.batches} batches of {args.calls} calls; ratio = time / "
               f"{anchor_name}'s")
         print(f"{'size':>6}  {'variant':<10}{'best us':>9}{'ratio':>7}{'median us':>11}{'ratio':>7}")
@@ -121,7 +167,7 @@ def main() -> int:
                 print(f"{nbytes // 1024:>4} K  {name:<10}{timing['best'] * 1e6:>9.1f}"
                       f"{timing['best'] / anchor['best']:>7.2f}{timing['median'] * 1e6:>11.1f}"
                       f"{timing['median'] / anchor['median']:>7.2f}")
-        write_json({"config": vars(args), "ranks": td.size(), "anchor": anchor_name,
+        write_json({"config": vars(args), "ranks": td.size(), "anchor": anchor_name, "op": args.op,
                     "seconds_per_call": results},
                    args.out)
     td.shutdown()

@@ -40,32 +40,35 @@ class Context(Protocol):
     debug: bool
 
 
-_current: Context | None = None
+#: The installed context, or None: what `current()` returns, read directly by the few calls
+#: that must cost nothing above the wire (a small `td.allreduce`); everything else calls
+#: `current()`, which explains a missing `td.init`.
+active: Context | None = None
 _was_shut_down = False
 
 
 def install(context: Context) -> None:
     """Make `context` the engine every comm call uses (called by `td.init`)."""
-    global _current, _was_shut_down
-    _current = context
+    global active, _was_shut_down
+    active = context
     _was_shut_down = False
 
 
 def clear() -> None:
     """Forget the engine (called by `td.shutdown`)."""
-    global _current, _was_shut_down
-    _was_shut_down = _current is not None
-    _current = None
+    global active, _was_shut_down
+    _was_shut_down = active is not None
+    active = None
 
 
 def installed() -> bool:
     """Whether `td.init` has installed an engine (and `td.shutdown` not yet taken it back)."""
-    return _current is not None
+    return active is not None
 
 
 def current() -> Context:
     """The installed context; a clear error when `td.init` has not been called."""
-    context = _current
+    context = active
     if context is None:
         if _was_shut_down:
             raise RuntimeError("tandem was shut down (td.shutdown() was called): no collective "

@@ -102,10 +102,14 @@ def _explain(ranks, described) -> str:
             "name).")
 
 
+_PREPARED: dict[tuple, agreement.Prepared] = {}
+_MOST_PREPARED = 1024  # kinds of operation kept (a script makes a few dozen); past it, again
+
+
 def _agree(mine: Description | None, answered: int = 0
-           ) -> tuple[dict[int, tuple[int, int]], agreement.Posted]:
+           ) -> tuple[dict[int, tuple[int, int]], agreement.Posted | None]:
     """One negotiation: the agreement over the world, raised on every rank on a mismatch
-    (`mine` None: a joined rank's, after `answered` rounds)."""
+    (`mine` None: a joined rank's, after `answered` rounds; only its message is returned)."""
     engine = runtime.state()
     if mine is None:
         # A say in the first code only (a Horovod operation: a rank in another one differs
@@ -113,10 +117,20 @@ def _agree(mine: Description | None, answered: int = 0
         codes = [_HOROVOD] + [NO_SAY] * (_JOINED - 1) + [
             _JOIN_FLAG, runtime.rank() - answered * runtime.size()]
     else:
-        codes = mine.codes()
+        # An active rank's message is made once per kind of operation, and sent blocking
+        # (`differing`): it names the same mismatches as a posted one, in fewer calls.
+        key = (mine.kind, mine.dtype, mine.op, mine.root, mine.shape, mine.ignore_dim0)
+        prepared = _PREPARED.get(key)
+        if prepared is None:
+            if len(_PREPARED) >= _MOST_PREPARED:
+                _PREPARED.clear()
+            prepared = _PREPARED[key] = agreement.prepare(mine.codes())
+        differ = agreement.agree(mine.__str__, None, prepared=prepared,
+                                 tolerated=(_JOINED, _COUNT), error=HorovodMismatchError,
+                                 explain=_explain, engine=engine)
+        return differ, None
     posted = agreement.post(codes, None, engine)
-    # Put into words only on a mismatch (`mine.__str__`): every operation negotiates.
-    said = "(joined: hvd.join() answers allreduces only)" if mine is None else mine.__str__
+    said = "(joined: hvd.join() answers allreduces only)"
     differ = agreement.agree(said, None, codes=codes, posted=posted, tolerated=(_JOINED, _COUNT),
                              error=HorovodMismatchError, explain=_explain, engine=engine)
     return differ, posted
@@ -126,9 +140,9 @@ def negotiate(mine: Description) -> None:
     """Before an operation on the global set: agree on it, and refuse what joined ranks can't do."""
     if runtime.size() == 1:
         return
-    begin = time.time_ns() // 1000
-    differ, _ = _agree(mine)
     handle = _State.starting
+    begin = 0 if handle is None else time.time_ns() // 1000
+    differ, _ = _agree(mine)
     if handle is not None:
         handle.kind = mine.kind
         timeline.span(mine.kind, handle.name, f"NEGOTIATE_{mine.kind.upper()}", begin,
@@ -214,7 +228,7 @@ class HorovodHandle:
         return value if self._finish is None else self._finish(value)
 
 
-_pending: list[HorovodHandle] = []
+pending: list[HorovodHandle] = []  # posted, not yet started (in posting order)
 _in_flight: dict[str, HorovodHandle] = {}
 
 
@@ -227,15 +241,15 @@ def post(name: str | None, start: Callable[[], Any],
             "synchronize it first or give this one another name"
         )
     handle = HorovodHandle(name, start, finish)
-    _pending.append(handle)
+    pending.append(handle)
     if name is not None:
         _in_flight[name] = handle
     return handle
 
 
 def start_pending() -> None:
-    while _pending:
-        _pending.pop(0)._begin()
+    while pending:
+        pending.pop(0)._begin()
 
 
 def ready(value: Any) -> _Ready:
@@ -272,6 +286,6 @@ def run(name: str | None, start: Callable[[], Any],
 
 def forget() -> None:
     """At shutdown: operations never synchronized are dropped, as Horovod drops them."""
-    _pending.clear()
+    pending.clear()
     _in_flight.clear()
     _State.starting = None

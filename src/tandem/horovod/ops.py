@@ -28,11 +28,14 @@ import torch
 import tandem as td
 from tandem import functional, runtime
 from tandem.comm.agreement import exchange
+from tandem.comm.agreement.agree import CollectiveMismatchError
 from tandem.comm.collectives import direct
-from tandem.horovod import engine
+from tandem.comm.collectives.user import Staging
+from tandem.horovod import engine, timeline
 from tandem.horovod.basics import (
     Average,
     Compression,
+    HorovodMismatchError,
     ProcessSet,
     Sum,
     compressor,
@@ -192,12 +195,45 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """The reduction over the set, as a new tensor; differentiable (backward: the same allreduce)."""
+    if name is None and process_set is global_process_set and compression is Compression.none \
+            and average is None and prescale_factor == 1.0 and postscale_factor == 1.0 \
+            and tensor.__class__ is torch.Tensor and not engine.pending \
+            and not (tensor.requires_grad and torch.is_grad_enabled()) \
+            and not timeline.recording():
+        # The common case written out (issue 46, item 2): nothing posted before it, so it runs
+        # now, without a handle: the negotiation, then the data straight to the engine.
+        return _allreduce_now(tensor, Average if op is None else op)
     codec = compressor(compression)
     wire, ctx = codec.compress(tensor)
     group = group_of(process_set)
     start, finish = _allreduce_start(wire, reduce_op(average, op), prescale_factor,
                                      postscale_factor, group, inplace=False)
     return codec.decompress(engine.run(name, start, finish), ctx)
+
+
+def _allreduce_now(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """`allreduce` of a plain tensor on the global set, blocking, as `_allreduce_start`'s
+    operation would run it."""
+    if op not in _NATIVE_OF:
+        op = reduce_op(None, op)  # raises with the fix
+    state = runtime.state()
+    native = _NATIVE_OF[op]
+    try:
+        engine.negotiate(Description("allreduce", tensor, native))
+    except CollectiveMismatchError as error:  # as a handle raises it
+        raise error if isinstance(error, RuntimeError) else HorovodMismatchError(str(error)) \
+            from None
+    staging = Staging(tensor.detach().clone(), state)
+    work = state.backend.allreduce_now(staging.buffer, native, None)
+    if work is not None:
+        work.wait(state.timeout)
+    result = staging.copy_back()
+    if op == Average:
+        truncating_average(result, state.world.size)
+    return result
+
+
+_NATIVE_OF = {Average: "sum", Sum: "sum", "min": "min", "max": "max", "product": "product"}
 
 
 class _Many:

@@ -26,6 +26,7 @@ every call (`checks`), unless checks are off.
 from __future__ import annotations
 
 import functools
+import operator
 import zlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -97,14 +98,22 @@ class Posted(NamedTuple):
     values: list[int] | None = None  # what was sent: a result equal to it is "all agree"
 
 
-class Prepared(NamedTuple):
+class Prepared:
     """An agreement's message made once for codes that recur (`prepare`; the argument check
-    keeps one per collective and shape): a copy of `tensor` is sent, and a result equal to
-    `values` is the whole answer, all ranks agree."""
+    keeps one per collective and shape): `tensor` holds it, and a result equal to `values` is
+    the whole answer, all ranks agree.
 
-    codes: Sequence[int]
-    tensor: torch.Tensor
-    values: list[int]
+    The message travels in `wire`, a CPU copy of `tensor` made once: a result equal to
+    `values` is the message itself (the highest of equal codes is that code), so the same
+    buffer is sent again next time, with no allocation and no copy per call. A wire that came
+    back with other values (a mismatch), or that another call holds, is replaced by a copy.
+    """
+
+    __slots__ = ("codes", "tensor", "values", "wire")
+
+    def __init__(self, codes: Sequence[int], tensor: torch.Tensor, values: list[int]) -> None:
+        self.codes, self.tensor, self.values = codes, tensor, values
+        self.wire: torch.Tensor | None = None
 
 
 def _values(codes: Sequence[int]) -> list[int]:
@@ -113,8 +122,15 @@ def _values(codes: Sequence[int]) -> list[int]:
     # NO_SAY code does the same for one code (hvd.join's rank has a say in its flag only).
     if codes is ANY:
         return [_NO_SAY] * (2 * WIDTH)
-    fixed = _fixed(codes)
-    return fixed + [_NO_SAY if c == _NO_SAY else -c for c in fixed]
+    if len(codes) > WIDTH:
+        fixed = _fixed(codes)
+    else:  # `_fixed`, written out with C-level maps: the reducer posts one per step
+        fixed = list(map(int, codes))
+        fixed += [_PAD] * (WIDTH - len(fixed))
+    negated = list(map(operator.neg, fixed))
+    if _NO_SAY in fixed:
+        negated = [_NO_SAY if c == _NO_SAY else -c for c in fixed]
+    return fixed + negated
 
 
 def prepare(codes: Sequence[int]) -> Prepared:
@@ -131,8 +147,10 @@ def post(codes: Sequence[int], group: Group | None, engine: context.Context) -> 
     # agreement's own bookkeeping must not cost more than its message.
     values = _values(codes)
     both = torch.tensor(values, dtype=torch.int64)
-    if not _takes_cpu(engine.backend):
-        both = on_wire(both, engine.backend)
+    backend = engine.backend
+    if backend is not _takes[0] or not _takes[1]:
+        if not _takes_cpu(backend):
+            both = on_wire(both, backend)
     return Posted(codes, engine.backend.allreduce(both, "max", group), both, values)
 
 
@@ -160,15 +178,22 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
             return {}
     else:
         prepared = prepared or prepare(codes)
-        both = prepared.tensor.clone()
-        if not _takes_cpu(engine.backend):
-            both = on_wire(both, engine.backend)
+        backend = engine.backend
+        both = prepared.wire
+        if both is not None and backend is _takes[0] and _takes[1]:
+            prepared.wire = None  # this call's until it comes back unchanged
+        else:
+            both = prepared.tensor.clone()
+            if not _takes_cpu(backend):
+                both = on_wire(both, backend)
         # Waited for at once: the engine may finish it on the spot (Backend.allreduce_now).
-        work = engine.backend.allreduce_now(both, "max", group)
+        work = backend.allreduce_now(both, "max", group)
         if work is not None:
             work.wait(engine.timeout)
         result = both.tolist()
         if result == prepared.values:  # every rank's codes equal this rank's: they agree
+            if both.is_cpu:
+                prepared.wire = both  # it holds the message again: sent as it is next time
             return {}
     return {i: (result[i], -result[n + i]) for i in range(n)
             if result[i] != -result[n + i] and result[i] != _NO_SAY}

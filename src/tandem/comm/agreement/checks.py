@@ -43,7 +43,7 @@ import torch
 from tandem.comm import context
 from tandem.comm.agreement import agree as agreement
 from tandem.comm.agreement import call_sites, fingerprints
-from tandem.comm.members import group_ranks, group_size
+from tandem.comm.members import group_ranks
 
 _SHAPE_SLOTS = 12
 _HEADER = ("collective", "op", "dtype", "ndim", "root", "device", "seq", "site")
@@ -108,11 +108,15 @@ def agree(
     Returns, with `ignore_dim0`, whether every rank's first dim equals this rank's (True,
     False), or None when nothing was compared (checks off, or a group of one)."""
     engine = engine or context.current()
-    if not (engine.checks or engine.debug) or group_size(group, engine) == 1:
+    if not (engine.checks or engine.debug) \
+            or (engine.world.size if group is None else group.size) == 1:
         return None
     site = fingerprints.site_key()  # the user's line: the caller's caller, outward
     if not engine.debug:  # the same codes whenever this line makes this call again
-        prepared = _prepared(collective, tensor, op, root, ignore_dim0, site)
+        prepared = _PREPARED.get((collective, tensor.shape, tensor.dtype, op, root, ignore_dim0,
+                                  tensor.is_cpu or tensor.device.type, site))
+        if prepared is None:
+            prepared = _prepared(collective, tensor, op, root, ignore_dim0, site)
         differ = agreement.differing(prepared.codes, group, engine, prepared=prepared)
         if not differ:
             return True
@@ -153,8 +157,8 @@ _MOST_PREPARED = 4096  # kinds of call kept (a job makes a few dozen); past it, 
 def _prepared(collective, tensor, op, root, ignore_dim0, site) -> agreement.Prepared:
     """The message of this call, made once per collective, shape, dtype, op, root and line: a
     small message takes MPI a few microseconds, so encoding it again each time would cost more."""
-    key = (collective, tensor.shape, tensor.dtype, op, root, ignore_dim0, tensor.device.type,
-           site)
+    key = (collective, tensor.shape, tensor.dtype, op, root, ignore_dim0,
+           tensor.is_cpu or tensor.device.type, site)  # (as `agree` looks it up)
     found = _PREPARED.get(key)
     if found is None:
         if len(_PREPARED) >= _MOST_PREPARED:

@@ -89,7 +89,14 @@ def site_key() -> tuple[str, int]:
     outward: the user's line of a td.* or dist.* call. The per-call part of the default
     check: a few frames, each a dictionary look-up."""
     frame = sys._getframe(2)
-    while frame is not None and _is_library(frame.f_code.co_filename):
+    library = _library  # `_is_library`, written out: a call per frame is most of the walk
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        found = library.get(filename)
+        if found is None:
+            found = _is_library(filename)
+        if not found:
+            break
         frame = frame.f_back
     if frame is None:
         return ("<unknown>", 0)

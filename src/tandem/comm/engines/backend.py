@@ -127,6 +127,11 @@ class Backend(abc.ABC):
     def broadcast(self, tensor: torch.Tensor, root: int, group: Group | None) -> Work:
         """Copy `tensor` from global rank `root` into `tensor` on every member."""
 
+    def broadcast_now(self, tensor: torch.Tensor, root: int, group: Group | None) -> Work | None:
+        """`broadcast` for a caller that waits at once: None if it already completed (as
+        `allreduce_now`)."""
+        return self.broadcast(tensor, root, group)
+
     @abc.abstractmethod
     def allgather_into(
         self, output: torch.Tensor, input: torch.Tensor, group: Group | None

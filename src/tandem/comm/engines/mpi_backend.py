@@ -36,6 +36,7 @@ ON_THE_SPOT_S = 0.01
 # All-reduces from PIECES_FROM_BYTES up go to MPI in pieces of PIECE_BYTES (see _iallreduce).
 PIECES_FROM_BYTES = 8 << 20
 PIECE_BYTES = 4 << 20
+_MOST_SPECS = 256  # buffer specs kept for repeated blocking all-reduces (allreduce_now)
 
 
 class Communicator:
@@ -82,6 +83,7 @@ class MPIBackend(Backend):
                      "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
         self._in_place = MPI.IN_PLACE
         self._tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+        self._specs: dict[tuple, list] = {}  # (address, count, dtype) -> spec (allreduce_now)
         self._closed = False
 
     @classmethod
@@ -139,6 +141,18 @@ class MPIBackend(Backend):
         # A blocking td.allreduce: the caller drives it on the spot, which finishes messages up
         # to tens of megabytes as fast as a blocking MPI_Allreduce, without the progress
         # bookkeeping. Only a longer wait becomes an MPIWork, watched and bounded by a deadline.
+        # The common case first: a contiguous CPU tensor seen before (its buffer spec is kept).
+        spec = self._specs.get((tensor.data_ptr(), tensor.numel(), tensor.dtype))
+        if spec is not None and tensor.is_contiguous() and not tensor.is_cuda:
+            handle = self._world if group is None else self._handle(group)
+            request = handle.comm.Iallreduce(self._in_place, spec, self._ops[op])
+            try:
+                if request.Test() or completed_within(request, ON_THE_SPOT_S):
+                    return None
+            except self._MPI.Exception as error:
+                described = _collective("allreduce", tensor, self.rank, handle, op)[0]
+                raise RuntimeError(f"MPI {described} failed: {error}") from error
+            return self._allreduce_work(request, None, spec, handle, tensor, op)
         posted = self._post_allreduce(tensor, op, group)
         try:
             done = completed_within(posted[0], ON_THE_SPOT_S)
@@ -156,6 +170,13 @@ class MPIBackend(Backend):
         """(request, copy-back step or None, spec, communicator, tensor, op) of a posted all-reduce."""
         handle = self._world if group is None else self._handle(group)
         spec, after = self.staging.spec(tensor, True)
+        if after is None and not tensor.is_cuda and len(spec[0]) < PIECES_FROM_BYTES:
+            # Kept by address, count and dtype: making the spec costs as much as a small
+            # message's Python (0.7 us of 3.7 here), and an address that a later tensor reuses
+            # with the same count and dtype needs the same spec. A few hundred are kept.
+            if len(self._specs) >= _MOST_SPECS:
+                self._specs.clear()
+            self._specs[(tensor.data_ptr(), tensor.numel(), tensor.dtype)] = spec
         return self._iallreduce(handle.comm, spec, self._ops[op]), after, spec, handle, tensor, op
 
     def _allreduce_work(self, request, after, spec, handle, tensor, op) -> MPIWork:
@@ -182,6 +203,29 @@ class MPIBackend(Backend):
             piece = [buffer[first * itemsize:(first + n) * itemsize], n, datatype]
             pieces.append(comm.Iallreduce(self._in_place, piece, op))
         return Requests(self._MPI.Request, pieces)
+
+    def broadcast_now(self, tensor, root, group):
+        # As allreduce_now: a contiguous CPU tensor seen before goes to MPI with its kept spec.
+        key = (tensor.data_ptr(), tensor.nbytes, None)
+        spec = self._specs.get(key)
+        if spec is None or not tensor.is_contiguous() or tensor.is_cuda:
+            work = self.broadcast(tensor, root, group)
+            if not tensor.is_cuda and tensor.is_contiguous() and 0 < tensor.nbytes < PIECES_FROM_BYTES:
+                if len(self._specs) >= _MOST_SPECS:
+                    self._specs.clear()
+                self._specs[key] = [self.staging.fromaddress(tensor.data_ptr(), tensor.nbytes),
+                                    tensor.nbytes, self._MPI.BYTE]
+            return work
+        handle = self._world if group is None else self._handle(group)
+        request = handle.comm.Ibcast(spec, handle.rank_of(root, "root"))
+        try:
+            if request.Test() or completed_within(request, ON_THE_SPOT_S):
+                return None
+        except self._MPI.Exception as error:
+            described = _collective("broadcast", tensor, self.rank, handle, None, root)[0]
+            raise RuntimeError(f"MPI {described} failed: {error}") from error
+        return self._work(request, (), (tensor, spec),
+                          (_collective, "broadcast", tensor, self.rank, handle, None, root))
 
     def broadcast(self, tensor, root, group):
         handle = self._handle(group)

@@ -124,7 +124,7 @@ class Staging:
 
     def __init__(self, MPI: Any, cuda_aware: bool) -> None:
         self._MPI = MPI
-        self._fromaddress = MPI.buffer.fromaddress
+        self._fromaddress = self.fromaddress = MPI.buffer.fromaddress
         self._byte = MPI.BYTE
         self._types = reduction_types(MPI)
         self.cuda_aware = cuda_aware

@@ -167,13 +167,24 @@ class WatchedBackend(Backend):
         # Finished on the spot: nothing was waited for, so only the count moves.
         work = self._inner.allreduce_now(tensor, op, group)
         if work is None:
-            self.watchdog.count(group)
+            if group is None:  # `count`, written out for the world (every small td.allreduce)
+                issued = self.watchdog._issued
+                issued["world"] = issued.get("world", 0) + 1
+            else:
+                self.watchdog.count(group)
             return None
         return self.watchdog.issue(work, "allreduce", group, tensor)
 
     def broadcast(self, tensor, root, group):
         return self.watchdog.issue(self._inner.broadcast(tensor, root, group), "broadcast",
                                    group, tensor)
+
+    def broadcast_now(self, tensor, root, group):
+        work = self._inner.broadcast_now(tensor, root, group)
+        if work is None:  # finished on the spot, as allreduce_now's
+            self.watchdog.count(group)
+            return None
+        return self.watchdog.issue(work, "broadcast", group, tensor)
 
     def allgather_into(self, output, input, group):
         return self.watchdog.issue(self._inner.allgather_into(output, input, group),

@@ -4,6 +4,8 @@ What is where:
 
 - `joined`: Whether any rank joined the job, so that `tandem run` can say when none did.
 - `output`: Rank output: every line a rank prints reaches our stdout/stderr as `[rank] line`.
+- `pool`: One local worker pool: the ranks of one job on this machine, each running the work it
+  is sent (`td.spawn`, `tandem.testing`'s shared worlds).
 - `processes`: Local rank processes: start them, signal their process groups, stop them within a
   deadline.
 - `ranks`: This machine's ranks of one attempt: what each runs, what it gets, and their exits as

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import BinaryIO, TextIO
 
@@ -117,14 +118,16 @@ class RankOutput:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         tail_lines: int = TAIL_LINES,
+        echo: bool = True,
     ) -> None:
         screen = _Screen()  # one lock for both streams: a terminal shows them together
         self._stdout = _Sink(stdout or sys.stdout, screen)
         self._stderr = _Sink(stderr or sys.stderr, screen)
         self._tail_lines = tail_lines
+        self._echo = echo  # False: only remembered (a test world's ranks, read back on failure)
         self._tails: dict[int, deque[str]] = {}
         self._tails_lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[int, list[threading.Thread]] = {}
         self.spoke: set[int] = set()  # ranks that printed a line on stdout: past their imports
 
     def terminal_rank(self, rank: int) -> bool:
@@ -139,13 +142,14 @@ class RankOutput:
         """Start copying the two pipes of `rank` (until they reach end of file)."""
         self._tails[rank] = deque(maxlen=self._tail_lines)
         for pipe, sink, name in ((stdout, self._stdout, "out"), (stderr, self._stderr, "err")):
-            copy = self._copy_live if self.terminal_rank(rank) and sink.terminal else self._copy
+            live = self._echo and self.terminal_rank(rank) and sink.terminal
+            copy = self._copy_live if live else self._copy
             thread = threading.Thread(
                 target=copy, args=(rank, pipe, sink),
                 name=f"tandem-rank{rank}-std{name}", daemon=True,
             )
             thread.start()
-            self._threads.append(thread)
+            self._threads.setdefault(rank, []).append(thread)
 
     def _remember(self, rank: int, line: bytes) -> None:
         text = line.decode("utf-8", "replace").rstrip("\r\n")
@@ -159,7 +163,8 @@ class RankOutput:
             for line in iter(lambda: pipe.readline(MAX_LINE_BYTES), b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                sink.write_line(prefix + line)
+                if self._echo:
+                    sink.write_line(prefix + line)
                 self._remember(rank, line)
                 if sink is self._stdout:
                     self.spoke.add(rank)
@@ -205,16 +210,19 @@ class RankOutput:
         with self._tails_lock:
             return list(self._tails.get(rank, ()))
 
-    def join(self, timeout: float) -> bool:
-        """Wait until every pipe is drained, `timeout` seconds at most; True when all were.
+    def join(self, timeout: float, ranks: Iterable[int] | None = None) -> bool:
+        """Wait until every pipe (of `ranks`, default all) is drained, `timeout` seconds at
+        most; True when all were.
 
         A pipe stays open while any process holds it, so a rank's leftover child could keep
         it open forever; the deadline keeps the agent from waiting on it.
         """
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
+        threads = [thread for rank in (self._threads if ranks is None else ranks)
+                   for thread in self._threads.get(rank, ())]
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        return not any(thread.is_alive() for thread in threads)
 
 
 def _last_segment(text: bytes) -> bytes:

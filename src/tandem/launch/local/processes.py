@@ -1,7 +1,7 @@
 """Local rank processes: start them, signal their process groups, stop them within a deadline.
 
-The one place tandem starts ranks on this machine: `tandem run`'s agents (`launch.local.ranks`),
-`td.spawn` (`tandem.spawning`) and the test harness (`tandem.testing.LocalWorld`) all call
+The one place tandem starts ranks on this machine: `tandem run`'s agents (`launch.local.ranks`)
+and the worker pool under `td.spawn` and the test harness (`launch.local.pool`) all call
 `start_ranks`. Every rank runs in a session of its own (`start_new_session=True`), so its pid
 is also its process group id, and it and any children it starts can be signalled as a whole
 (`signal_group`). Stopping is the polite signal, a grace to exit, then SIGKILL
@@ -57,32 +57,17 @@ def signal_group(pid: int, signum: int) -> None:
         pass  # the group is gone already
 
 
-def start_ranks(
-    command: Sequence[str],
-    envs: Sequence[Mapping[str, str]],
-    *,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    pass_fds=(),
-) -> list[subprocess.Popen]:
-    """Start `command` once per environment in `envs`, each in a session of its own.
-
-    `stdout`/`stderr` are what `subprocess.Popen` takes: pipes by default (the agent prefixes
-    each line), None to share ours, a file; `pass_fds`, descriptors the rank inherits. Each
-    may also be a callable `rank -> value` (one log file, one pipe per rank). Standard input is
+def start_ranks(command: Sequence[str], envs: Sequence[Mapping[str, str]]) -> list[subprocess.Popen]:
+    """Start `command` once per environment in `envs`, each in a session of its own, its
+    stdout and stderr piped to us (`output.RankOutput` copies them) and its standard input
     closed: ranks never read the terminal. When the system refuses to start one (the `OSError`
-    is raised), those already started are killed first.
-    """
-    def each(value, rank: int):
-        return value(rank) if callable(value) else value
-
+    is raised), those already started are killed first."""
     started: list[subprocess.Popen] = []
     try:
-        for rank, env in enumerate(envs):
+        for env in envs:
             started.append(subprocess.Popen(
-                list(command), env=dict(env), stdin=subprocess.DEVNULL,
-                stdout=each(stdout, rank), stderr=each(stderr, rank),
-                pass_fds=each(pass_fds, rank), start_new_session=True,
+                list(command), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True,
             ))
     except BaseException:
         stop_processes(started, signal.SIGKILL, grace=0)  # none of a half-started job lives on

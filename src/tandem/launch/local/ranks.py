@@ -111,8 +111,9 @@ def local_rank_environment(base: Mapping[str, str], *, rank: int, size: int, loc
     """The one rank-environment builder: `base`, the thread rule (`thread_limits`, `threads`
     per rank when given) and the TANDEM_* variables `td.init()` joins the job with: rank
     `rank` of `size`, `local_rank` of the `local_size` ranks on this machine, the store at
-    `store` that the launcher hosts. `td.spawn` and `tandem.testing` start their ranks with
-    it as it is; `tandem run` adds the job's own variables (`rank_environment`)."""
+    `store` that the launcher hosts. The worker pool of `td.spawn` and `tandem.testing`
+    (`pool.WorkerPool`) starts its ranks with it as it is; `tandem run` adds the job's own
+    variables (`rank_environment`)."""
     env = dict(base)
     env.update(thread_limits(base, local_size, threads))
     env.update(tandem_variables(rank=rank, size=size, local_rank=local_rank,
