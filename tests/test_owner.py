@@ -26,7 +26,7 @@ CONSUMERS = ["parallel/layout", "checkpoint", "elastic", "parallel/data_parallel
              # the memory estimator, tandem scale/memory, MetricLogger's timing, step accounting
              "parallel/broadcast.py", "parallel/optimizer_broadcast.py",
              "parallel/data_parallel/local_sgd.py", "parallel/zero/optimizer.py",
-             "parallel/zero/reshard.py", "parallel/fully_shard/resize.py", "parallel/memory",
+             "parallel/fully_shard/resize.py", "parallel/memory",
              "parallel/tensor/branches.py", "cli", "metrics", "diagnostics/steps.py"]
 WRAPPERS = r"(Pipeline|ZeroOptimizer|DistributedOptimizer|DistributedDataParallel|LocalSGD|Reducer)"
 

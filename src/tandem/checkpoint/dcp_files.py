@@ -21,7 +21,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from tandem.checkpoint import checksums
 from tandem.checkpoint.durable import CheckpointError, CorruptCheckpointError, fsync_directory, no_space
 from tandem.comm.collectives import user as collectives
 from tandem.parallel.layout import protocol as layout
+from tandem.parallel.layout.state_pieces import Piece
 
 METADATA = ".metadata"
 # Test hook: called on rank 0 with the temporary directory once every file is written, just
@@ -78,13 +78,6 @@ def settle(problem: str | None, what: str, error: type[CheckpointError] = Checkp
         rank, text = problems[0]
         more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
         raise error(f"{what}: rank {rank}: {text}{more}")
-
-
-@dataclass
-class Piece:
-    key: str
-    shape: tuple[int, ...]
-    chunks: list[tuple[layout.Chunk, torch.Tensor]] = field(default_factory=list)  # (box, local)
 
 
 def _bytes(value: Any) -> io.BytesIO:

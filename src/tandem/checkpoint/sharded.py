@@ -40,14 +40,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     SavePlan,
 )
@@ -55,18 +51,11 @@ from torch.distributed.checkpoint.planner import (
 from tandem.checkpoint import dcp_files as files
 from tandem.checkpoint.durable import CheckpointError, needed_bytes, no_space, place, shortfall
 from tandem.parallel.layout import protocol as layout
-from tandem.parallel.layout.owner import owner_of
+from tandem.parallel.layout import state_pieces
+from tandem.parallel.layout.state_pieces import is_model, is_optimizer
 
 FORMAT = "tandem-dcp-1"
 RECORD = "tandem"
-
-
-def is_model(obj: Any) -> bool:
-    return owner_of(obj).role == "model"
-
-
-def is_optimizer(obj: Any) -> bool:
-    return layout.innermost_optimizer(obj) is not None
 
 
 def _type_name(obj: Any) -> str:
@@ -91,64 +80,14 @@ def _stateful(name: str, obj: Any) -> None:
             f"optimizers, schedulers or other objects that have them")
 
 
-# -- what this rank holds: the tensors to write, or to read into -------------------------------
-
-
-def _model_pieces(name: str, model: Any) -> dict[str, files.Piece]:
-    pieces: dict[str, files.Piece] = {}
-    for held in layout.held(model):
-        for placement, chunk in layout.iter_chunks(held):
-            piece = pieces.setdefault(f"{name}.{placement.name}",
-                                      files.Piece(f"{name}.{placement.name}", placement.shape))
-            piece.chunks.append((chunk, held.tensor))
-        for placement in held.placements:
-            key = f"{name}.{placement.name}"
-            pieces.setdefault(key, files.Piece(key, placement.shape))
-    return pieces
-
-
-def _optimizer_pieces(name: str, optimizer: Any, models: list[Any]
-                      ) -> tuple[dict[str, files.Piece], dict[str, Any], dict]:
-    """(tensor state pieces, non-tensor state by key, param_groups with parameter names)."""
-    inner, params = layout.optimizer_params(optimizer, models)
-    pieces: dict[str, files.Piece] = {}
-    others: dict[str, Any] = {}
-    names_of = {}
-    for p, placements in params:
-        names_of[id(p)] = [pl.name for pl in placements]
-        for k, v in inner.state.get(p, {}).items():
-            if layout.per_element(k, v, p):
-                for placement in placements:
-                    key = f"{name}.state.{placement.name}.{k}"
-                    piece = pieces.setdefault(key, files.Piece(key, placement.shape))
-                    piece.chunks += [(chunk, v) for chunk in placement.chunks]
-            elif isinstance(v, torch.Tensor):
-                for placement in placements:  # a scalar (Adam's step): one per name
-                    key = f"{name}.state.{placement.name}.{k}"
-                    pieces[key] = files.Piece(key, tuple(v.shape), [(layout.whole(key, v).chunks[0], v)])
-            elif v is not None:
-                for placement in placements:
-                    others[f"{name}.state.{placement.name}.{k}"] = v
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [n for p in g["params"] for n in names_of[id(p)]]} for g in inner.param_groups]
-    return pieces, others, groups
-
-
-def _gather(objects: dict[str, Any]) -> tuple[dict[str, files.Piece], dict[str, Any], dict[str, Any]]:
+def _gather(objects: dict[str, Any]) -> tuple[dict[str, state_pieces.Piece], dict[str, Any], dict[str, Any]]:
     """(tensor pieces, byte items, the tandem record) of everything in `objects`."""
-    models = [obj for obj in objects.values() if is_model(obj)]
-    pieces: dict[str, files.Piece] = {}
-    blobs: dict[str, Any] = {}
+    pieces, blobs, _ = state_pieces.pieces_of(objects)
     kinds = {}
     for name, obj in objects.items():
         if is_model(obj):
-            pieces.update(_model_pieces(name, obj))
             kinds[name] = ("model", sorted(layout.split_kinds(obj)))
         elif is_optimizer(obj):
-            tensors, others, groups = _optimizer_pieces(name, obj, models)
-            pieces.update(tensors)
-            blobs.update(others)
-            blobs[f"{name}.param_groups"] = groups
             kinds[name] = ("optimizer", _type_name(obj))
         else:
             blobs[name] = obj.state_dict()
@@ -253,7 +192,7 @@ def _shape_of(metadata: Any, key: str) -> tuple | None:
     return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
 
 
-def _check_model(name: str, pieces: dict[str, files.Piece], metadata: Any) -> str | None:
+def _check_model(name: str, pieces: dict[str, state_pieces.Piece], metadata: Any) -> str | None:
     """Missing, unexpected and differently shaped names (over every rank's pieces: a pipeline
     stage expects its own layers only)."""
     expected = {}
@@ -337,7 +276,7 @@ def load_sharded(path: str | os.PathLike, **objects: Any) -> dict[str, Any]:
     files.settle(problem, f"cannot load checkpoint {str(path)!r}")
     for name, obj in objects.items():
         if is_model(obj):
-            plan[name] = _model_pieces(name, obj)
+            plan[name] = state_pieces.model_pieces(name, obj)
             files.settle(_check_model(name, plan[name], metadata), f"cannot load checkpoint {str(path)!r}")
     problem = None
     optimizer_plans = {}
@@ -353,67 +292,23 @@ def load_sharded(path: str | os.PathLike, **objects: Any) -> dict[str, Any]:
         if is_model(obj):
             files.read(path, metadata, {k: p.chunks for k, p in plan[name].items()}, [])
         elif is_optimizer(obj):
-            _load_optimizer(path, metadata, obj, *optimizer_plans[name])
+            _load_optimizer(path, metadata, optimizer_plans[name])
         else:
             obj.load_state_dict(files.read(path, metadata, {}, [name])[name])
     return record
 
 
-def _optimizer_plan(name: str, optimizer: Any, models: list[Any], metadata: Any):
-    inner, params = layout.optimizer_params(optimizer, models)
-    keys = metadata.state_dict_metadata
-    groups_key = f"{name}.param_groups"
-    if groups_key not in keys:
-        raise KeyError(f"the checkpoint has no {groups_key}")
-    state: dict[int, dict[str, Any]] = {}
-    reads: dict[str, list[tuple[layout.Chunk, torch.Tensor]]] = {}
-    blobs: list[tuple[int, str, str]] = []
-    # '<optimizer>.state.<parameter name>.<state key>', indexed once by parameter name (a scan
-    # of every key per parameter would be quadratic in the model's size).
-    saved: dict[str, list[tuple[str, str, Any]]] = {}
-    prefix = f"{name}.state."
-    for key, md in keys.items():
-        if key.startswith(prefix):
-            parameter, _, k = key[len(prefix):].rpartition(".")
-            saved.setdefault(parameter, []).append((k, key, md))
-    for i, (p, placements) in enumerate(params):
-        for placement in placements:
-            for k, key, md in saved.get(placement.name, []):
-                entry = state.setdefault(i, {})
-                if isinstance(md, BytesStorageMetadata):
-                    if k not in entry:
-                        entry[k] = None
-                        blobs.append((i, k, key))
-                    continue
-                saved_shape = tuple(md.size)
-                if saved_shape == placement.shape and (saved_shape != () or k != "step"):
-                    if k not in entry:
-                        entry[k] = torch.zeros_like(p.detach())
-                    reads.setdefault(key, []).extend((c, entry[k]) for c in placement.chunks)
-                elif k not in entry:
-                    entry[k] = torch.zeros(saved_shape, dtype=md.properties.dtype)
-                    chunk = layout.whole(key, entry[k]).chunks[0]
-                    reads.setdefault(key, []).append((chunk, entry[k]))
-    return inner, params, state, reads, blobs, groups_key
+def _optimizer_plan(name: str, optimizer: Any, models: list[Any], metadata: Any
+                    ) -> state_pieces.OptimizerTargets:
+    saved = {key: (tuple(md.size), md.properties.dtype) if isinstance(md, TensorStorageMetadata)
+             else None for key, md in metadata.state_dict_metadata.items()}
+    return state_pieces.optimizer_targets(name, optimizer, models, saved)
 
 
-def _load_optimizer(path: Path, metadata: Any, optimizer: Any, inner, params, state, reads, blobs,
-                    groups_key) -> None:
-    values = files.read(path, metadata, reads, [groups_key] + [key for _, _, key in blobs])
-    for i, k, key in blobs:
-        state[i][k] = values[key]
-    saved_groups = values[groups_key]
-    if len(saved_groups) != len(inner.param_groups):
-        raise CheckpointError(f"the optimizer has {len(inner.param_groups)} param groups, the "
-                              f"checkpoint {len(saved_groups)}: build it as when it was saved")
-    index, groups = 0, []
-    for saved, group in zip(saved_groups, inner.param_groups, strict=True):
-        n = len(group["params"])
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": list(range(index, index + n))})
-        index += n
-    for i, (p, _) in enumerate(params):
-        for k, v in list(state.get(i, {}).items()):
-            if isinstance(v, torch.Tensor):
-                state[i][k] = v.to(p.device) if v.dim() else v
-    inner.load_state_dict({"state": state, "param_groups": groups})
+def _load_optimizer(path: Path, metadata: Any, targets: state_pieces.OptimizerTargets) -> None:
+    values = files.read(path, metadata, targets.reads,
+                        [targets.groups_key] + [key for _, _, key in targets.values])
+    try:
+        targets.load(values)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None

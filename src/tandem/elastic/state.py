@@ -36,10 +36,10 @@ import torch
 from tandem import runtime
 from tandem.comm.collectives import user as collectives
 from tandem.elastic import extras as kept
-from tandem.elastic import sharded, transfer
+from tandem.elastic import transfer
 from tandem.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
 from tandem.parallel.fully_shard import resize
-from tandem.parallel.layout import splits
+from tandem.parallel.layout import splits, state_pieces
 from tandem.parallel.layout.owner import owner_of
 from tandem.rendezvous import elastic_rounds
 from tandem.rendezvous.client import StoreClient
@@ -101,6 +101,11 @@ class State:
                     f"(td.DistributedOptimizer, td.DistributedDataParallel, or td.ZeroOptimizer's "
                     f"shards over the world, resharded at each change) in an elastic job, or a "
                     f"fixed -np with --max-restarts and td.Checkpointer, which reshards on load")
+        if model is None and owner_of(optimizer).sharded_over_world():
+            raise ValueError(
+                f"td.elastic.State: {owner_of(optimizer).describe()} keeps each rank's part of "
+                f"the state, named by the model's parameters: give the model too, "
+                f"State(model=model, optimizer=...)")
         for name, value in extras.items():
             kept.check(name, value)
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -169,7 +174,7 @@ class State:
         this far (`check_host_updates`), since one rank's exchange may succeed where its
         neighbour's fails: `sync` then puts the ranks that moved on back on it (`settle`)."""
         pending = self._take()
-        received = transfer.to_next(sharded.parts(self, pending))  # raises if a peer died
+        received = transfer.to_next(pending["part"])  # raises if a peer died
         self._previous = (self._snapshot, self._commits, self._backup)
         self._snapshot, self._commits = pending, self._commits + 1
         self._backup = (self._commits, received)
@@ -181,18 +186,29 @@ class State:
 
     def _take(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = {"extras": kept.values(self._extras)}
-        if self._fsdp:  # this rank's shards: a copy, no communication
-            snapshot["model"] = resize.model_state(self.model)
-        elif self.model is not None:
+        if self._sharded:  # this rank's boxes of the sharded state: a copy, no communication
+            job = runtime.state().job
+            snapshot["part"] = {
+                **state_pieces.take(self._sharded_objects(), self._models()),
+                "worker": job.elastic.worker if job.elastic is not None else runtime.rank()}
+        if self.model is not None and not self._fsdp:
             snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                  for k, v in self.model.state_dict().items()}
-        if owner_of(self.optimizer).sharded_over_world():  # this rank's shard: a copy
-            snapshot["optimizer"] = owner_of(self.optimizer).shard_state()
-        elif self._fsdp and self.optimizer is not None:
-            snapshot["optimizer"] = resize.optimizer_shards(self.optimizer, self.model)
-        elif self.optimizer is not None:
+        if self.optimizer is not None and not self._sharded:
             snapshot["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         return snapshot
+
+    def _sharded_objects(self) -> dict[str, Any]:
+        """The state each rank holds a part of, by name: a model fully sharded over the world,
+        the optimizer of sharded state (ZeroOptimizer's, or one over fully sharded shards)."""
+        objects = {"model": self.model} if self._fsdp else {}
+        if self.optimizer is not None and self._sharded:
+            objects["optimizer"] = self.optimizer
+        return objects
+
+    def _models(self) -> list[torch.nn.Module]:
+        """The model whose parameters name the optimizer's state."""
+        return [self.model] if self.model is not None else []
 
     @property
     def _sharded(self) -> bool:
@@ -219,7 +235,7 @@ class State:
         if self.optimizer is not None and not self._sharded:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         if self._sharded and shards:
-            sharded.load(self, [sharded.parts(self, snapshot)])
+            state_pieces.fill_from([snapshot["part"]], self._sharded_objects(), self._models())
         kept.load(self._extras, snapshot["extras"])
 
     def check_host_updates(self) -> None:
@@ -265,7 +281,7 @@ class State:
         newest, oldest = int(counts.max()), int(counts.min())
         if rollback and self._commits in (newest, 0):  # a rank behind receives it all instead
             self.restore(shards=False)
-        if self._sharded and newest > 0 and not sharded.reshard(self, newest):
+        if self._sharded and newest > 0 and not self._reshard(newest):
             return
         if newest == oldest > 0 and self.compare_replicas:  # each commit compared them
             return
@@ -278,7 +294,7 @@ class State:
                     "their shards). Commit after each step (or every few), or give "
                     "State(..., checkpointer=td.Checkpointer(dir, every=N))")
         source = int(torch.argmax(counts))  # the lowest rank among those with the newest
-        if self.model is not None and not self._fsdp:  # a fully sharded one: `sharded.reshard`
+        if self.model is not None and not self._fsdp:  # a fully sharded one: `_reshard`
             broadcast_parameters(self.model, root=source)
         if self.optimizer is not None and not self._sharded:
             broadcast_optimizer_state(self.optimizer, root=source)
@@ -291,6 +307,49 @@ class State:
         elif not self.compare_replicas:  # Horovod's: every rank takes the source's, as it is
             kept.load(self._extras, extras)
             self._snapshot = self._take()
+
+    def _reshard(self, newest: int) -> bool:
+        """The sharded state of commit `newest` in this world's layout, from the ranks that
+        hold its boxes (their own parts, and the peer backups of ranks that left): the
+        checkpoint's box intersection, over the wire. True when they hold all of it. Else
+        every rank goes on from the checkpointer's newest checkpoint (resharded on load) and
+        this returns False; without one, an error names what was lost. Collective."""
+        parts = [self._snapshot["part"]] if self._commits == newest else []
+        if self._backup is not None and self._backup[0] == newest and self._backup[1]:
+            if self._backup[1]["worker"] not in self._round_workers():  # its owner left
+                parts.append(self._backup[1])
+        holes = transfer.reshard(parts, self._sharded_objects(), self._models())
+        if not holes:
+            return True
+        by_name = {label.partition(".")[2]: spans for label, spans in holes.items()}
+        if self._fsdp:
+            lost = "state of fully_shard's " + ", ".join(resize.lost(self.model, by_name))
+        else:
+            lost = f"{owner_of(self.optimizer).kind} state of " + ", ".join(
+                f"flat elements [{a}, {b}) of {name}" for name, spans in by_name.items()
+                for a, b in spans)
+        if self.checkpointer is None:
+            raise RuntimeError(
+                f"td.elastic: the {lost} was held only by the rank(s) that left, so no rank "
+                f"can send it. Give td.elastic.State(..., peer_backup=True) (each rank also "
+                f"keeps the previous rank's part: one lost rank is restored from memory) or "
+                f"a disk fallback, checkpointer=td.Checkpointer(dir, every=N) (the job goes "
+                f"on from its last checkpoint)")
+        if runtime.rank() == 0:
+            warnings.warn(f"td.elastic: the {lost} left with the lost rank(s): going on from "
+                          f"the checkpointer's newest checkpoint", stacklevel=3)
+        self._from_checkpoint()
+        self._snapshot = self._take()
+        self._commits = newest
+        return False
+
+    def _round_workers(self) -> set[int]:
+        """The workers of this process's round (every rank, outside an elastic job)."""
+        job = runtime.state().job
+        if job.elastic is None:
+            return set(range(runtime.size()))
+        self._look()
+        return set(elastic_rounds.read(self._store, job.elastic.round).workers)
 
     def _settle(self) -> None:
         """With a peer backup, every rank onto one commit whose parts all survive: when a
@@ -382,7 +441,7 @@ def _split_how(owner: Any, fsdp: bool) -> str | None:
     if split.group is not None:
         return f"reduced over {split.group!r}, not the world"
     if split.sharded_over_world():
-        return None  # sharded over the world: resharded by `State.sync` (`sharded`)
+        return None  # sharded over the world: resharded by `State.sync` (`_reshard`)
     params = (owner.parameters() if hasattr(owner, "parameters")
               else (p for g in getattr(owner, "param_groups", ()) for p in g["params"]))
     kinds = {splits.kind_of(p) for p in params} - {None}

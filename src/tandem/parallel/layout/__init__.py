@@ -13,6 +13,8 @@ What is where:
   protocol.
 - `protocol`: What each rank holds of a split model: the one protocol behind checkpoints and
   model-wide calls.
+- `state_pieces`: State as boxes of one-process tensors, from any layout into any other: the
+  one resharding path.
 - `split_grads`: Gradients of split parameters that give torch's own norm functions the global
   answer.
 - `splits`: Which tensors are split across ranks, how, and over which group: the registry every

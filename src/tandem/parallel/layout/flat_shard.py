@@ -47,13 +47,3 @@ class FlatShard:
         return flat_placements(names, shapes, mine[0] if lo is None else lo,
                                mine[1] if hi is None else hi, base)
 
-
-def missing(ranges: Sequence[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
-    """The parts [a, b) of a flat space of `numel` elements that none of `ranges` covers (the
-    state of a rank that left, td.elastic)."""
-    holes, reached = [], 0
-    for a, b in sorted(ranges):
-        if a > reached:
-            holes.append((reached, a))
-        reached = max(reached, b)
-    return holes + ([(reached, numel)] if reached < numel else [])

@@ -119,8 +119,14 @@ def per_element(key: str, value: Any, param: torch.Tensor) -> bool:
 def per_element_of_shape(key: str, value: Any, shape: tuple[int, ...]) -> bool:
     """`per_element` for a parameter of `shape` that is not at hand (a saved one-process
     parameter's placement, a flat range): the same rule, not a copy of it."""
-    return (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape)
-            and (len(shape) > 0 or key != "step"))
+    return isinstance(value, torch.Tensor) and per_element_shapes(key, tuple(value.shape), shape)
+
+
+def per_element_shapes(key: str, value_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """The rule itself, on shapes alone: state `key` of `value_shape` for a parameter of `shape`
+    (a value that is not at hand: a checkpoint's saved shape, a box another rank holds). A
+    0-dim parameter's state is per element too, except its "step"."""
+    return tuple(value_shape) == tuple(shape) and (len(shape) > 0 or key != "step")
 
 
 def per_flat_element(key: str, value: Any, n: int) -> bool:

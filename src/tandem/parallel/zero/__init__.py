@@ -4,5 +4,4 @@ What is where:
 
 - `optimizer`: ZeRO stage 1: each rank keeps the optimizer state of only its shard of the
   parameters.
-- `reshard`: A ZeroOptimizer's state moved between world sizes in memory (td.elastic).
 """

@@ -623,33 +623,13 @@ class ZeroOptimizerOwner(WrapperOwner):
         return self.obj.clip_grad_norm_(max_norm, norm_type)
 
     def rejoin(self) -> None:
-        """A new world (td.elastic): shards for its size; td.elastic.State then loads this
-        rank's new shard of the committed state, gathered from the ranks that held it."""
+        """A new world (td.elastic): shards for its size; td.elastic.State then fills this
+        rank's new shard from the boxes of the committed state that the ranks held (the
+        checkpoint's path, `parallel/layout/state_pieces.py`), as `state_placements` says."""
         self.obj._partition()
 
     def sharded_over_world(self) -> bool:
         return True
-
-    # -- this rank's part across a change of world (td.elastic) --------------------------
-    def shard_state(self) -> dict[str, Any]:
-        from tandem.parallel.zero import reshard
-
-        return reshard.shard_state(self.obj)
-
-    def holes(self, ranges: list[tuple[int, int]]) -> list[str]:
-        from tandem.parallel.zero import reshard
-
-        return [f"[{a}, {b})" for a, b in reshard.missing(ranges, self.obj.numel)]
-
-    def cut_for(self, part: dict[str, Any], rank: int) -> dict[str, Any]:
-        from tandem.parallel.zero import reshard
-
-        return reshard.cut_for(self.obj, part, rank)
-
-    def load_shards(self, parts: list[dict[str, Any]]) -> None:
-        from tandem.parallel.zero import reshard
-
-        reshard.load_shards(self.obj, parts)
 
 
 register(ZeroOptimizer, ZeroOptimizerOwner)
