@@ -362,6 +362,22 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
         ValueError: this rank is not a member of `group`.
         TypeError: `tensor` is neither a torch tensor nor a NumPy array.
     """
+    state = context.active
+    if tensor.__class__ is torch.Tensor and group is None and not async_op \
+            and state is not None and tensor.is_cpu and tensor.dim():
+        backend = state.backend  # the common case written out, as in allreduce
+        if backend is not _cpu[0]:
+            _learn_cpu(backend)
+        if _cpu[1] and tensor.dtype not in _cpu[2] and tensor.is_contiguous():
+            n = state.world.size
+            same = (checks.agree("allgather", tensor, None, ignore_dim0=True, engine=state)
+                    if state.checks or state.debug else None)
+            if same or n == 1:  # the check compared the first dims: no lengths to exchange
+                output = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+                backend.allgather_into(output, tensor, None).wait(state.timeout)
+                return output
+            return _gathered(tensor, exchange.lengths(tensor.shape[0], None, state), False,
+                             False, None)
     check_member(group)
     data, as_numpy = to_torch(tensor)
     if data.dim() == 0:
@@ -371,6 +387,13 @@ def allgather(tensor: Array, *, async_op: bool = False, group: Group | None = No
         lengths = [data.shape[0]] * n  # the check compared the first dims: one message saved
     else:
         lengths = exchange.lengths(data.shape[0], group, context.current())
+    return _gathered(data, lengths, as_numpy, async_op, group)
+
+
+def _gathered(data: torch.Tensor, lengths: list[int], as_numpy: bool, async_op: bool,
+              group: Group | None):
+    """`allgather`'s data, once every rank's first dim is known (`lengths`)."""
+    n = len(lengths)
     longest = max(lengths)
     rest = tuple(data.shape[1:])
     padded = data
