@@ -280,7 +280,7 @@ SLOW: dict[str, str] = {
     **{f"tests/test_optimizer_matrix.py::test_every_optimizer_equals_one_process_or_is_refused_with_the_reason[HSDP-{b}]":
        "a 4-rank world (HSDP, 2 replicas x 2 shards) of its own, 11-13 s" for b in ("gloo", "mpi")},
     **{f"tests/test_optimizer_matrix.py::test_a_sharded_optimizer_resumes_from_2_ranks_on_3_as_one_process[{b}]":
-       "DCP checkpoints of 3 optimizers saved on 2 ranks and restored on 3 (2 worlds), 18-27 s"
+       "DCP checkpoints of 5 optimizers saved on 2 ranks and restored on 3 (2 worlds), 18-30 s"
        for b in ("gloo", "mpi")},
     "tests/test_branches_checkpoint.py::test_branches_checkpoint_holds_each_branch_once_and_loads_on_another_world[mpi]":
         "a Branches checkpoint saved on 2 ranks and loaded on 3 (2 worlds), 13 s (fast: [gloo])",
