@@ -24,12 +24,16 @@ commit and end with the one-process result (3e-8; 0.05 s from the failed collect
 resumed state; tests/test_mpi_elastic.py under scripts/test-openmpi.sh). What is missing before
 `tandem run --backend mpi --min-np` can use it, so both MPIs are still refused:
 
-- over shared memory (tandem's one-node jobs: `btl=^tcp`) with the detector, the shrink and
-  the training work, but the survivors then hang at exit (mpiexec never ends); over TCP
-  mpiexec ends with the lost rank's code (9), which `tandem run` would have to take as a
-  success when --min-np survivors finished;
-- the detector's 1 s timeout took a healthy rank importing torch on 2 busy cores for a lost
-  one (MPI_ERR_PROC_FAILED in td.init's set-up): only its defaults (~10 s) are safe;
+- over TCP (`--mca btl self,tcp`) it worked in all 4 runs; mpiexec then ends with the lost rank's
+  code (9), which `tandem run` would have to take as a success when --min-np survivors
+  finished;
+- over shared memory (tandem's one-node jobs: `btl=^tcp`) a lost rank is seen only by ULFM's
+  heartbeat detector (`--mca mpi_ft_detector true`), and on 2 shared cores it was not
+  reliable: with its defaults the shrink and the training worked once and the survivors then
+  hung at exit (mpiexec never ended), and at a load of 20 it reported a healthy rank dead
+  during td.init's set-up (that rank aborts: "I have been reported dead by someone else");
+  with `mpi_ft_detector_timeout 1` it did so at once. An elastic MPI job would have to run
+  over TCP even on one node;
 - `td.elastic.run` knows a lost peer by the watchdog's errors and a new world by the
   launcher's next round (`runtime.rejoin`); on MPI it would catch `rank_failed` errors and
   call a `runtime.shrink()` (the prototype's `shrink()`), and an MPI world can only shrink:
