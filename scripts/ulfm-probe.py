@@ -13,7 +13,9 @@ only by its timeout).
     # MPICH (Hydra; MPIR_CVAR_ENABLE_FT=1 aborts MPI_Init in the mpich 5.0.2 wheel):
     timeout 60 mpiexec -n 3 -disable-auto-cleanup python -u scripts/ulfm-probe.py
 
-What the project's MPIs did is in src/tandem/launch/mpi/fault_tolerance.py.
+What the project's MPIs did is in src/tandem/launch/mpi/fault_tolerance.py; scripts/ulfm-shrink.py
+goes on from here with tandem itself: its MPI engine on the shrunk communicator and
+td.elastic.State restoring the last commit.
 """
 
 import os
