@@ -295,6 +295,9 @@ SLOW: dict[str, str] = {
         "test_site_build_block_runs", "test_site_builds_with_every_part_and_the_generated_reference",
         "test_every_readme_section_of_before_is_reachable", "test_a_broken_link_fails_the_build",
         "test_the_site_in_a_browser")},
+    "tests/test_horovod_elastic_examples.py::test_td_elastic_state_names_batchnorm_buffers_not_parameters":
+        "an elastic tandem run job (fast: test_elastic.py's job below --min-np, td.elastic's state in "
+        "test_elastic_extras.py)",
 }
 
 
