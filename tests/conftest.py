@@ -298,6 +298,9 @@ SLOW: dict[str, str] = {
     "tests/test_horovod_elastic_examples.py::test_td_elastic_state_names_batchnorm_buffers_not_parameters":
         "an elastic tandem run job (fast: test_elastic.py's job below --min-np, td.elastic's state in "
         "test_elastic_extras.py)",
+    "tests/test_mpi.py::test_in_flight_out_of_order_and_progress":
+        "an MPI world of its own (TANDEM_MPI_PROGRESS=thread): 24 s to start under load (fast: every "
+        "other MPI test, on the default progress)",
 }
 
 
