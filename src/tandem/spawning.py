@@ -1,14 +1,12 @@
 """`td.spawn`: run a function on N local processes that have joined one job.
 
 The notebook and test pattern: a one-shot use of the local worker pool (`launch.local.pool`,
-which `tandem.testing`'s shared worlds keep alive instead). The parent hosts the rendezvous
-store and starts the children the way `tandem run` starts its ranks (each in a session of its
-own, with the same `TANDEM_*` variables). Each child is made like the parent (what
-`multiprocessing`'s spawn start method gives it: our `sys.path`, directory and main module, so
-that `fn` may live in the script that calls `spawn`), runs `td.init()`, then `fn(*args)`. The
-first child that raises or dies stops the others, and its rank and traceback are re-raised in
-the parent as `SpawnError`; a child that died before reporting (a crash, an import error)
-brings its last lines of output instead.
+which `tandem.testing`'s shared worlds keep alive). Each child is started as `tandem run`
+starts its ranks, made like the parent (what `multiprocessing`'s spawn start method gives it:
+our `sys.path`, directory and main module, so that `fn` may live in the calling script), runs
+`td.init()`, then `fn(*args)`. The first child that raises or dies stops the others, and its
+rank and traceback are re-raised in the parent as `SpawnError`; a child that died before
+reporting (a crash, an import error) brings its last lines of output instead.
 
 `fn` and `args` travel with cloudpickle: a function defined in a notebook cell or in
 `python -c` lives in a `__main__` that has no file, so the child cannot import it by name
