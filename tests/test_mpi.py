@@ -302,11 +302,11 @@ def test_tandem_run_mpi_prefixes_each_ranks_output():
 ], ids=["raise", "sys.exit"])
 def test_tandem_run_mpi_stops_the_job_when_a_rank_fails(script, code, fault):
     done = _tandem_run("-np", "2", str(SCRIPTS / script))
-    ended = time.time()
     assert done.returncode == code, done.stdout + done.stderr
-    at = float(re.search(rf"^\[1\] rank 1 {fault} at ([\d.]+)$", done.stdout, re.M).group(1))
-    # Rank 0 waits in a barrier for ever: only the launcher stops it.
-    assert ended - at < 5.0, f"the job took {ended - at:.1f} s to stop"
+    assert re.search(rf"^\[1\] rank 1 {fault} at [\d.]+$", done.stdout, re.M), done.stdout
+    # Rank 0 waits in a barrier for ever: the launcher stops it, not a watchdog's timeout.
+    assert "stopping the other 1 rank(s)" in done.stderr, done.stderr
+    assert "WatchdogTimeout" not in done.stderr and "timed out" not in done.stderr, done.stderr
     assert "job failed: rank 1" in done.stderr and f"exit code {code}" in done.stderr
     if script == "mpi_fail.py":
         assert "[1] RuntimeError: rank 1 cannot go on" in done.stderr
