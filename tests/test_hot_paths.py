@@ -315,7 +315,12 @@ def check_data_parallel_step(checks: bool) -> dict:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_plain_data_parallel_step_pays_one_bucket_one_agreement_and_no_more_calls(backend):
-    on, off = (run_distributed(check_data_parallel_step, 2, backend, args=(flag,))[0]
+    # A world of its own: the count is a plain data-parallel script's, in a fresh process. In
+    # the suite's shared world, after other tests' models, the optimizer's step counted one call
+    # more (61/67 against 60/66 in a clean-clone run); what earlier tests leave behind there is
+    # not a plain script's cost.
+    on, off = (run_distributed(check_data_parallel_step, 2, backend, args=(flag,),
+                               env={"HOT_PATHS_FRESH_WORLD": "1"})[0]
                for flag in (True, False))
     for kind in ("optimizer", "module"):
         # One bucket (a small model) and, with checks on, the round's agreement: its one host

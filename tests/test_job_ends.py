@@ -55,14 +55,16 @@ def assert_same_model(result: dict, reference: dict) -> None:
 def test_a_rank_killed_at_the_last_step_with_its_slot_offered_again_the_job_still_ends(
         tmp_path, one_process):
     """Worker 2 dies in the last step; the discovery script offers 3 slots all along, so a new
-    worker starts at once. Whether it joins before the survivors finish or not, the job ends
-    with their code and the one-process result, and nothing it started outlives it."""
+    worker starts within a discovery period; the survivors train the last step only once its
+    process has started (on a fast machine they would otherwise end before discovery runs
+    again, and nothing would be joining). Whether it joins before the survivors finish or not,
+    the job ends with their code and the one-process result, and nothing it started outlives it."""
     discovery = tmp_path / "slots.sh"
     discovery.write_text("#!/bin/sh\necho localhost:3\n")
     discovery.chmod(discovery.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "out.pt"
     done = tandem_run("-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-                      str(discovery), TRAIN, str(out), "--die", "2:11")
+                      str(discovery), TRAIN, str(out), "--die", "2:11", "--await-start", "11")
     assert done.returncode == 0, done.stderr
     assert "world 3 -> 2 (round 1): rank 2 (worker 2) exit code 9" in done.stderr
     assert "starting 1 worker(s)" in done.stderr

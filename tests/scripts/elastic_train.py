@@ -17,6 +17,9 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
                      several, comma-separated (2:5,3:8)
   --offer FILE       with --wait-size: rank 0 creates FILE at each such S first (the discovery
                      script offers more slots once it exists)
+  --await-start S    at step S, once the world has shrunk, wait until a new worker's process
+                     has started (OUT.started.W, made by every process at its start) before
+                     training the step: the survivors then finish while it is still joining
   --optimizer adam   Adam instead of SGD with momentum (adafactor: Adafactor, which
                      td.ZeroOptimizer shards by whole parameters)
   --no-commit        never commit (the warning, and the start state as the fallback)
@@ -51,6 +54,7 @@ parser.add_argument("--die-before-commit", default=None)
 parser.add_argument("--die-in-resize", type=int, default=None)
 parser.add_argument("--wait-size", default=None)
 parser.add_argument("--offer", default=None)
+parser.add_argument("--await-start", default=None)
 parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--no-commit", action="store_true")
 parser.add_argument("--diverge", default=None)
@@ -63,6 +67,8 @@ parser.add_argument("--peer-backup", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--scheduler", action="store_true")
 args = parser.parse_args()
+# for --await-start: this process has started (before td.init, where a newcomer waits to join)
+open(f"{args.out}.started.{os.environ.get('TANDEM_ELASTIC_WORKER', '0')}", "w").close()
 
 if args.horovod:
     import tandem.horovod as hvd
@@ -108,6 +114,15 @@ diverge = tuple(map(int, args.diverge.split(":"))) if args.diverge else None
 skip = tuple(map(int, args.skip_commit.split(":"))) if args.skip_commit else None
 waits = dict(tuple(map(int, w.split(":")))[::-1] for w in args.wait_size.split(",")) \
     if args.wait_size else {}  # step -> the world size to wait for there
+await_start = int(args.await_start) if args.await_start else None
+first_size = td.size()
+
+
+def newcomer_started() -> bool:
+    prefix = os.path.basename(args.out) + ".started."
+    started = [name for name in os.listdir(os.path.dirname(os.path.abspath(args.out)))
+               if name.startswith(prefix)]
+    return any(int(name[len(prefix):]) >= first_size for name in started)
 
 
 def die_in_resize():
@@ -136,6 +151,11 @@ def train(state):
             while td.size() != wait[0]:  # a commit sees the new round and moves the job to it
                 assert time.monotonic() < deadline, f"the world never grew to {wait[0]}"
                 state.commit()
+        if state.step == await_start and td.size() < first_size:
+            deadline = time.monotonic() + 60
+            while not newcomer_started():
+                assert time.monotonic() < deadline, "no new worker started"
+                time.sleep(0.05)  # polls for a file another process makes: no event to wait on
         x, y = batch(state.step)
         rows = td.elastic.local_rows(GLOBAL_BATCH)
         optimizer.zero_grad()
