@@ -117,16 +117,10 @@ def refuse_unless_elementwise(optimizer: torch.optim.Optimizer, split: str,
                               alternative: str) -> None:
     """Raise when `optimizer` would step `split`'s flat shards to another result than one
     process. `alternative`: what to do instead, in words."""
-    why = why_not_elementwise(optimizer)
-    if why is None:
-        return
-    name = type(optimizer).__name__
-    raise ValueError(
-        f"{name} under {split}: {name} {why}, so stepping the parts of each parameter that "
-        f"{split} gives each rank would run another algorithm than one process (silently "
-        f"other numbers). "
-        f"{alternative}. If {name}'s update does treat each element on its own, say so: "
-        f"`optimizer.elementwise = True` before wrapping")
+    _refuse(optimizer, why_not_elementwise(optimizer), split, alternative,
+            f"stepping the parts of each parameter that {split} gives each rank would run "
+            f"another algorithm than one process (silently other numbers). ",
+            "element", "`optimizer.elementwise = True` before wrapping")
 
 
 def refuse_unless_per_tensor(optimizer: torch.optim.Optimizer, split: str,
@@ -134,15 +128,22 @@ def refuse_unless_per_tensor(optimizer: torch.optim.Optimizer, split: str,
     """Raise when `optimizer` couples its parameters (LBFGS), so that stepping only the whole
     tensors `split` gives this rank would run another algorithm than one process.
     `alternative`: what to do instead, in words."""
-    why = why_not_per_tensor(optimizer)
+    _refuse(optimizer, why_not_per_tensor(optimizer), split, alternative,
+            "stepping only the tensors this rank holds would run another algorithm than one "
+            "process (silently other numbers). ",
+            "tensor", "`optimizer.elementwise = False` before its first step")
+
+
+def _refuse(optimizer: torch.optim.Optimizer, why: str | None, split: str, alternative: str,
+            consequence: str, unit: str, flag: str) -> None:
+    """The one refusal of the two above (nothing when `why` is None): why, what it would do,
+    what to do instead, and the flag for a user who knows better."""
     if why is None:
         return
     name = type(optimizer).__name__
     raise ValueError(
-        f"{name} under {split}: {name} {why}, so stepping only the tensors this rank holds "
-        f"would run another algorithm than one process (silently other numbers). "
-        f"{alternative}. If {name}'s update does treat each tensor on its own, say so: "
-        f"`optimizer.elementwise = False` before its first step")
+        f"{name} under {split}: {name} {why}, so {consequence}"
+        f"{alternative}. If {name}'s update does treat each {unit} on its own, say so: {flag}")
 
 
 def _probe(cls: type, hyper: dict[str, Any]) -> bool | str:
