@@ -176,7 +176,18 @@ def _quiet_cleanup(mpiexec: str) -> list[str]:
 
 
 class MPIExecRanks(LocalRanks):
-    """`LocalRanks` started by mpiexec instead of by us: same pids, output and exit events."""
+    """`LocalRanks` started by mpiexec instead of by us: same pids, output and exit events.
+
+    `on_failure` is what a rank does when one fails (TANDEM_MPI_ON_FAILURE): "exit" (the agent
+    stops the others), or "shrink" (`shrinking.ShrinkingRanks`: Open MPI's fault tolerance,
+    the others go on without it).
+    """
+
+    on_failure = "exit"
+
+    def fault_tolerance(self) -> tuple[list[str], dict[str, str]]:
+        """mpiexec's flags and the ranks' settings for `on_failure` (none for "exit")."""
+        return [], {}
 
     def __init__(self, config: LaunchConfig, events, output, nproc: int | None = None) -> None:
         super().__init__(config, events, output, nproc)
@@ -198,10 +209,12 @@ class MPIExecRanks(LocalRanks):
             env = job_environment(self.config, os.environ)
             # A failed rank exits (we stop the others) rather than MPI_Abort'ing the job.
             env.update(TANDEM_BACKEND="mpi", TANDEM_LAUNCH_TOKEN=token,
-                       TANDEM_MPI_ON_FAILURE="exit")
+                       TANDEM_MPI_ON_FAILURE=self.on_failure)
             if self.output.terminal_rank(0):
                 env["TANDEM_TERMINAL"] = "1"  # rank 0's supervisor keeps it, the others drop it
             mpiexec = find_mpiexec()
+            ft_flags, ft_environment = self.fault_tolerance()
+            env.update(ft_environment)
             env.update(loopback_environment(mpiexec, env))
             # The store's key goes to the ranks over their supervisors' control sockets only:
             # mpiexec has no use for it (nor for an enclosing job's).
@@ -218,7 +231,7 @@ class MPIExecRanks(LocalRanks):
                 env = forker_environment(env)  # the token included (TANDEM_*)
             else:
                 starter, flags, extra = mpiexec, [*_quiet_cleanup(mpiexec),
-                                                  *start_flags(mpiexec)], []
+                                                  *start_flags(mpiexec), *ft_flags], []
             command = [
                 starter, *flags, "-n", str(self.config.np),
                 sys.executable, "-u", "-m", "tandem.launch.mpi.rank", *extra,
