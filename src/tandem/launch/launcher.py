@@ -30,7 +30,7 @@ from tandem.job import settings
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
 from tandem.launch.local.supervisor import LocalJob
-from tandem.launch.mpi import mpiexec, shm
+from tandem.launch.mpi import mpiexec, shm, shrinking
 
 
 def cuda_available() -> bool:
@@ -181,8 +181,8 @@ def launch_once(config: LaunchConfig) -> int:
     removed, size = shm.remove_stale()
     if removed:
         print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
-    if config.backend == "mpi" and not config.elastic:
-        return mpiexec.launch(config)
+    if config.backend == "mpi":  # elastic: the world shrinks when ranks fail (Open MPI's ULFM)
+        return (shrinking.launch if config.elastic else mpiexec.launch)(config)
     if config.elastic or config.max_restarts or config.nnodes > 1 or config.remote_hosts:
         from tandem.launch.agents import multinode  # the agent: restarts, nodes, ssh, elastic
 

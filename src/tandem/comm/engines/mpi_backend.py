@@ -69,6 +69,7 @@ class MPIBackend(Backend):
     """One process's place in an MPI job."""
 
     name = "mpi"
+    previous: tuple[int, ...] = ()  # after `shrink`: each rank's rank in the world before
 
     def __init__(self, MPI: Any, comm: Any, timeout: float, progress: str) -> None:
         self._MPI = MPI
@@ -391,18 +392,34 @@ class MPIBackend(Backend):
         """After a rank of this world failed: an engine on the ranks alive (ULFM, Open MPI 5
         under `mpiexec --with-ft ulfm`; `rank_failed` tells such a failure). Revokes the world
         communicator, so every survivor still waiting in it fails at once, shrinks it
-        (`MPIX_Comm_shrink`: the survivors, renumbered in their old order) and moves the exit
-        barrier onto the shrunk one. This engine stops without freeing its communicators
-        (freeing one would wait for the lost rank); its groups are gone with it. Collective
-        over the survivors."""
+        (`MPIX_Comm_shrink`: the survivors, renumbered in their old order; when that takes
+        longer than the timeout, as it does while a rank that has not failed stays out, this
+        process ends, saying so) and moves the exit barrier onto the shrunk one. The new
+        engine's `previous` holds each of its ranks' rank in this world. This engine stops
+        without freeing its communicators (freeing one would wait for the lost rank); its
+        groups are gone with it. Collective over the survivors."""
         comm = self._world.comm
         comm.Revoke()
-        shrunk = comm.Shrink()
+        timeout = self.progress.default_timeout
+        # Blocking: Open MPI 5.0.11's MPIX_Comm_ishrink failed here (MPI_ERR_INTERN).
+        with mpi_exit.deadline(timeout, f"rank {self.rank}: shrinking the MPI world of "
+                               f"{self.size} after a rank failed did not finish within "
+                               f"{timeout:g} s: a rank that has not failed is not taking part "
+                               "(stopped or hung?); ending this rank"):
+            shrunk = comm.Shrink()
         self.progress.stop()
         self._closed = True
         mpi_exit.adopt(shrunk)
-        return MPIBackend(self._MPI, shrunk, self.progress.default_timeout,
-                          "thread" if self.progress.threaded else "none")
+        old, new = comm.Get_group(), shrunk.Get_group()
+        try:
+            previous = self._MPI.Group.Translate_ranks(new, list(range(new.Get_size())), old)
+        finally:
+            old.Free()
+            new.Free()
+        engine = MPIBackend(self._MPI, shrunk, timeout,
+                            "thread" if self.progress.threaded else "none")
+        engine.previous = tuple(previous)
+        return engine
 
 
 def rank_failed(error: BaseException | None) -> bool:

@@ -25,6 +25,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tandem.job import settings
@@ -51,6 +53,31 @@ def adopt(comm: Any) -> None:
     failed, `MPIBackend.shrink`): the lost rank would never arrive. Collective over `comm`."""
     if _guard is not None:
         _guard.comm = comm.Dup()
+
+
+@contextmanager
+def deadline(seconds: float, message: str) -> Iterator[None]:
+    """End this process (exit code 1, `message` on stderr) if the block has not finished
+    within `seconds`: the deadline of a blocking MPI call that has none of its own (ULFM's
+    shrink waits for every rank that has not failed). mpi4py releases the GIL in such calls,
+    so the timer's thread runs."""
+    timer = threading.Timer(seconds, _overdue, (message,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _overdue(message: str) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.write(2, f"tandem: {message}\n".encode(errors="replace"))
+    os._exit(1)
 
 
 class _ExitGuard:
@@ -91,7 +118,7 @@ class _ExitGuard:
         request = self.comm.Ibarrier()
         deadline = time.monotonic() + self.timeout
         pause = threading.Event()  # never set: a bounded poll period, not a wait for a peer
-        while not request.Test():
+        while not self._arrived(request, rank):
             if time.monotonic() > deadline:
                 self._abandon(
                     f"rank {rank} finished, but not every rank of {self.comm.Get_size()} "
@@ -99,6 +126,20 @@ class _ExitGuard:
                 )
             pause.wait(_POLL_S)
         self.comm.Free()
+
+    def _arrived(self, request: Any, rank: int) -> bool:
+        """Whether every rank reached the exit barrier. In a world that shrinks
+        (TANDEM_MPI_ON_FAILURE=shrink) a rank that fails there is lost like any other: this
+        one finished, and leaves without MPI_Finalize (which would wait for the lost rank)."""
+        try:
+            return request.Test()
+        except self.MPI.Exception as error:
+            if self.policy != "shrink":
+                raise
+            self.exit_code = 0
+            self._abandon(f"rank {rank} finished, but a rank of its world failed at exit "
+                          f"({error.Get_error_string()}); leaving without MPI_Finalize")
+            raise  # not reached: _abandon exits
 
     def _abandon(self, message: str) -> None:
         for stream in (sys.stdout, sys.stderr):
@@ -108,6 +149,6 @@ class _ExitGuard:
                 pass
         sys.stderr.write(f"tandem: {message}\n")
         sys.stderr.flush()
-        if self.policy == "exit":
+        if self.policy != "abort":  # exit, or shrink: the agent stops or goes on without it
             os._exit(self.exit_code)
         self.MPI.COMM_WORLD.Abort(self.exit_code)

@@ -1,5 +1,6 @@
-"""Whether the MPI next to this Python could shrink a world, and why `tandem run` refuses an
-elastic job on MPI (`--min-np`/`--max-np` with `--backend mpi`) in words that name it.
+"""Whether the MPI next to this Python can shrink a world, and why `tandem run` refuses an
+elastic job on MPI (`--min-np`/`--max-np` with `--backend mpi`) where it cannot, in words that
+name it.
 
 An MPI world is fixed once mpiexec started it, unless the MPI has the fault-tolerance extension
 (ULFM: MPIX_Comm_revoke/shrink/agree, mpi4py 4's `Comm.Revoke`/`Shrink`/`Agree`). What the two
@@ -16,30 +17,28 @@ in an allreduce (`scripts/ulfm-probe.py`):
   reported (the survivors wait), and `MPIR_CVAR_ENABLE_FT=1` aborts MPI_Init (an assertion in
   ch4_request.h).
 
-tandem's MPI engine can shrink its world with ULFM: `MPIBackend.shrink` revokes its
-communicator, shrinks it and moves the exit barrier onto the survivors, and
-`scripts/ulfm-shrink.py` (a prototype that redoes by hand what td.init built over the engine)
-takes 3 ranks, one of which `os._exit`s in step 5, to 2 that restore td.elastic.State's last
-commit and end with the one-process result (3e-8; 0.05 s from the failed collective to the
-resumed state; tests/test_mpi_elastic.py under scripts/test-openmpi.sh). What is missing before
-`tandem run --backend mpi --min-np` can use it, so both MPIs are still refused:
+What tandem does with it: `tandem run --backend mpi -np N --min-np A` (`shrinking`) starts the
+ranks under `mpiexec --with-ft ulfm` over TCP (`--mca btl self,tcp`) with
+TANDEM_MPI_ON_FAILURE=shrink; `td.elastic.run` catches a collective that failed with
+`rank_failed`, calls `runtime.shrink()` (`MPIBackend.shrink`: revoke, `MPIX_Comm_shrink`, the
+exit barrier on the survivors; then the watchdog and torch's default group again over the new
+engine), restores td.elastic.State's last commit and goes on; the agent drops the lost rank
+while --min-np ranks are left and exits 0 when they finish. Why TCP, even on one node:
 
-- over TCP (`--mca btl self,tcp`) it worked in all 4 runs; mpiexec then ends with the lost rank's
-  code (9), which `tandem run` would have to take as a success when --min-np survivors
-  finished;
-- over shared memory (tandem's one-node jobs: `btl=^tcp`) a lost rank is seen only by ULFM's
-  heartbeat detector (`--mca mpi_ft_detector true`), and on 2 shared cores it was not
+- over TCP (`--mca btl self,tcp`) a lost rank is reported at once, and the prototype
+  (`scripts/ulfm-shrink.py`, plain mpiexec) shrank and ended as one process in all 4 runs;
+- over shared memory (tandem's fixed one-node jobs: `btl=^tcp`) a lost rank is seen only by
+  ULFM's heartbeat detector (`--mca mpi_ft_detector true`), and on 2 shared cores it was not
   reliable: with its defaults the shrink and the training worked once and the survivors then
   hung at exit (mpiexec never ended), and at a load of 20 it reported a healthy rank dead
   during td.init's set-up (that rank aborts: "I have been reported dead by someone else");
-  with `mpi_ft_detector_timeout 1` it did so at once. An elastic MPI job would have to run
-  over TCP even on one node;
-- `td.elastic.run` knows a lost peer by the watchdog's errors and a new world by the
-  launcher's next round (`runtime.rejoin`); on MPI it would catch `rank_failed` errors and
-  call a `runtime.shrink()` (the prototype's `shrink()`), and an MPI world can only shrink:
-  no rank can join it (`MPI_Comm_spawn` would be the way), so --max-np cannot grow it back.
+  with `mpi_ft_detector_timeout 1` it did so at once.
 
-The message says what this mpiexec is and what an elastic MPI job would need.
+An MPI world can only shrink: no rank can join it (`MPI_Comm_spawn` would be the way), so
+--max-np above -np is refused (`elastic_mpi_problem`), and so is any elastic job on an MPI
+without ULFM (MPICH), in words that say what this mpiexec is and what would be needed.
+Open MPI 5.0.11's non-blocking `MPIX_Comm_ishrink` failed here (MPI_ERR_INTERN), so the
+shrink is the blocking call under a deadline (`mpi_exit.deadline`).
 """
 
 from __future__ import annotations
@@ -95,18 +94,41 @@ def describe(mpiexec: str) -> tuple[str, bool]:
     return f"{mpiexec} is an MPI tandem does not know ({first})", False
 
 
-def elastic_mpi_refusal() -> str:
-    """Why an elastic job (`--min-np`/`--max-np`) cannot run on `--backend mpi` here."""
+def elastic_mpi_refusal() -> str | None:
+    """Why an elastic job (`--min-np`/`--max-np`) cannot run on `--backend mpi` here; None
+    where this MPI can shrink a world (`elastic_mpi_problem` then checks the job itself)."""
     mpiexec = _mpiexec()
     if mpiexec is None:
         here = "no mpiexec is installed here"
     else:
         what, ulfm = describe(mpiexec)
-        here = f"this {what}" if what.startswith(("Open MPI", "MPICH")) else what
         if ulfm:
-            here += (", and tandem's MPI engine can shrink a world with it "
-                     "(scripts/ulfm-shrink.py), but `tandem run` does not start or resize one "
-                     "yet")
+            return None
+        here = f"this {what}" if what.startswith(("Open MPI", "MPICH")) else what
     return ("an elastic job cannot run on MPI: an MPI world is fixed once mpiexec started it, "
             f"unless the MPI can shrink it, which needs {NEEDED}; {here}. Use --backend gloo "
             "(or nccl) for an elastic job, or a fixed -np with --max-restarts")
+
+
+def elastic_mpi_problem(config) -> str | None:
+    """Why the elastic `LaunchConfig` `config` cannot run on this MPI (ULFM), or None: an MPI
+    world can shrink but never grow (no rank can join it once mpiexec started it), and
+    `tandem run --backend mpi` starts one machine's ranks only."""
+    refused = elastic_mpi_refusal()
+    if refused is not None:
+        return refused
+    if config.max_np is not None and config.max_np > config.np:
+        return (f"--max-np {config.max_np} is above -np {config.np}: an MPI job cannot grow "
+                "back, its world can only shrink when ranks fail (no rank can join an MPI world "
+                f"once mpiexec started it). Give --max-np {config.np} (or leave it out) to go "
+                "on down to --min-np, or use --backend gloo for a job that grows again")
+    if config.discovery is not None:
+        return ("--host-discovery-script offers slots to grow the job, and an MPI world cannot "
+                "grow: drop it, or use --backend gloo")
+    if config.max_restarts:
+        return ("an elastic job (--min-np) replaces --max-restarts: it goes on without a "
+                "failed rank instead of restarting them all; drop one of them")
+    if config.nnodes > 1 or config.remote_hosts:
+        return ("an elastic MPI job runs on this machine only for now (-H/--hostfile/--nnodes "
+                "given): drop them, or use --backend gloo")
+    return None

@@ -115,6 +115,10 @@ def _child_environment(job, store: tuple[str, int], base, torch_port: int | None
     ))
     env.update(environments.horovod_variables(
         rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size))
+    if base.get("TANDEM_MPI_ON_FAILURE") == "shrink":
+        # An elastic MPI job (launch/mpi/shrinking.py): the worker id a rank keeps whatever
+        # its rank after the world shrank, as an elastic Gloo job's workers do.
+        env["TANDEM_ELASTIC_WORKER"] = str(job.rank)
     if job.rank != 0:
         env.pop("TANDEM_TERMINAL", None)  # only rank 0's bars redraw in place (launch.local.output)
     return env
