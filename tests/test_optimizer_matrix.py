@@ -24,6 +24,8 @@ import pytest
 import torch
 
 import tandem as td
+from tandem.elastic import transfer
+from tandem.parallel.layout import state_pieces
 from tandem.parallel.layout.elementwise import why_not_elementwise
 from tandem.testing import run_distributed
 
@@ -86,13 +88,30 @@ OPTIMIZERS = {  # name -> a maker over parameters
     "Lamb (hand-written)": lambda ps: Lamb(ps),
     "HandSgd (unknown, element-wise)": lambda ps: HandSgd(ps),
     "LBFGS": lambda ps: optim.LBFGS(ps, lr=0.5, max_iter=3),  # its step calls the closure
+    "SparseAdam": lambda ps: optim.SparseAdam(list(ps), lr=0.01),  # over sparse gradients only
 }
+SPARSE = {"SparseAdam"}  # trains models whose every gradient is sparse (embeddings)
 NOT_ELEMENTWISE = {"Adafactor", "Muon", "Lamb (hand-written)"}
 COUPLED = {"LBFGS"}  # one history over all parameters: no rank may step a share of them
 
 
-def _model() -> torch.nn.Module:
+class Scale(torch.nn.Module):
+    """Each feature times a weight kept in an nn.Embedding(sparse=True) (a sparse gradient
+    on float inputs, so that SparseAdam can train a layer after the first)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(features, 1, sparse=True)
+        self.register_buffer("at", torch.arange(features))
+
+    def forward(self, x):
+        return x * self.table(self.at).view(-1)
+
+
+def _model(sparse: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)  # matrices only: Muon steps 2-D parameters alone
+    if sparse:  # every gradient sparse: SparseAdam's model
+        return torch.nn.Sequential(torch.nn.Embedding(16, 3, sparse=True), Scale(3))
     return torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh(),
                                torch.nn.Linear(8, 3, bias=False))
 
@@ -112,9 +131,16 @@ class Towers(torch.nn.Module):
     """Three towers of different depths (so a rank of 2 holds 1 tensor, the other 3) and a
     head; under td.tensor.Branches its state dict keeps these names."""
 
-    def __init__(self):
+    def __init__(self, sparse: bool = False):
         super().__init__()
         torch.manual_seed(0)
+        if sparse:  # every gradient sparse: SparseAdam's towers (1 tensor, and 3)
+            def embedding(n):
+                return torch.nn.Embedding(16, n, sparse=True)
+            self.paths = Paths([embedding(1), embedding(1),
+                                torch.nn.Sequential(embedding(1), Scale(1))])
+            self.head = Scale(3)
+            return
         linear = torch.nn.Linear
         self.paths = Paths([torch.nn.Sequential(linear(6, 4, bias=False), torch.nn.Tanh()),
                             linear(6, 3, bias=False),
@@ -126,19 +152,21 @@ class Towers(torch.nn.Module):
         return self.head(self.paths(x))
 
 
-def _branches(group=None) -> Towers:
+def _branches(group=None, sparse: bool = False) -> Towers:
     """Towers with its paths spread over `group` (rank 0 of 2: path 0; rank 1: paths 1, 2)."""
-    model = Towers()
+    model = Towers(sparse)
     model.paths = td.tensor.Branches(list(model.paths.mine), group=group, join="cat")
     return model
 
 
-def _reference(wrapper: str) -> torch.nn.Module:
-    return Towers() if wrapper.startswith("Branches") else _model()
+def _reference(wrapper: str, sparse: bool = False) -> torch.nn.Module:
+    return Towers(sparse) if wrapper.startswith("Branches") else _model(sparse)
 
 
-def _batch(step: int, rows: int = ROWS):
+def _batch(step: int, rows: int = ROWS, sparse: bool = False):
     generator = torch.Generator().manual_seed(100 + step)
+    if sparse:  # token ids
+        return torch.randint(0, 16, (rows,), generator=generator), torch.randn(rows, 3, generator=generator)
     return torch.randn(rows, 6, generator=generator), torch.randn(rows, 3, generator=generator)
 
 
@@ -152,9 +180,9 @@ def _loss(model, optimizer, x, y, rows):
     return loss
 
 
-def _train(model, optimizer, rows, steps=range(STEPS), batch_rows=ROWS) -> None:
+def _train(model, optimizer, rows, steps=range(STEPS), batch_rows=ROWS, sparse=False) -> None:
     for step in steps:
-        x, y = _batch(step, batch_rows)
+        x, y = _batch(step, batch_rows, sparse)
         if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
             optimizer.step(functools.partial(_loss, model, optimizer, x, y, rows))
         else:
@@ -162,37 +190,38 @@ def _train(model, optimizer, rows, steps=range(STEPS), batch_rows=ROWS) -> None:
             optimizer.step()
 
 
-def _wrapped(wrapper: str, make):
-    """(the model, what the loop calls, the optimizer) for `wrapper`."""
+def _wrapped(wrapper: str, make, sparse: bool = False, group=None):
+    """(the model, what the loop calls, the optimizer) for `wrapper` (ZeroOptimizer's and
+    fully_shard's over `group`, default the world)."""
     if wrapper.startswith("Branches"):
-        return _wrapped_branches(wrapper, make)
-    model = _model()
+        return _wrapped_branches(wrapper, make, sparse)
+    model = _model(sparse)
     if wrapper == "ZeroOptimizer":
-        return model, model, td.ZeroOptimizer(make(model.parameters()))
+        return model, model, td.ZeroOptimizer(make(model.parameters()), group=group)
     if wrapper == "DistributedOptimizer":
         return model, model, td.DistributedOptimizer(make(model.parameters()))
     if wrapper == "fully_shard":
-        td.fully_shard(model)
+        td.fully_shard(model, group=group)
     elif wrapper == "HSDP":  # 2 replicas of 2 shards
         td.fully_shard(model, mesh=td.mesh(dp=2, shard=2))
     elif wrapper == "pipeline":  # 2 stages, each rank its own stage's parameters
         pipe = td.Pipeline(model, chunks=2)
         return pipe, pipe, make(pipe.parameters())
     elif wrapper == "tensor parallel":
-        td.parallelize(model, {"0": "colwise", "2": "rowwise"})
+        td.parallelize(model, {"0": "embedding"} if sparse else {"0": "colwise", "2": "rowwise"})
     else:
         return model, td.DistributedDataParallel(model), make(model.parameters())
     return model, model, make(model.parameters())
 
 
-def _wrapped_branches(wrapper: str, make):
+def _wrapped_branches(wrapper: str, make, sparse: bool = False):
     """td.tensor.Branches alone (a plain optimizer), or over mesh.tp_group with a wrapper over
     mesh.dp_group (the replicas of each rank's branches)."""
     if wrapper == "Branches":
-        model = _branches()
+        model = _branches(sparse=sparse)
         return model, model, make(model.parameters())
     mesh = td.mesh(dp=2, tp=2)
-    model = _branches(mesh.tp_group)
+    model = _branches(mesh.tp_group, sparse)
     if wrapper == "Branches x ZeroOptimizer":
         return model, model, td.ZeroOptimizer(make(model.parameters()), group=mesh.dp_group)
     if wrapper == "Branches x DistributedOptimizer":
@@ -217,11 +246,12 @@ def check_matrix(wrapper: str):
     mine = _rows(wrapper)
     outcome = {}
     for name, make in OPTIMIZERS.items():
-        reference = _reference(wrapper)
-        _train(reference, make(reference.parameters()), slice(None))
+        sparse = name in SPARSE
+        reference = _reference(wrapper, sparse)
+        _train(reference, make(reference.parameters()), slice(None), sparse=sparse)
         try:
-            model, net, optimizer = _wrapped(wrapper, make)
-            _train(net, optimizer, mine)
+            model, net, optimizer = _wrapped(wrapper, make, sparse)
+            _train(net, optimizer, mine, sparse=sparse)
         except ValueError as refusal:
             outcome[name] = ("refused", str(refusal))
             continue
@@ -245,6 +275,16 @@ def _refusal(wrapper: str, name: str) -> list[str] | None:
     zero = [f"{short} under td.ZeroOptimizer", "td.DistributedDataParallel(model)"]
     closure = [f"({short}'s step calls one)", "td.DistributedDataParallel(model)"]
     whole = [f"{short} under td.tensor.Branches", "td.DistributedDataParallel"]
+    if name in SPARSE:  # whole tensors on one rank (a stage's, a branch's) take it as they are
+        hvd = "hvd.DistributedOptimizer"
+        return {"ZeroOptimizer": ["SparseAdam under td.ZeroOptimizer", hvd],
+                "Branches x ZeroOptimizer": ["SparseAdam under td.ZeroOptimizer", hvd],
+                "fully_shard": ["fully_shard", "sparse=True", "SparseAdam", hvd],
+                "HSDP": ["fully_shard", "sparse=True", "SparseAdam", hvd],
+                "tensor parallel": ["VocabParallelEmbedding", "SparseAdam", "sparse=False", hvd],
+                **{w: ["sparse gradient", "SparseAdam", hvd, "AdamW"] for w in (
+                    "DistributedOptimizer", "DDP", "Branches x DistributedOptimizer",
+                    "Branches x DDP")}}.get(wrapper)
     if name in COUPLED:  # DDP averages every backward the closure runs: exact
         return {"ZeroOptimizer": zero, "Branches x ZeroOptimizer": zero,
                 "DistributedOptimizer": closure, "Branches x DistributedOptimizer": closure,
@@ -323,23 +363,32 @@ def test_an_optimizer_tandem_cannot_classify_is_refused_with_the_flag_and_the_fl
     assert built == "ZeroOptimizer"
 
 
-RESHARDED = {"ZeroOptimizer": ["Adam", "Muon"], "fully_shard": ["Adam"],  # flat and whole
-             "Branches": ["Adafactor", "Muon"]}  # 1 + 2 towers saved, 1 + 1 + 1 restored
+# Every optimizer each sharded wrapper takes (the others are refused above): ZeroOptimizer's
+# flat shards and whole parameters, fully_shard's flat shards (element-wise ones only), and
+# Branches' whole towers (any optimizer stepping each tensor on its own; 1 + 2 towers saved,
+# 1 + 1 + 1 restored).
+TAKEN = {"ZeroOptimizer": [n for n in OPTIMIZERS if n not in COUPLED | SPARSE],
+         "fully_shard": [n for n in OPTIMIZERS if n not in NOT_ELEMENTWISE | COUPLED | SPARSE]}
+RESHARDED = {**TAKEN, "HSDP": TAKEN["fully_shard"], "Branches": ["Adafactor", "Muon"]}
+# (world, wrapper, first step, last step) of each save and restore: 2 ranks -> 3; HSDP (2
+# replicas x 2 shards) saved on 4 and restored as fully_shard on 3
+JOURNEYS = {**{w: [(2, w, 0, 2), (3, w, 2, 3)] for w in RESHARDED},
+            "HSDP": [(4, "HSDP", 0, 2), (3, "fully_shard", 2, 3)]}
 
 
-def check_resharded(wrapper: str, directory: str, first: int, last: int):
+def check_resharded(wrapper: str, directory: str, first: int, last: int, names: list[str]):
     """Restore (after `first` steps) on this world, train to `last`, save: each optimizer's
-    difference from one process after `last` steps. 12 rows: 6 or 4 per rank."""
+    difference from one process after `last` steps. 12 rows: 6, 4 or 3 per rank."""
     td.init()
     share = 12 // td.size()
     mine = slice(None) if wrapper == "Branches" else slice(td.rank() * share, (td.rank() + 1) * share)
     outcome = {}
-    for name in RESHARDED[wrapper]:
+    for name in names:
         make = OPTIMIZERS[name]
         reference = _reference(wrapper)
         _train(reference, make(reference.parameters()), slice(None), range(last), 12)
         model, net, optimizer = _wrapped(wrapper, make)
-        checkpointer = td.Checkpointer(f"{directory}/{name}", keep=1)
+        checkpointer = td.Checkpointer(f"{directory}/{name.split(' ')[0]}", keep=1)
         if first:
             with torch.no_grad():
                 for p in model.parameters():
@@ -354,9 +403,59 @@ def check_resharded(wrapper: str, directory: str, first: int, last: int):
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_sharded_optimizer_resumes_from_2_ranks_on_3_as_one_process(backend, tmp_path):
-    for wrapper in RESHARDED:
-        for world, first, last in ((2, 0, 2), (3, 2, 3)):
-            for rank, outcome in enumerate(run_distributed(
-                    check_resharded, world, backend, args=(wrapper, str(tmp_path / wrapper), first, last))):
+    for journey, names in RESHARDED.items():
+        for world, wrapper, first, last in JOURNEYS[journey]:
+            for rank, outcome in enumerate(run_distributed(check_resharded, world, backend, args=(
+                    wrapper, str(tmp_path / journey), first, last, names))):
+                assert outcome.keys() == set(names)
                 for name, diff in outcome.items():
-                    assert diff < 1e-6, (wrapper, name, world, rank, diff)
+                    assert diff < 1e-6, (journey, wrapper, name, world, rank, diff)
+
+
+def check_shrunk(wrapper: str):
+    """td.elastic's 3 -> 2 in memory: 3 ranks train 2 steps (12 rows, 4 each) and each takes
+    its part of the sharded state as a State commit does (`state_pieces.take`); rank 2 leaves:
+    the part of each rank goes into the layout of ranks 0 and 1 by the box intersection over
+    the wire (`transfer.reshard`, what `State.sync` runs after a shrink; rank 2 sends its part
+    and needs none, as a peer backup's holder sends the part of a rank that left), and the 2
+    train step 3 (6 rows each). Each optimizer's difference from one process (ranks 0, 1)."""
+    td.init()
+    rank = td.rank()
+    survivors = td.new_group([0, 1])
+    outcome = {}
+    for name in TAKEN[wrapper]:
+        make = OPTIMIZERS[name]
+        model, net, optimizer = _wrapped(wrapper, make)
+        _train(net, optimizer, slice(rank * 4, rank * 4 + 4), range(2), 12)
+        part = state_pieces.take({"model": model, "optimizer": optimizer}, [model])
+        objects, models = {}, []
+        if rank < 2:  # the survivors' layout: a fresh model (the seed's values) over the 2
+            model, net, optimizer = _wrapped(wrapper, make, group=survivors)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(0.5)  # the parts, not the seed, must bring the values back
+            objects, models = {"model": model, "optimizer": optimizer}, [model]
+        holes = transfer.reshard([part], objects, models)
+        if rank == 2:
+            outcome[name] = holes
+            continue
+        _train(net, optimizer, slice(rank * 6, rank * 6 + 6), range(2, 3), 12)
+        reference = _reference(wrapper)
+        _train(reference, make(reference.parameters()), slice(None), range(3), 12)
+        full = td.fsdp.full_state_dict(model)
+        outcome[name] = (holes, max((full[k] - v).abs().max().item()
+                                    for k, v in reference.state_dict().items()))
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("wrapper", list(TAKEN))
+def test_a_sharded_optimizer_shrunk_in_memory_from_3_ranks_to_2_equals_one_process(wrapper, backend):
+    """Every optimizer the wrapper takes. (HSDP has no elastic cell: td.elastic.State refuses
+    state reduced over a mesh's groups, naming them.)"""
+    *survivors, leaver = run_distributed(check_shrunk, 3, backend, args=(wrapper,))
+    assert all(holes == {} for holes in leaver.values()), leaver
+    for rank, outcome in enumerate(survivors):
+        assert outcome.keys() == set(TAKEN[wrapper])
+        for name, (holes, diff) in outcome.items():
+            assert holes == {} and diff < 1e-6, (wrapper, name, rank, holes, diff)

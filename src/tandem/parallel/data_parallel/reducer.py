@@ -242,6 +242,14 @@ class Reducer(JoinRounds):
 
     # -- backward ----------------------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
+        if self._params[i].grad.is_sparse:  # before anything is posted: every rank raises here
+            raise ValueError(
+                f"{self._owner}: rank {runtime.rank()}: parameter {self._names[i]!r} got a sparse "
+                f"gradient (nn.Embedding(sparse=True), what SparseAdam steps); the gradients are "
+                f"averaged in dense buckets. Use tandem.horovod's "
+                f"hvd.DistributedOptimizer(torch.optim.SparseAdam(...), named_parameters=...) "
+                f"(sparse gradients averaged densely, handed back sparse), or sparse=False with "
+                f"a dense optimizer such as AdamW")
         if not self._sync_enabled:
             self._take_samples()
             if self._next > 0:  # autograd just accumulated into a buffer being reduced

@@ -121,6 +121,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
             f"the ranks' slices. Keep tensor parallelism across mesh.tp_group and shard only "
             f"modules without tensor-parallel layers (fully_shard(..., group=mesh.dp_group))")
     _refuse_taken(module)
+    _refuse_sparse(module)
     unit = Unit(module, group, policy, reshard_after_forward, has_inner=bool(inner),
                 offload=offload, replicate=replicate)
     for sub in inner:
@@ -374,3 +375,19 @@ def _refuse_taken(module: nn.Module) -> None:
                 f"the unit of {type(outer).__name__}, which was sharded first. Apply "
                 f"fully_shard to the inner blocks first, then the root: `for block in "
                 f"model.blocks: td.fully_shard(block)`, then `td.fully_shard(model)`")
+
+
+def _refuse_sparse(module: nn.Module) -> None:
+    """An embedding with sparse gradients (what SparseAdam steps): fully_shard reduce-scatters
+    each unit's gradient as one dense flat tensor, which a sparse gradient cannot join (torch
+    would fail inside backward, naming nothing)."""
+    sparse = [name for name, m in module.named_modules()
+              if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and unit_of(m) is None]
+    if sparse:
+        raise ValueError(
+            f"rank {runtime.rank() if runtime.is_initialized() else 0}: fully_shard: "
+            f"{type(module).__name__}'s {sparse[0] or 'itself'!r} has sparse=True: its sparse "
+            f"gradients (what SparseAdam steps) cannot be reduce-scattered as a flat shard. "
+            f"Build it with sparse=False and a dense optimizer such as AdamW, or keep SparseAdam "
+            f"with whole parameters on every rank: tandem.horovod's "
+            f"hvd.DistributedOptimizer(torch.optim.SparseAdam(...)) averages sparse gradients")

@@ -21,7 +21,8 @@ couples tensors (LBFGS) is refused there.
 `td.ZeroOptimizer` can do better than refuse: an optimizer that is not element-wise but
 updates each tensor on its own (Adafactor, Muon, LAMB) is sharded by *whole parameters*
 (`sharding`: "whole"), each stepped by one rank. Only an optimizer that couples tensors (LBFGS's
-history over all parameters, SparseAdam's sparse steps) is refused there. An unknown one is
+history over all parameters) is refused there; SparseAdam is refused by ZeroOptimizer itself
+(its sparse gradients do not fit the flat reduce-scatter). An unknown one is
 probed a second time: two matrices stepped by one optimizer, and each by its own; per-tensor
 means both give the same numbers. `elementwise=False` from the user means per-tensor.
 """
@@ -44,7 +45,9 @@ _WHY_NOT = {  # torch's optimizers that look at more than one element, and how
     torch.optim.LBFGS: "keeps a history over all parameters and needs a closure",
     torch.optim.SparseAdam: "steps sparse gradients",
 }
-_PER_TENSOR = {torch.optim.Adafactor, torch.optim.Muon}  # not element-wise, but tensor by tensor
+# not element-wise, but tensor by tensor (SparseAdam: element-wise, but on sparse gradients,
+# which flat shards cannot carry; whole tensors on one rank, a stage's or a branch's, can)
+_PER_TENSOR = {torch.optim.Adafactor, torch.optim.Muon, torch.optim.SparseAdam}
 _PROBED: dict[tuple[type, str], bool | str] = {}
 _PROBED_PER_TENSOR: dict[tuple[type, str], bool | str] = {}
 

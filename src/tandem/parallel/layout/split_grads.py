@@ -65,8 +65,8 @@ def mark_grads(param: torch.Tensor, split: splits.Split | None = None) -> None:
     `split`, by default the registry's)."""
     split = split or splits.split_of(param)
 
-    def wrap(p: torch.Tensor) -> None:
-        if p.grad is not None and type(p.grad) is not SplitGrad:
+    def wrap(p: torch.Tensor) -> None:  # a sparse gradient (SparseAdam's) has no storage to share
+        if p.grad is not None and type(p.grad) is not SplitGrad and not p.grad.is_sparse:
             p.grad = as_split_grad(p.grad, split)
 
     param.register_post_accumulate_grad_hook(wrap)

@@ -236,7 +236,10 @@ class VocabParallelEmbedding(nn.Module):
                        group: Group | None = None) -> VocabParallelEmbedding:
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding supports plain embeddings: no padding_idx, "
-                             "max_norm or sparse gradients")
+                             "max_norm or sparse gradients (sparse=True, what SparseAdam steps: "
+                             "build it with sparse=False and a dense optimizer such as AdamW, or "
+                             "keep SparseAdam with the embedding whole on every rank: "
+                             "tandem.horovod's hvd.DistributedOptimizer averages sparse gradients)")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._take(embedding, group)

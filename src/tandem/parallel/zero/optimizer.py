@@ -130,6 +130,14 @@ class ZeroOptimizer:
             raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if elementwise is not None:  # the user's word for an optimizer tandem cannot classify
             optimizer.elementwise = elementwise
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError(
+                "SparseAdam under td.ZeroOptimizer: SparseAdam steps sparse gradients "
+                "(nn.Embedding(sparse=True)), which ZeroOptimizer's flat reduce-scatter cannot "
+                "carry. Use tandem.horovod's hvd.DistributedOptimizer(torch.optim.SparseAdam(...), "
+                "named_parameters=...) (sparse gradients averaged densely and handed back sparse: "
+                "the one-process result), or sparse=False with a dense optimizer such as AdamW "
+                "under td.ZeroOptimizer")
         # "flat": any cut of the flat space; "whole": whole parameters per rank (shape-aware)
         self.sharding = sharding(optimizer, "td.ZeroOptimizer", "Use td.DistributedOptimizer "
                                  "(the optimizer state replicated, the one-process result), or "
@@ -358,7 +366,11 @@ class ZeroOptimizer:
         for p, offset in self._pieces():
             if p.grad is not None:
                 if p.grad.is_sparse:
-                    raise ValueError("ZeroOptimizer does not support sparse gradients")
+                    raise ValueError(
+                        f"rank {runtime.rank()}: td.ZeroOptimizer: a parameter of shape "
+                        f"{tuple(p.shape)} has a sparse gradient (nn.Embedding(sparse=True)), which "
+                        f"the flat reduce-scatter cannot carry. Build it with sparse=False, or use "
+                        f"tandem.horovod's hvd.DistributedOptimizer, which averages sparse gradients")
                 grad = p.grad.reshape(-1)
                 at, end = offset, offset + p.numel()
                 while at < end:  # a parameter may span shards (flat): one copy per shard
