@@ -13,9 +13,20 @@ each rank whole branches (3 towers on 2 ranks: 1 tensor and 3): any optimizer th
 tensor on its own is exact there, alone or with ZeroOptimizer, DistributedOptimizer or DDP over
 mesh.dp_group (dp=2 x tp=2, 4 ranks). LBFGS, whose step couples every parameter through one
 history and calls a closure, is exact under DDP (each backward the closure runs is averaged) and
-refused with the alternative everywhere else. Sharded cells
-(ZeroOptimizer's flat Adam and whole Muon, fully_shard's Adam, Branches' Adafactor and Muon) saved
-by td.Checkpointer on 2 ranks and restored on 3 go on as one process.
+refused with the alternative everywhere else. SparseAdam trains a model whose every gradient is
+sparse (nn.Embedding(sparse=True)): exact where ranks step whole tensors (a Pipeline's stages,
+Branches alone), refused where gradients are averaged or cut (DistributedOptimizer, DDP,
+ZeroOptimizer, fully_shard, HSDP, a vocabulary-parallel embedding), each naming SparseAdam and
+tandem.horovod's hvd.DistributedOptimizer, which averages sparse gradients. Muon under
+fully_shard and HSDP is refused by torch's own constructor (the shards are flat: "only supports
+2D parameters"), before tandem sees it; td.ZeroOptimizer steps it whole.
+
+Every optimizer a sharded wrapper takes (ZeroOptimizer: 14, fully_shard: 12) is saved by
+td.Checkpointer on 2 ranks (HSDP: 4) and restored on 3 (HSDP's as fully_shard), and shrunk
+from 3 ranks to 2 in memory the way td.elastic does after a lost rank (each rank's part as a
+State commit takes it, the survivors' layout filled by the box intersection over the wire,
+`elastic/transfer.reshard`): both go on as one process. (td.elastic.State refuses HSDP: its
+mesh cannot change size.)
 """
 
 import functools

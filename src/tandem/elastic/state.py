@@ -98,9 +98,11 @@ class State:
                     f"td.elastic.State: {type(owner).__name__} is {split}: its ranks hold "
                     f"different parts, so a rank that dies takes its part with it and no rank can "
                     f"send a newcomer the whole. Use a replicated model over the world "
-                    f"(td.DistributedOptimizer, td.DistributedDataParallel, or td.ZeroOptimizer's "
-                    f"shards over the world, resharded at each change) in an elastic job, or a "
-                    f"fixed -np with --max-restarts and td.Checkpointer, which reshards on load")
+                    f"(td.DistributedOptimizer, td.DistributedDataParallel), or state sharded over "
+                    f"the world, resharded at each change (td.ZeroOptimizer over the world, "
+                    f"td.fully_shard without group= or mesh=: HSDP's mesh cannot change size), in "
+                    f"an elastic job, or a fixed -np with --max-restarts and td.Checkpointer, "
+                    f"which reshards on load")
         if model is None and owner_of(optimizer).sharded_over_world():
             raise ValueError(
                 f"td.elastic.State: {owner_of(optimizer).describe()} keeps each rank's part of "
