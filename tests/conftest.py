@@ -310,6 +310,28 @@ SLOW: dict[str, str] = {
 }
 
 
+# --- two workers -------------------------------------------------------------------------------
+# scripts/test.sh runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): most
+# slow tests wait (for a watchdog, a signal, a requeue, a lost peer) far more than they compute,
+# so two at once on 2 cores take little more than one. Each worker has its own shared worlds.
+# The tests of a file named here run on one worker, one after another, and why: they share
+# something beyond their own processes, or a module fixture too costly to build twice.
+ONE_WORKER: dict[str, str] = {
+    "tests/test_slurm.py": "the local SLURM cluster: its module fixture starts and stops the daemons",
+    "tests/test_preemption_slurm.py": "the local SLURM cluster (test_slurm.py's fixture) on 2 cores",
+    "tests/test_cluster.py": "one network-namespace cluster for the module",
+    "tests/test_docs_site.py": "one site build for the module",
+    "tests/test_elastic.py": "four one-process references for the module",
+    "tests/test_job_ends.py": "a one-process reference for the module",
+    "tests/test_hf_integration.py": "a torchrun reference for the module",
+    "tests/test_torchrun_env.py": "a torchrun reference for the module",
+    "tests/test_preemption_launcher.py": "a one-process reference for the module",
+    "tests/test_restart.py": "an uninterrupted job as the module's reference",
+    "tests/test_lightning.py": "a one-process reference for the module",
+}
+GROUP_OF = {"tests/test_preemption_slurm.py": "tests/test_slurm.py"}  # one cluster, one worker
+
+
 def slow_reason(nodeid: str) -> str | None:
     """Why the test `nodeid` runs in the full tier only, or None when it is in the fast tier."""
     function = nodeid.split("[", 1)[0]
@@ -325,3 +347,6 @@ def pytest_collection_modifyitems(config, items):
         reason = slow_reason(item.nodeid)
         if reason is not None:
             item.add_marker(pytest.mark.slow(reason=reason))
+        path = item.nodeid.split("::", 1)[0]
+        if path in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(GROUP_OF.get(path, path)))
