@@ -69,7 +69,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tandem.parallel.context.apply": ("ContextParallelError",),
     "tandem.parallel.context.layout": ("SequenceSplitError",),
     "tandem.parallel.data_parallel.reducer_front": ("GradientLayoutError",),
-    "tandem.parallel.data_parallel.step_check": ("ReplicaStartWarning",),
+    "tandem.parallel.operation_check": ("ReplicaStartWarning",),
     "tandem.parallel.pipeline.schedules": ("ScheduleError",),
     "tandem.rendezvous.auth": ("AuthenticationFailed",),
     "tandem.rendezvous.client": ("StoreTimeout",),

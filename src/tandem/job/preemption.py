@@ -11,7 +11,7 @@ those signals on every rank and only notes them; nothing is done inside the hand
     first asks `scontrol requeue $SLURM_JOB_ID`, so the requeued job restores the checkpoint.
 
 How the ranks agree without paying per step: the data-parallel reducer already sends one
-agreement message per step (`parallel/data_parallel/step_check.py`); it carries this rank's
+agreement message per step (`parallel/operation_check.py`); it carries this rank's
 flag (`requested()`) as one more code, read with MAX, so every rank sees the same answer in the
 same round. Where no such agreement runs (one process, checks off, NCCL, no reducer), the
 Checkpointer's save call agrees with one small all-reduce of the flag, only while armed.

@@ -20,8 +20,10 @@ What is where:
   model-wide calls ask, whatever the split.
 - `memory/`: How many bytes each rank holds for a model under each of tandem's layouts, before
   running it.
-- `model_check`: One agreement per operation of a split model: ranks whose code paths diverged
-  are named.
+- `model_check`: Which split model a call is about: the per-operation check of each split
+  module, and the hooks that open its forwards, backwards and `state_dict()` calls.
+- `operation_check`: One agreement per operation of a model: ranks whose code paths diverged are
+  named, not mixed.
 - `pipeline/`: Pipeline parallelism: one model split into stages across the ranks of a group.
 - `sync_bn`: `SyncBatchNorm`: batch statistics over every rank of the group, not just this
   rank's batch.

@@ -19,7 +19,7 @@ meet each other, find that they differ, and every rank raises one error that nam
 rank was doing (`DivergedError`), instead of one rank's message being read as another's data.
 
 Hot paths agree once, at construction; the gradient reducer also sends one such message per
-round, when checks are on (see `parallel/data_parallel/step_check.py`); user-facing collectives agree on
+round, when checks are on (see `parallel/operation_check.py`); user-facing collectives agree on
 every call (`checks`), unless checks are off.
 """
 

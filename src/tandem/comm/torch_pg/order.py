@@ -18,7 +18,7 @@ completed in order, checks that travel with asynchronous work, and one agreement
   check (their shapes come from DDP's buckets). A rank that skips a backward and its step (the
   NaN-skip pattern) would train one step apart from the others. So the first reduction of each
   backward (one autograd graph task) posts one agreement beside the bucket, with what
-  `parallel/data_parallel/step_check.py` sends for tandem's own reducer: the round's number and the training
+  `parallel/operation_check.py` sends for tandem's own reducer: the round's number and the training
   forwards DDP ran on this group (counted by `count_ddp_forwards`' hook on DDP's forward). The
   rank that ran a forward without its backward is named at the next backward (raised by the
   bucket's `allreduce`, before it sends: DDP passes that on to `loss.backward()`). One message

@@ -20,8 +20,6 @@ What is where:
   `Reducer`: argument checks (on this rank, and the ranks' agreement on...
 - `samples`: Samples per rank: the weight of each rank's gradient when the ranks' batches
   differ.
-- `step_check`: One agreement per gradient round: ranks whose code paths diverged are named, not
-  averaged.
 - `step_clock`: Per-step timing of the data-parallel wrappers (`last_step_stats`), from host
   clocks only.
 - `wrappers`: Synchronous data parallelism: `DistributedOptimizer` and

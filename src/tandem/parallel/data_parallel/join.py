@@ -200,5 +200,5 @@ def join(*wrappers: Any, sync_state: bool = True) -> Any:
     while reducer.shadow_round():
         pass
     if reducer.step_check is not None:
-        reducer.step_check.rebase(reducer.rounds)  # the ranks ran different numbers of steps
+        reducer.step_check.rebase()  # the ranks ran different numbers of steps
     return _last_joiner(reducer)

@@ -29,7 +29,7 @@ class JoinRounds:
     def exit_join(self) -> None:
         self._join_mode = False
         if self.step_check is not None:
-            self.step_check.rebase(self.rounds)
+            self.step_check.rebase()
         self._scale = self._mean_scale
 
     def shadow_round(self) -> bool:

@@ -56,9 +56,10 @@ from tandem.parallel.data_parallel.buckets import ParamInfo, assign_buckets, des
 from tandem.parallel.data_parallel.comm_hooks import CommHook, GradBucket, allreduce_hook
 from tandem.parallel.data_parallel.join_rounds import JoinRounds
 from tandem.parallel.data_parallel.reducer_front import GradientLayoutError, agree_layout  # noqa: F401
-from tandem.parallel.data_parallel.step_check import StepCheck
 from tandem.parallel.layout import splits
+from tandem.parallel.operation_check import OperationCheck
 
+_ROUND = "gradient reduction"  # the operation each round agrees on (OperationCheck)
 _live: weakref.WeakSet[Reducer] = weakref.WeakSet()  # for td.join() without arguments
 
 
@@ -121,8 +122,10 @@ class Reducer(JoinRounds):
         layout = assign_buckets(infos, cap_bytes, first_cap_bytes, last_cap_bytes=first_cap_bytes)
         lines = describe_layout(infos, layout) + [f"options {options}"]
         agree_layout(owner, lines, group, self._timeout)  # once: nothing is checked per step
-        # Every round opens with one agreement that all ranks are in it (see step_check.py).
-        self.step_check = StepCheck.make(owner, lines, group, self._params)
+        # Every round opens with one agreement that all ranks are in it (operation_check.py):
+        # the wrapper counts its steps and forwards; the weights are checksummed at the first.
+        self.step_check = OperationCheck.make("", owner, lines, group, weights=self._params,
+                                              carries_stop=True)
 
         self.buckets: list[GradBucket] = []
         self._members: list[tuple[int, ...]] = []
@@ -283,7 +286,7 @@ class Reducer(JoinRounds):
             return
         if self._agreement is None and self.step_check is not None and not self._join_mode:
             # Travels while backward runs; ranks must also weight this round alike.
-            self._agreement = self.step_check.post(self.rounds, self._samples.code)
+            self._agreement = self.step_check.send(_ROUND, self._samples.code)
         self._move_in(i)
         left = self._pending[b] - 1
         self._pending[b] = left
@@ -319,7 +322,7 @@ class Reducer(JoinRounds):
 
     def _launch(self, b: int) -> None:
         if b == 0 and self.step_check is not None and not self._join_mode:
-            self.step_check.agree(self.rounds, self._agreement)
+            self.step_check.agree(_ROUND, posted=self._agreement)
         bucket = self.buckets[b]
         bucket.tail.fill_(1.0)
         for position in self._unused[b]:

@@ -36,7 +36,7 @@ its factor the scale of the gradients it moves into a bucket and its divisor the
 element); `td.partition_dataset` knows each n_j, `td.samples(n, total=n_j)` says it. A report
 made before the wrapper was built does not count: it belongs to an earlier loop. A step
 without a new report is reduced as before (the mean over ranks). Every rank must weight
-alike: when argument checks are on, the per-step agreement (step_check.py) names a rank that
+alike: when argument checks are on, the per-step agreement (operation_check.py) names a rank that
 weights a step the others do not.
 Cost: one more pass over the gradients (the division) on a weighted step; none on the others.
 Only op="mean" is weighted; op="sum" sums as it says.

@@ -21,7 +21,7 @@ The life of a step, per unit:
 
 The gathers and reduce-scatters are not checked one by one: the root's forward opens with one
 agreement, and its backward with another (sent at the output's first gradient, finished before
-the backward's first collective; see `parallel/model_check.py`), so a rank that skipped a
+the backward's first collective; see `parallel/operation_check.py`), so a rank that skipped a
 backward or an optimizer step is named before its next all-gather meets another's reduce-scatter.
 """
 
@@ -45,6 +45,7 @@ from tandem.parallel.fully_shard.policies import CPUOffloadPolicy, MixedPrecisio
 from tandem.parallel.fully_shard.reduction import GradientReduction
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.flat_shard import FlatShard
+from tandem.parallel.operation_check import OperationCheck
 
 # module -> its Unit (FSDP2's `fully_shard.state(module)`), not an attribute on the module.
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -132,7 +133,7 @@ class Unit:
         self.replicate = self.reduction.replicate
         self.compute_device: torch.device | None = None  # where forward runs (set with the shard)
         self.reshard_after_forward = reshard_after_forward
-        self.check: model_check.ModelCheck | None = None
+        self.check: OperationCheck | None = None
         self.requires_gradient_sync = True
         self.order: list[Unit] = []  # the root's record of the units' forward order
         self._recording = False
@@ -165,8 +166,8 @@ class Unit:
             shards = [u.shard for u in units if u.shard is not None]
             # HSDP (a mesh of replicas x shards, the whole world): every rank takes part.
             group = None if self.replicate is not None else self.group
-            self.check = model_check.ModelCheck.make("fully_shard", type(self.module).__name__,
-                                                     lines, group, shards)
+            self.check = OperationCheck.make("fully_shard", type(self.module).__name__, lines,
+                                             group, shards)
         model_check.register(self.module, self.check)
 
     def _make_shard(self, module: nn.Module, owned: list) -> None:

@@ -18,7 +18,7 @@ for any split; with `reduction="sum"`, losses are added unweighted. The returned
 sum, on the last stage (None elsewhere, or on every rank with `broadcast_loss=True`, as a
 float64 scalar).
 
-Messages: each step opens with one agreement over the group (`parallel/model_check.py`: the
+Messages: each step opens with one agreement over the group (`parallel/operation_check.py`: the
 call, train_step or forward, how many of it each stage made, and the optimizer steps over its
 parameters), so a stage in another call, or one that skipped its optimizer step (`if
 torch.isnan(loss): continue` on the last stage alone), raises `td.DivergedError` on every stage,
@@ -58,9 +58,9 @@ from tandem.comm.collectives import user as collectives
 from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
-from tandem.parallel import model_check
 from tandem.parallel.layout import split_grads, splits
 from tandem.parallel.layout.owner import ModuleOwner, register
+from tandem.parallel.operation_check import OperationCheck
 from tandem.parallel.pipeline import balance as balancing
 from tandem.parallel.pipeline import build as building
 from tandem.parallel.pipeline.edges import HEADER_TAG, Link
@@ -169,7 +169,7 @@ class Pipeline:
         self._broken = False
         self.stats = PipelineStats()
         owner = type(module).__name__ if isinstance(module, nn.Module) else "stages"
-        self._check = model_check.ModelCheck.make(
+        self._check = OperationCheck.make(
             "Pipeline", f"{owner}, stage {self.stage_index}",
             [f"ranks {list(self._ranks)}", f"balance {counts}", f"chunks {chunks} {schedule}"],
             group, self.stage.parameters(), advice=_SKIP_ADVICE)

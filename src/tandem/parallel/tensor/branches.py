@@ -12,7 +12,7 @@ branch's parameters get their gradient on the rank that holds them.
 
 Each forward opens its communication with one agreement over the group (after the local
 branches ran, so it carries their joined output's shape) and each backward with another
-(`parallel/model_check.py`): a rank that skipped one, or whose branches return another shape,
+(`parallel/operation_check.py`): a rank that skipped one, or whose branches return another shape,
 is named before the join. The join itself then goes straight to the engine (`comm/collectives/direct.py`):
 one all-reduce (`join="sum"`) or one all-gather (`join="cat"`) per forward, none backward. The
 ranks' sizes along `dim` are exchanged once per shape of this rank's output and cached; the
@@ -39,6 +39,7 @@ from tandem.parallel import model_check
 from tandem.parallel.layout import split_grads, splits
 from tandem.parallel.layout.owner import local_state, split_of_module
 from tandem.parallel.layout.pieces import Held, whole
+from tandem.parallel.operation_check import OperationCheck
 from tandem.parallel.tensor import region_ops
 from tandem.parallel.tensor.regions import copy_to, reduce_from
 
@@ -80,7 +81,7 @@ class Branches(nn.Module):
         # load_state_dict takes it back, as for the other split modules (layout/state_hooks.py)
         self.register_state_dict_post_hook(Branches._to_full)
         self.register_load_state_dict_pre_hook(Branches._to_local)
-        _checks[self] = model_check.ModelCheck.make(
+        _checks[self] = OperationCheck.make(
             "Branches", owner, [f"{names} join={join} dim={dim}"], group, self.mine.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,7 @@ class Branches(nn.Module):
                 f"{self.count} on this rank, join={self.join!r}, dim={self.dim}")
 
 
-_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Branches -> its ModelCheck
+_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Branches -> its OperationCheck
 
 
 def _mark_whole(group: Group | None, mine: nn.Module, branches: Sequence[nn.Module]) -> None:

@@ -3,7 +3,7 @@
 The collectives of tensor-parallel layers go straight to the engine (`comm/collectives/direct.py`), with
 no argument check of their own. What keeps a rank that skipped a forward or a backward from
 having its messages matched with another operation's is the agreement that each forward and
-each backward of the model opens with (`parallel/model_check.py`): `td.parallelize` sets it up
+each backward of the model opens with (`parallel/operation_check.py`): `td.parallelize` sets it up
 on the model it converts (`cover`), `Branches` on itself.
 
 A layer built by hand (`ColumnParallelLinear(...)` in a model's `__init__`) has no such model.
@@ -27,39 +27,32 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tandem import runtime
 from tandem.comm.collectives import direct
 from tandem.comm.engines.backend import Group
-from tandem.comm.groups import group_ranks, group_size
+from tandem.comm.groups import group_ranks
 from tandem.parallel import model_check
 from tandem.parallel.data_parallel import compile_split
+from tandem.parallel.operation_check import OperationCheck, agreeing
 
 _CALL = nn.Module._call_impl.__code__
 # module -> {its group's ranks: the hooks that cover it}; modules kept weakly
 _watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _agreeing(group: Group | None) -> bool:
-    """Whether a model over `group` opens its forwards with an agreement (`ModelCheck.make`)."""
-    state = runtime.state()
-    return (state.checks and group_size(group) > 1
-            and state.backend.supports_device(torch.device("cpu")))
-
-
 def ensure(group: Group | None) -> bool:
     """Before a split region's collective: True when it must be checked alone (no agreement
     covers it yet), False when it may go straight to the engine."""
-    if direct.frame(group) is not None or not _agreeing(group):
+    if direct.frame(group) is not None or not agreeing(group):
         return False
     outermost = _outermost_module()
     if outermost is not None and tuple(group_ranks(group)) not in _watched.get(outermost, {}):
-        cover(outermost, group, model_check.ModelCheck.make(
+        cover(outermost, group, OperationCheck.make(
             "tensor-parallel", type(outermost).__name__, _layout(outermost, group), group,
             outermost.parameters()))
     return True
 
 
-def cover(module: nn.Module, group: Group | None, check: model_check.ModelCheck | None,
+def cover(module: nn.Module, group: Group | None, check: OperationCheck | None,
           explain=None) -> None:
     """Mark every forward of `module` as covered by an agreement over `group`: `check` (if
     any) opens it, and its backward at the first gradient of its output. Once per group."""
@@ -79,7 +72,7 @@ class _Cover:
     covered anew by its own first forward (`ensure`)."""
 
     def __init__(self, group: Group | None, key: tuple[int, ...],
-                 check: model_check.ModelCheck | None, explain) -> None:
+                 check: OperationCheck | None, explain) -> None:
         self.group, self.key, self.check, self.explain = group, key, check, explain
         self.open: list[direct.Frame] = []  # the forwards of the module running now
 
