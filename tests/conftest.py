@@ -287,6 +287,8 @@ SLOW: dict[str, str] = {
         "a Branches checkpoint saved on 2 ranks and loaded on 3 (2 worlds), 13 s (fast: [gloo])",
     "tests/test_mpi_elastic.py::test_an_mpi_job_that_loses_a_rank_shrinks_and_ends_as_one_process":
         "tandem run on Open MPI with ULFM, a rank killed, the world shrunk: 20 s idle, minutes loaded",
+    "tests/test_mpi_elastic.py::test_a_stopped_rank_of_an_mpi_job_is_the_one_dropped_and_the_job_ends_as_one_process":
+        "tandem run on Open MPI with ULFM, a rank stopped: the watchdog's 10 s, then a shrink",
     **{"tests/test_optimizer_matrix.py::test_every_optimizer_equals_one_process_or_is_refused_with_the_reason"
        f"[Branches x {w}-{b}]":
        "a 4-rank world (Branches over mesh.tp_group, the wrapper over dp_group), 2-21 s (fast: [Branches-*])"

@@ -32,16 +32,42 @@ def _version_of_mpiexec() -> tuple[str, str]:
     return "Open MPI", re.search(r"\(Open MPI\)\s*(\S+)", said).group(1)
 
 
-def _env() -> dict[str, str]:
+def _env(timeout: str = "60") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_", "OMPI_"))}
-    env.update(PYTHONPATH=str(ROOT / "src"), TANDEM_TIMEOUT="60",
+    env.update(PYTHONPATH=str(ROOT / "src"), TANDEM_TIMEOUT=timeout,
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
 
 
-def _tandem_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _tandem_run(*args: str, timeout: float = 120, rank_timeout: str = "60"
+                ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tandem", "run", "--backend", "mpi", *args],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=_env(rank_timeout), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _skip_without_ulfm() -> None:
+    mpi, version = _version_of_mpiexec()
+    if mpi != "Open MPI":
+        pytest.skip(f"{mpi} {version} never reports a lost rank (scripts/test-openmpi.sh runs "
+                    "this on Open MPI 5 with ULFM)")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """elastic_train.py's one-process result (SGD), the reference of every job here."""
+    _skip_without_ulfm()
+    reference = tmp_path_factory.mktemp("reference") / "sgd.pt"
+    done = subprocess.run([sys.executable, TRAIN, str(reference)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return torch.load(reference)
+
+
+def _same_as_one_process(got: dict, want: dict) -> None:
+    assert got["sizes"] == [3] * 5 + [2] * 7 and got["step"] == 12, got["sizes"]
+    for name, value in want["params"].items():
+        assert torch.allclose(got["params"][name], value, rtol=0, atol=1e-6), name
 
 
 def _refusal_of_mpich(said: str, version: str) -> None:
@@ -82,20 +108,13 @@ def test_an_elastic_mpi_job_is_refused_where_the_mpi_cannot_shrink_naming_what_i
 
 
 @pytest.mark.timeout(600)  # ~20 s idle; minutes on 2 cores at a load of 20 (3 ranks + torch)
-def test_an_mpi_job_that_loses_a_rank_shrinks_and_ends_as_one_process(tmp_path):
+def test_an_mpi_job_that_loses_a_rank_shrinks_and_ends_as_one_process(tmp_path, one_process):
     """`tandem run --backend mpi -np 3 --min-np 2` under Open MPI with ULFM: worker 2 exits in
     step 5; the survivors' next collective fails with MPI_ERR_PROC_FAILED, td.elastic.run
     shrinks the world (`runtime.shrink`), td.elastic.State rolls both back to commit 5, they
     train on as 2 ranks to the one-process result, and the job exits 0, naming the lost rank
     (mpiexec's own view of the lost rank is no failure of the job)."""
-    mpi, version = _version_of_mpiexec()
-    if mpi != "Open MPI":
-        pytest.skip(f"{mpi} {version} never reports a lost rank (scripts/test-openmpi.sh runs "
-                    "this on Open MPI 5 with ULFM)")
-    reference, out = tmp_path / "reference.pt", tmp_path / "out.pt"
-    done = subprocess.run([sys.executable, TRAIN, str(reference)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out.pt"
     job = _tandem_run("-np", "3", "--min-np", "2", TRAIN, str(out), "--die", "2:5",
                       timeout=420)
     said = job.stderr
@@ -107,7 +126,25 @@ def test_an_mpi_job_that_loses_a_rank_shrinks_and_ends_as_one_process(tmp_path):
     assert "MPI_ERR_PROC_FAILED" in said and "resumed from commit 5 (step 5)" in said, said
     assert re.search(r"tandem run: elastic: the job ended on 2 of 3 ranks \(--min-np 2\), "
                      r"without rank 2 \(pid \d+\) exit code 9", said), said
-    got, want = torch.load(out), torch.load(reference)
-    assert got["sizes"] == [3] * 5 + [2] * 7 and got["step"] == 12, got["sizes"]
-    for name, value in want["params"].items():
-        assert torch.allclose(got["params"][name], value, rtol=0, atol=1e-6), name
+    _same_as_one_process(torch.load(out), one_process)
+
+
+@pytest.mark.timeout(600)  # the watchdog's 10 s, then as the test above
+def test_a_stopped_rank_of_an_mpi_job_is_the_one_dropped_and_the_job_ends_as_one_process(
+        tmp_path, one_process):
+    """Worker 2 stops itself (SIGSTOP) in step 5: for MPI it has not failed, so the others wait
+    until their watchdog's timeout (10 s), which names it silent; td.elastic.run reports it to
+    the agent, which kills it, and the world shrinks without it (not without the two healthy
+    ranks that timed out waiting)."""
+    out = tmp_path / "out.pt"
+    job = _tandem_run("-np", "3", "--min-np", "2", TRAIN, str(out), "--stop", "2:5",
+                      timeout=420, rank_timeout="10")
+    said = job.stderr
+    assert job.returncode == 0, said
+    assert re.search(r"tandem run: elastic: rank 2 \(pid \d+\) did not answer rank [01]'s "
+                     r"watchdog after a 10 s wait: killing it \(SIGKILL\)", said), said
+    assert re.search(r"tandem run: elastic: world 3 -> 2: rank 2 \(pid \d+\) stopped "
+                     r"answering", said), said
+    assert re.search(r"the MPI world shrank without rank\(s\) 2: rank\(s\) 2 did not answer "
+                     r"rank [01]'s watchdog and were stopped\); resumed from commit 5", said), said
+    _same_as_one_process(torch.load(out), one_process)

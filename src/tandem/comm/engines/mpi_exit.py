@@ -21,6 +21,7 @@ bare `raise SystemExit(n)` goes unseen: such a rank waits for the others like on
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -56,12 +57,12 @@ def adopt(comm: Any) -> None:
 
 
 @contextmanager
-def deadline(seconds: float, message: str) -> Iterator[None]:
-    """End this process (exit code 1, `message` on stderr) if the block has not finished
+def deadline(seconds: float, message: str, code: int = 1) -> Iterator[None]:
+    """End this process (exit `code`, `message` on stderr) if the block has not finished
     within `seconds`: the deadline of a blocking MPI call that has none of its own (ULFM's
-    shrink waits for every rank that has not failed). mpi4py releases the GIL in such calls,
-    so the timer's thread runs."""
-    timer = threading.Timer(seconds, _overdue, (message,))
+    shrink waits for every rank that has not failed). The call must let go of the GIL
+    (mpi4py's communicator calls do), or the timer's thread cannot run."""
+    timer = threading.Timer(seconds, _overdue, (message, code))
     timer.daemon = True
     timer.start()
     try:
@@ -70,14 +71,14 @@ def deadline(seconds: float, message: str) -> Iterator[None]:
         timer.cancel()
 
 
-def _overdue(message: str) -> None:
+def _overdue(message: str, code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os.write(2, f"tandem: {message}\n".encode(errors="replace"))
-    os._exit(1)
+    os._exit(code)
 
 
 class _ExitGuard:
@@ -126,6 +127,22 @@ class _ExitGuard:
                 )
             pause.wait(_POLL_S)
         self.comm.Free()
+        if self.policy == "shrink":
+            self._finalize(rank)
+
+    def _finalize(self, rank: int) -> None:
+        """`MPI_Finalize` under the timeout, for a world that shrinks: Open MPI's waits for the
+        processes of the job, and one that never comes back would hold this finished rank (and
+        its job) for ever. Called through ctypes, which lets go of the GIL (mpi4py's
+        `MPI.Finalize` keeps it, and the deadline's thread could not run); mpi4py's own exit
+        handler then finds MPI finalized."""
+        try:
+            finalize = ctypes.CDLL(None).MPI_Finalize
+        except (OSError, AttributeError):
+            return  # not found: mpi4py's exit handler finalizes, as in any job
+        with deadline(self.timeout, f"rank {rank} finished, but MPI_Finalize did not return "
+                      f"within {self.timeout:g} s; leaving without it", code=0):
+            finalize()
 
     def _arrived(self, request: Any, rank: int) -> bool:
         """Whether every rank reached the exit barrier. In a world that shrinks

@@ -51,6 +51,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+# A hung rank of an elastic MPI job: a survivor whose wait timed out names the workers that did
+# not answer its watchdog (`td.elastic.run`), the agent kills them (`shrinking`), and the world
+# shrinks without them. Reports are numbered from 1 (`SILENT_COUNT`).
+SILENT_COUNT = "tandem/mpi/silent/count"
+
+
+def silent_key(number: int) -> str:
+    """The store key of the `number`-th report of silent workers (JSON: workers, by, waited)."""
+    return f"tandem/mpi/silent/{number}"
+
+
 NEEDED = ("Open MPI >= 5 built with its fault-tolerance extension (`ompi_info` says "
           "\"FT MPI support: yes\"; ranks started with `mpiexec --with-ft ulfm`)")
 

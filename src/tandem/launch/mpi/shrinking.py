@@ -22,11 +22,15 @@ anything starts (`fault_tolerance.elastic_mpi_problem`), as is an MPI without UL
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
+from dataclasses import dataclass
 
 from tandem import rendezvous
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
+from tandem.launch.events import Event
 from tandem.launch.local.joined import JoinWatch
 from tandem.launch.local.output import signals_blocked
 from tandem.launch.local.processes import describe
@@ -40,12 +44,23 @@ from tandem.launch.local.supervisor import (
     silent_ranks,
     summary,
 )
-from tandem.launch.mpi.fault_tolerance import elastic_mpi_problem
+from tandem.launch.mpi.fault_tolerance import elastic_mpi_problem, silent_key
 from tandem.launch.mpi.mpiexec import MPIExecRanks, find_mpiexec, is_open_mpi
 
 # Open MPI's fault tolerance, on its TCP transport (loopback: the ranks share this machine).
 ULFM_FLAGS = ("--with-ft", "ulfm")
 ULFM_ENVIRONMENT = {"OMPI_MCA_btl": "self,tcp", "OMPI_MCA_btl_tcp_if_include": "lo"}
+SILENT_POLL_S = 1.0  # how long the store's reports of silent ranks are waited for at a time
+
+
+@dataclass(frozen=True)
+class SilentReported(Event):
+    """A rank's wait timed out and these workers did not answer its watchdog (stopped, hung):
+    the agent kills them, and the others shrink the world without them."""
+
+    workers: tuple[int, ...]
+    by: int
+    waited: float
 
 
 class ShrinkingRanks(MPIExecRanks):
@@ -65,6 +80,19 @@ class ShrinkingWatch(Supervisor):
         self.low = low
         self.finished: set[int] = set()
         self.dropped: dict[int, int] = {}  # rank (its first rank) -> its exit code
+        self.silenced: dict[int, str] = {}  # rank -> why it was killed (it stopped answering)
+
+    def other(self, event: Event) -> None:
+        if not isinstance(event, SilentReported) or self.stopping:
+            return
+        for rank in sorted(set(event.workers) & self.ranks.live - set(self.silenced)):
+            self.silenced[rank] = (f"stopped answering (rank {event.by}'s wait for it timed out "
+                                   f"after {event.waited:g} s and it did not answer the "
+                                   "watchdog: stopped, hung or deadlocked); killed")
+            self.output.message(f"tandem run: elastic: rank {rank} (pid {self.ranks.pids[rank]}) "
+                                f"did not answer rank {event.by}'s watchdog after a "
+                                f"{event.waited:g} s wait: killing it (SIGKILL)")
+            self.ranks.signal(signal.SIGKILL, {rank})
 
     def rank_finished(self, rank: int) -> None:
         self.finished.add(rank)
@@ -75,7 +103,7 @@ class ShrinkingWatch(Supervisor):
             return
         running = len(self.ranks.live)
         left = running + len(self.finished)
-        how = describe(returncode)
+        how = self.silenced.get(rank, describe(returncode))
         if left >= self.low:
             self.dropped[rank] = returncode
             self.output.message(
@@ -99,6 +127,10 @@ class ShrinkingJob(Agent):
         placement = Placement.single(self.config.np, store.port, store.key)
         watch = JoinWatch(store)
         supervisor = None
+        stop = threading.Event()
+        with signals_blocked():
+            threading.Thread(target=self._watch_silent, args=(store, stop),
+                             name="tandem-mpi-silent", daemon=True).start()
         try:
             try:
                 self.ranks.start(placement)
@@ -109,6 +141,7 @@ class ShrinkingJob(Agent):
                                             self.config.min_np or 1)
                 failure = supervisor.run()
         finally:
+            stop.set()
             self.ranks.reap()
             store.close()
         self.output.join(DRAIN_S)
@@ -136,6 +169,18 @@ class ShrinkingJob(Agent):
                 f"tandem run: elastic: the job ended on {len(supervisor.finished)} of "
                 f"{self.config.np} ranks (--min-np {self.config.min_np or 1}), without {lost}")
         return self.independent_copies(watch)
+
+
+    def _watch_silent(self, store: rendezvous.StoreServer, stop: threading.Event) -> None:
+        """The ranks' reports of silent workers (`td.elastic.run`), as events, in order."""
+        number = 1
+        while not stop.is_set():
+            if not store.wait_for([silent_key(number)], SILENT_POLL_S):
+                continue  # (the store closes only after `stop` is set)
+            report = json.loads(store.get(silent_key(number)))
+            self.events.put(SilentReported(tuple(report["workers"]), report["by"],
+                                           report["waited"]))
+            number += 1
 
 
 def launch(config: LaunchConfig) -> int:
