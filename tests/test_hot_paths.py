@@ -24,7 +24,7 @@ from tandem.testing import run_distributed
 
 BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
     importlib.util.find_spec("mpi4py") is None, reason="no mpi4py"))]
-READ_METHODS = {"tolist", "item", "numpy"}  # seen as calls into C, in backward too
+READ_METHODS = {"tolist", "item", "numpy", "tobytes"}  # seen as calls into C, in backward too
 READ_CONVERSIONS = {"__int__", "__float__", "__bool__", "__index__"}  # int(t), if t: ...
 
 

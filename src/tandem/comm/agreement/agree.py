@@ -25,12 +25,15 @@ every call (`checks`), unless checks are off.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
+import struct
 import zlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from tandem.comm import context
@@ -107,13 +110,18 @@ class Prepared:
     `values` is the message itself (the highest of equal codes is that code), so the same
     buffer is sent again next time, with no allocation and no copy per call. A wire that came
     back with other values (a mismatch), or that another call holds, is replaced by a copy.
+    The wire's result is read as bytes, compared with `raw` (`values` as int64 bytes) through
+    `view`, a NumPy view of the wire: 0.2 us, where `tolist()` and a list comparison of 48
+    codes cost 0.7 us or more, next to a 3 us message.
     """
 
-    __slots__ = ("codes", "tensor", "values", "wire")
+    __slots__ = ("codes", "tensor", "values", "wire", "view", "raw")
 
     def __init__(self, codes: Sequence[int], tensor: torch.Tensor, values: list[int]) -> None:
         self.codes, self.tensor, self.values = codes, tensor, values
         self.wire: torch.Tensor | None = None
+        self.view: np.ndarray | None = None  # the wire's memory, while `wire` holds it
+        self.raw = b""  # made with the view, when the message is first sent again
 
 
 def _values(codes: Sequence[int]) -> list[int]:
@@ -182,21 +190,37 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
         both = prepared.wire
         if both is not None and backend is _takes[0] and _takes[1]:
             prepared.wire = None  # this call's until it comes back unchanged
+            # Waited for at once: the engine may finish it on the spot (Backend.allreduce_now).
+            work = backend.allreduce_now(both, "max", group)
+            if work is not None:
+                work.wait(engine.timeout)
+            if prepared.view.tobytes() == prepared.raw:  # all agree: sent as it is next time
+                prepared.wire = both
+                return {}
+            result = both.tolist()
         else:
             both = prepared.tensor.clone()
             if not _takes_cpu(backend):
                 both = on_wire(both, backend)
-        # Waited for at once: the engine may finish it on the spot (Backend.allreduce_now).
-        work = backend.allreduce_now(both, "max", group)
-        if work is not None:
-            work.wait(engine.timeout)
-        result = both.tolist()
-        if result == prepared.values:  # every rank's codes equal this rank's: they agree
-            if both.is_cpu:
-                prepared.wire = both  # it holds the message again: sent as it is next time
-            return {}
+            work = backend.allreduce_now(both, "max", group)
+            if work is not None:
+                work.wait(engine.timeout)
+            result = both.tolist()
+            if result == prepared.values:  # every rank's codes equal this rank's: they agree
+                if both.is_cpu:
+                    # It holds the message again: sent as it is next time, read through a view
+                    # of its memory (made here once; the wire stays alive in `prepared`).
+                    prepared.wire, prepared.view = both, _view(both)
+                    prepared.raw = struct.pack(f"={len(result)}q", *result)
+                return {}
     return {i: (result[i], -result[n + i]) for i in range(n)
             if result[i] != -result[n + i] and result[i] != _NO_SAY}
+
+
+def _view(wire: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU int64 tensor's memory that does not keep the tensor alive."""
+    memory = (ctypes.c_char * wire.nbytes).from_address(wire.data_ptr())
+    return np.frombuffer(memory, dtype=np.int64)
 
 
 def highest(posted: Posted) -> list[int]:
