@@ -35,12 +35,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tandem import runtime
 from tandem.comm.agreement import agree as agreement
@@ -48,6 +46,7 @@ from tandem.comm.agreement import fingerprints
 from tandem.comm.agreement.agree import DivergedError
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.job import preemption
+from tandem.parallel.layout import splits
 
 _KIND = agreement.checksum("model operation")
 # The codes' places in the message (the same for every operation): the kind, the layout, the
@@ -116,8 +115,8 @@ class OperationCheck:
         self._posted: tuple[str, agreement.Posted] | None = None
         self._backward_due = False
         self.param_ids = frozenset(id(p) for p in stepped)
-        if self.param_ids:
-            _track(self)
+        if self.param_ids:  # the optimizer-step hook counts the steps over them
+            splits.count_steps(self)
 
     @staticmethod
     def make(wrapper: str, owner: str, lines: Iterable[str], group: Group | None,
@@ -302,33 +301,3 @@ def user_site() -> str:
                                  or frame.f_code.co_filename.startswith(_TORCH_DIR)):
         frame = frame.f_back
     return fingerprints.site_of(frame)
-
-
-# -- optimizer steps over a checked model ----------------------------------------------------
-
-_checks: weakref.WeakSet = weakref.WeakSet()
-_generation = 0  # bumped with every new check: the optimizers' caches are then stale
-_per_optimizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_hook = None
-
-
-def _track(check: OperationCheck) -> None:
-    global _generation, _hook
-    _checks.add(check)
-    _generation += 1
-    if _hook is None:  # one hook for the process; a dictionary look-up per optimizer step
-        _hook = register_optimizer_step_post_hook(_count_step)
-
-
-def _count_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
-    """After any optimizer's step: count it for the checks whose parameters it steps."""
-    size = sum(len(g["params"]) for g in optimizer.param_groups)
-    cached = _per_optimizer.get(optimizer)
-    if cached is None or cached[0] != _generation or cached[1] != size:
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        cached = (_generation, size, [weakref.ref(c) for c in _checks if c.param_ids & ids])
-        _per_optimizer[optimizer] = cached
-    for ref in cached[2]:
-        check = ref()
-        if check is not None:
-            check.steps += 1

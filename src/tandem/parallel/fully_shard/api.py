@@ -45,7 +45,7 @@ from tandem.comm.collectives import user as collectives
 from tandem.comm.groups import Group, Mesh, group_ranks
 from tandem.parallel import model_check
 from tandem.parallel.fully_shard import dtensor as dtensor_params
-from tandem.parallel.fully_shard import fsdp2_methods, optimizer_check, policies
+from tandem.parallel.fully_shard import fsdp2_methods, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
 from tandem.parallel.layout import protocol as layout
@@ -65,7 +65,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     agreed once, here (`unit_agreement.py`); a rank that differs makes every rank raise,
     naming each rank's. An optimizer that holds none of the shards and steps nothing while
     they have gradients (another model's parameters) is refused at its first step
-    (`optimizer_check.py`).
+    (the optimizer-step hook of `parallel/layout/splits.py`).
 
     Args:
         module: the module to shard (its inner blocks sharded first, then the root).
@@ -132,7 +132,6 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
     elif unit.shard is not None:  # model.state_dict() / load_state_dict(): the unsharded model
         state_hooks.install(module, UnitPieces(unit))
     fsdp2_methods.install(module, unit)  # model.unshard(), model.set_requires_gradient_sync(...)
-    optimizer_check.watch()  # an optimizer over another model's parameters is refused
     return module
 
 

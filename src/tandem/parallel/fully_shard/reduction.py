@@ -34,7 +34,6 @@ from tandem import runtime
 from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_size
 from tandem.parallel.data_parallel.samples import PassSamples
-from tandem.parallel.fully_shard import optimizer_check
 from tandem.parallel.layout import splits
 from tandem.parallel.layout.split_grads import as_split_grad
 
@@ -129,7 +128,7 @@ class GradientReduction:
         # the summed weights: ranks x replicas on an even step, the samples on an uneven one
         shard_grad = out[:s].div_(out[s + 1:])
         shard_grad[:1].add_(torch.where(out[s] > 0, float("inf"), 0.0))
-        optimizer_check.graded(param)  # an optimizer that holds no shard is refused (once)
+        splits.graded(param)  # an optimizer that holds no shard is refused (once)
         if mesh is not None:
             if param.grad is None:
                 param.grad = _dtensor_like(param, shard_grad)

@@ -11,6 +11,11 @@ leaves shards alone and refuses to copy one rank's tensor-parallel slices onto t
 `DistributedOptimizer` refuses to average different slices, and an optimizer still holding
 parameters that fully_shard replaced is refused at its first step. Weak references: a tensor
 that goes away leaves the registry with it.
+
+From the first entry on, every torch optimizer's step passes tandem's one pre-step and one
+post-step hook (`_watch_optimizers`): refusals at an optimizer's first step, the steps recorded
+for `tandem scale`, and the steps counted for the per-operation checks
+(`parallel/operation_check.py`), each decided once per optimizer.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tandem import runtime
 from tandem.comm.groups import Group, group_ranks
 from tandem.diagnostics import steps
 from tandem.parallel.layout.elementwise import refuse_unless_elementwise, refuse_unless_per_tensor
@@ -59,58 +65,115 @@ _REGISTRY = WeakIdKeyDictionary()
 
 def mark(tensor: torch.Tensor, kind: str, group: Group | None = None) -> None:
     _REGISTRY[tensor] = Split(kind, group)
+    _changed()  # an optimizer over it is checked, and its steps recorded, from its next step
     _watch_optimizers()
 
 
-_checked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose parameters were checked
 _watching = False
 
 
 def _watch_optimizers() -> None:
-    """From the first split tensor on, torch optimizers are watched (two global hooks, each a
-    set lookup per step once an optimizer is known):
+    """From the first split tensor (or checked model, or data-parallel parameter) on, torch
+    optimizers are watched by one pre-step and one post-step hook for the process. At an
+    optimizer's first step, and again when what it holds or what tandem knows about it changed
+    (`_plan`):
 
-    - the first step of each checks that it holds no parameter fully_shard took out of the
-      model (it would step tensors the model no longer uses; the loss would print as usual
-      while nothing trains), and that an optimizer over shards or slices updates each element
-      on its own (`elementwise`: Adafactor, Muon or LAMB would run another algorithm; whole
-      tensors, a pipeline stage's or a Branches branch's, take any optimizer);
-    - a plain torch optimizer over split parameters (fully_shard shards, tensor-parallel slices,
-      Branches branches, a pipeline stage) or over a `DistributedDataParallel` model's records its steps for
-      `tandem scale` and `MetricLogger(timing=True)`, as DistributedOptimizer, LocalSGD and
-      ZeroOptimizer do themselves."""
+    - it is refused if it holds a parameter fully_shard took out of the model (it would step
+      tensors the model no longer uses; the loss would print as usual while nothing trains),
+      if it steps shards or slices and does not update each element on its own (`elementwise`:
+      Adafactor, Muon or LAMB would run another algorithm; whole tensors, a pipeline stage's or
+      a Branches branch's, take any optimizer that steps each tensor on its own), or if it
+      holds no fully_shard shard and none of its parameters has a gradient while a fully_shard
+      backward just graded shards (another model's parameters: its steps would train nothing);
+    - its plan is kept: whether it holds shards (its step clears `graded`), whether it records
+      its steps for `tandem scale` and `MetricLogger(timing=True)` (a plain torch optimizer over
+      split parameters or a `DistributedDataParallel` model's; DistributedOptimizer, LocalSGD and
+      ZeroOptimizer record their own), and the per-operation checks whose parameters it steps
+      (`count_steps`: their `steps` counts it, so a rank that skipped a step is named).
+
+    Per step: one dictionary look-up in each hook, then what the plan says."""
     global _watching
     if not _watching:
-        register_optimizer_step_pre_hook(_refuse_replaced)
-        register_optimizer_step_post_hook(_account_step)
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
         _watching = True
 
 
+class _Plan(NamedTuple):
+    """What the hooks do for one optimizer, decided once (see `_watch_optimizers`)."""
+
+    generation: int  # `_generation` when made: a later one makes it again
+    groups: int  # its param_groups then: add_param_group makes it again
+    holds_shards: bool
+    accounts: bool
+    counted: list  # weak references to the checks whose `steps` it advances
+
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Plan
+_generation = 0  # bumped when a plan may have changed (a tensor marked, a check counted, ...)
 _accounted: weakref.WeakSet = weakref.WeakSet()  # optimizers whose wrapper records their steps
-_splits_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> holds split params
+_counted: weakref.WeakSet = weakref.WeakSet()  # checks (`param_ids`, `steps`) counting steps
+_graded: list = [None]  # a weak reference to a shard graded since an optimizer over shards stepped
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 def accounted_elsewhere(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer` is wrapped by a tandem class that records its steps itself."""
     _accounted.add(optimizer)
+    _plans.pop(optimizer, None)
 
 
-def _account_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if optimizer in _accounted:
+def count_steps(check) -> None:
+    """Every step of an optimizer over any of `check.param_ids` adds one to `check.steps`."""
+    _counted.add(check)
+    _changed()
+    _watch_optimizers()
+
+
+def graded(shard: torch.Tensor) -> None:
+    """A fully_shard backward wrote `shard`'s gradient."""
+    _graded[0] = weakref.ref(shard)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    plan = _plans.get(optimizer)
+    if plan is None or plan.generation != _generation or plan.groups != len(optimizer.param_groups):
+        plan = _plan(optimizer)
+    if plan.holds_shards:
+        _graded[0] = None
+
+
+def _after_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    plan = _plans.get(optimizer)
+    if plan is None:
         return
-    holds = _splits_seen.get(optimizer)
-    if holds is None:
-        holds = _splits_seen[optimizer] = any(
-            kind_of(p) in MODEL_SPLITS or reducer_of(p) is not None
-            for group in optimizer.param_groups for p in group["params"])
-    if holds:
+    for ref in plan.counted:
+        check = ref()
+        if check is not None:
+            check.steps += 1
+    if plan.accounts:
         steps.step_done()
 
 
-def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if optimizer in _checked:
-        return
+def _plan(optimizer: torch.optim.Optimizer) -> _Plan:
+    """Refuse `optimizer` (see `_watch_optimizers`) or keep what its steps must do."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    _refuse(optimizer, params)
+    holds_shards = _holds_shards(optimizer, params)
+    accounts = optimizer not in _accounted and any(
+        kind_of(p) in MODEL_SPLITS or reducer_of(p) is not None for p in params)
+    ids = {id(p) for p in params}
+    counted = [weakref.ref(c) for c in _counted if c.param_ids & ids]
+    plan = _plans[optimizer] = _Plan(_generation, len(optimizer.param_groups), holds_shards,
+                                     accounts, counted)
+    return plan
+
+
+def _refuse(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     stale = [i for i, p in enumerate(params) if kind_of(p) == REPLACED]
     if stale:
         raise ValueError(
@@ -140,7 +203,25 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                                  "each tensor on its own (AdamW, Adafactor, Muon, ...), or "
                                  "train the model with its branches whole on every rank "
                                  "(td.DistributedDataParallel)")
-    _checked.add(optimizer)
+
+
+def _holds_shards(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """Whether `optimizer` holds shards; raises when it steps nothing while shards have
+    gradients (`optimizer = torch.optim.AdamW(other.parameters())` beside a fully sharded
+    model: the shards get gradients that no optimizer reads, the loss stays flat)."""
+    shard = _graded[0]() if _graded[0] is not None else None
+    if any(p is shard or kind_of(p) == FULLY_SHARD for p in params):
+        return True
+    if shard is None or shard.grad is None or any(p.grad is not None for p in params):
+        return False
+    name = type(optimizer).__name__
+    where = f"rank {runtime.rank()}: " if runtime.is_initialized() else ""
+    raise ValueError(
+        f"{where}{name} holds {len(params)} parameters, none of them a td.fully_shard shard and "
+        f"none with a gradient, while the fully sharded model's shards just got theirs from "
+        f"backward: its steps would train nothing (another model's parameters?). Build the "
+        f"optimizer over the sharded model, after td.fully_shard: "
+        f"opt = torch.optim.{name}(model.parameters(), ...)")
 
 
 def split_of(tensor: torch.Tensor) -> Split | None:
@@ -192,6 +273,7 @@ _REDUCERS = WeakIdKeyDictionary()
 
 def set_reducer(param: torch.Tensor, reducer_ref: weakref.ref) -> None:
     _REDUCERS[param] = reducer_ref
+    _changed()
     _watch_optimizers()  # the plain optimizer of a DistributedDataParallel model: its steps count
 
 
