@@ -215,8 +215,9 @@ def _resizable() -> bool:
     raise RuntimeError(
         f"td.elastic.run needs a launcher that can resize the job: this one was started by "
         f"{job.source} with a fixed world of {runtime.size()} (an MPI world cannot change once "
-        f"started). Start it with `tandem run --min-np A --max-np B script.py` (Gloo), or use "
-        f"a fixed -np with --max-restarts and td.Checkpointer")
+        f"started; started by `tandem run --backend mpi --min-np A` on Open MPI with ULFM, it "
+        f"can shrink). Start it with `tandem run --min-np A --max-np B script.py` (Gloo), or "
+        f"use a fixed -np with --max-restarts and td.Checkpointer")
 
 
 def _name_the_silent(state: State, error: Exception) -> None:
