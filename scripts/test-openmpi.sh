@@ -23,7 +23,8 @@ print(" ".join(library.splitlines()[0].split()[:3]).rstrip(","))
 EOF
 # Everything that runs MPI: the backend and its collective matrix, the reducer and a pipeline
 # over it, `tandem run` (MPI by default on CPUs: launcher, examples), faults, the watchdog,
-# and which sockets a one-node job listens on.
+# which sockets a one-node job listens on, and elastic jobs whose world shrinks (ULFM:
+# test_mpi_elastic.py; under MPICH only their refusal runs).
 exec "$VENV/bin/python" -m pytest -q \
   tests/test_mpi.py tests/test_loopback.py tests/test_mpi_elastic.py \
   tests/test_data_parallel.py::test_equivalence_over_mpi \
