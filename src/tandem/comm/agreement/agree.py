@@ -115,13 +115,17 @@ class Prepared:
     codes cost 0.7 us or more, next to a 3 us message.
     """
 
-    __slots__ = ("codes", "tensor", "values", "wire", "view", "raw")
+    __slots__ = ("codes", "tensor", "values", "wire", "view", "raw", "run", "engine")
 
     def __init__(self, codes: Sequence[int], tensor: torch.Tensor, values: list[int]) -> None:
         self.codes, self.tensor, self.values = codes, tensor, values
         self.wire: torch.Tensor | None = None
         self.view: np.ndarray | None = None  # the wire's memory, while `wire` holds it
         self.raw = b""  # made with the view, when the message is first sent again
+        # The engine's prepared all-reduce of the wire on the world (MPI's `allreduce_plan`),
+        # and the engine it was made by.
+        self.run: Callable | None = None
+        self.engine: Any = None
 
 
 def _values(codes: Sequence[int]) -> list[int]:
@@ -189,13 +193,20 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
         backend = engine.backend
         both = prepared.wire
         if both is not None and backend is _takes[0] and _takes[1]:
-            prepared.wire = None  # this call's until it comes back unchanged
+            # This call's until it comes back unchanged (with the view and the plan made for
+            # it: a call between that finds no wire makes its own, and keeps it).
+            prepared.wire = None
+            view, run = prepared.view, prepared.run
             # Waited for at once: the engine may finish it on the spot (Backend.allreduce_now).
-            work = backend.allreduce_now(both, "max", group)
+            if group is None and prepared.engine is backend:
+                work = run(both)
+            else:
+                work = backend.allreduce_now(both, "max", group)
             if work is not None:
                 work.wait(engine.timeout)
-            if prepared.view.tobytes() == prepared.raw:  # all agree: sent as it is next time
-                prepared.wire = both
+            if view.tobytes() == prepared.raw:  # all agree: sent as it is next time
+                if prepared.wire is None:
+                    prepared.wire = both
                 return {}
             result = both.tolist()
         else:
@@ -207,11 +218,16 @@ def differing(codes: Sequence[int], group: Group | None, engine: context.Context
                 work.wait(engine.timeout)
             result = both.tolist()
             if result == prepared.values:  # every rank's codes equal this rank's: they agree
-                if both.is_cpu:
+                if both.is_cpu and prepared.wire is None:
                     # It holds the message again: sent as it is next time, read through a view
-                    # of its memory (made here once; the wire stays alive in `prepared`).
-                    prepared.wire, prepared.view = both, _view(both)
+                    # of its memory (made here once; the wire stays alive in `prepared`), by
+                    # the engine's prepared call when it makes them (MPI, on the world).
+                    make = getattr(backend, "allreduce_plan", None) if group is None else None
+                    run = make(both, "max", getattr(backend, "watchdog", None)) if make else None
+                    prepared.view, prepared.run = _view(both), run
+                    prepared.engine = backend if run is not None else None
                     prepared.raw = struct.pack(f"={len(result)}q", *result)
+                    prepared.wire = both
                 return {}
     return {i: (result[i], -result[n + i]) for i in range(n)
             if result[i] != -result[n + i] and result[i] != _NO_SAY}
