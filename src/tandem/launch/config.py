@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from tandem.job.settings import BACKENDS, DEFAULT_TIMEOUT_S, check_backend
 from tandem.launch import gpus, torchrun_flags
-from tandem.launch.agents.elastic_options import elastic_problem
+from tandem.launch.agents.discovery import DEFAULT_TIMEOUT_S as DEFAULT_DISCOVERY_S
+from tandem.launch.agents.elastic_options import discovery_problem, elastic_problem
 from tandem.launch.agents.hosts import Host, check_unique, parse_hosts, read_hostfile, total_slots
 from tandem.launch.local.processes import cores
 from tandem.launch.programs import file_problem, is_command, shape_problem
@@ -128,6 +129,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("discovery", ("--host-discovery-script",), str, "SCRIPT",
            "an elastic job: a program printing `host:slots` lines, run every second; more "
            "slots than ranks make the job grow (with -H, a listed host gets an agent)"),
+    Option("discovery_timeout", ("--discovery-timeout",), _seconds, "S",
+           "an elastic job: a run of --host-discovery-script longer than S seconds is killed "
+           f"and named, and the job goes on with what it has (default {DEFAULT_DISCOVERY_S:g})"),
     Option("backend", ("--backend",), _backend, "NAME",
            f"communication backend: {' | '.join(BACKENDS)} (default: nccl with GPUs; else mpi "
            "when mpi4py and mpiexec are installed and the job is local without restarts (no "
@@ -191,6 +195,7 @@ class LaunchConfig:
     min_np: int | None = None  # an elastic job (launch/agents/elastic.py): its range of world sizes
     max_np: int | None = None
     discovery: str | None = None  # --host-discovery-script
+    discovery_timeout: float | None = None  # None: discovery.DEFAULT_TIMEOUT_S
 
     @property
     def elastic(self) -> bool:
@@ -380,6 +385,7 @@ def config_from_args(
         min_np=min_np,
         max_np=max_np,
         discovery=os.path.abspath(values["discovery"]) if values["discovery"] else None,
+        discovery_timeout=values["discovery_timeout"],
     )
 
 
@@ -414,7 +420,11 @@ def _check_writable(path: str) -> None:
 
 def check_program(config: LaunchConfig) -> None:
     """A missing script, or a file the ranks could not run (`programs.file_problem`), is our
-    error (nothing starts); a missing module is each rank's."""
+    error (nothing starts); a missing module is each rank's. So is a discovery script that
+    fails its first run (`elastic_options.discovery_problem`)."""
+    problem = discovery_problem(config)
+    if problem:
+        raise LaunchError(problem)
     if config.module:
         return  # importable only in the ranks' environment, so let them say so
     if not config.executable and not os.path.exists(config.program):

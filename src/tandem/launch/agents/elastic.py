@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import threading
 import time
 
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.coordinator import REMOTE_STOP_S
+from tandem.launch.agents.discovery import discover
 from tandem.launch.agents.nodes import Node
 from tandem.launch.events import (
     Event,
@@ -77,7 +77,6 @@ from tandem.rendezvous.elastic_rounds import (
 )
 
 DISCOVERY_S = 1.0  # how often --host-discovery-script runs
-DISCOVERY_TIMEOUT_S = 10.0  # a discovery script that takes longer is killed and reported
 SILENT_POLL_S = 0.25  # how often the agent looks whether a rank named a silent peer
 
 
@@ -213,33 +212,16 @@ class Rounds:
 
     # -- discovery -------------------------------------------------------------------------
     def _discover(self) -> None:
-        said = None
+        said = None  # a bad run is named once, until the script offers slots again
         while not self._stop.wait(DISCOVERY_S):
-            slots, problem = discover(self.discovery)
+            slots, problem = discover(self.discovery, self.job.config.discovery_timeout)
             if problem is not None and problem != said:
-                self.output.message(f"tandem run: --host-discovery-script: {problem}")
+                self.output.message(f"tandem run: --host-discovery-script {self.discovery}: "
+                                    f"{problem}; the job goes on with the hosts it has")
             said = problem
             if slots is not None:
                 self.job.events.put(SlotsOffered(slots))
 
-
-def discover(script: str) -> tuple[dict[str, int] | None, str | None]:
-    """The slots the discovery script offers, by host: ({host: slots}, None), or (None, why)."""
-    try:
-        done = subprocess.run([script], capture_output=True, text=True,
-                              timeout=DISCOVERY_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return None, f"could not run it: {error}"
-    if done.returncode != 0:
-        return None, f"it exited {done.returncode}: {done.stderr.strip()[-200:]}"
-    slots: dict[str, int] = {}
-    for line in done.stdout.split():
-        host, _, count = line.partition(":")
-        try:
-            slots[host] = slots.get(host, 0) + (int(count) if count else 1)
-        except ValueError:
-            return None, f"{line!r} is not `host:slots`"
-    return slots, None
 
 
 class _ElasticWatch(Supervisor):
