@@ -394,8 +394,11 @@ def test_a_small_collective_goes_to_the_engine_in_a_few_calls(backend):
 # its prepared message; hvd's negotiation either way) and the engine. They were 30/15
 # (allreduce), 43/28 (broadcast), 55/63 (allgather: unchecked, the lengths are exchanged) and
 # 69 (hvd) on MPI, 34/17, 38/21, 48/45 and 63 on Gloo, before the common case went straight
-# to the engine (issue 46, item 2).
-SMALL_CALLS = {"mpi": {"allreduce": (10, 4), "mean": (10, 4), "broadcast": (11, 5),
+# to the engine (issue 46, item 2). On MPI the check's reused message and a repeated
+# allreduce or broadcast then ran the engine's prepared call: allreduce 9/4 and broadcast 9/3
+# when every message finishes within the first tests, one more (the on-the-spot drive) on a
+# loaded machine.
+SMALL_CALLS = {"mpi": {"allreduce": (10, 4), "mean": (10, 4), "broadcast": (10, 4),
                        "allgather": (24, 57), "hvd.allreduce": (23, 23)},
                "gloo": {"allreduce": (22, 10), "mean": (22, 10), "broadcast": (22, 10),
                         "allgather": (21, 39), "hvd.allreduce": (35, 35)}}

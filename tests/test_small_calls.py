@@ -74,3 +74,70 @@ def test_small_calls_send_the_check_and_the_data_only(backend):
         assert counted[mode, "allgather uneven"] == 3, counted
     assert counted["off", "allreduce"] == counted["off", "broadcast"] == 1, counted
     assert counted["off", "allgather"] == counted["off", "allgather uneven"] == 2, counted
+
+
+def check_repeated_calls_on_reused_memory():
+    """The MPI engine keeps a prepared call per address, count, dtype and op (or root): every
+    other tensor at that address must still get its own reduction and its own check."""
+    rank, size = td.rank(), td.size()
+    state = runtime.state()
+    seen = {}
+    try:
+        for checks in (True, False):
+            state.checks = checks
+            big = torch.zeros(32, 64)
+            flat = big.view(-1)[:1024]  # the memory of big's first 16 rows, contiguous
+            for _ in range(3):  # the first call makes the plan; the next ones run it
+                flat.fill_(rank + 1.0)
+                td.allreduce(flat, op="sum")
+                assert torch.equal(flat, torch.full((1024,), size * (size + 1) / 2))
+            # The same address, count and dtype, not contiguous: big's first 32 columns.
+            big.copy_(torch.arange(2048.0).view(32, 64) + rank)
+            columns = big[:, :32]
+            td.allreduce(columns, op="sum")
+            expected = torch.arange(2048.0).view(32, 64)
+            expected[:, :32] = expected[:, :32] * size + size * (size - 1) / 2
+            expected[:, 32:] += rank
+            seen["columns", checks] = torch.equal(big, expected)
+            # The same memory in another shape; a mean of integers rounds down.
+            square = flat.view(32, 32)
+            for _ in range(2):
+                square.fill_(float(rank))
+                td.allreduce(square)
+            seen["mean", checks] = square[0, 0].item()
+            ints = torch.full((8,), 3 * rank + 1, dtype=torch.int64)
+            for _ in range(2):
+                ints.fill_(3 * rank + 1)
+                td.allreduce(ints)
+            seen["int mean", checks] = ints.tolist()
+            # A broadcast of memory an all-reduce used: its own prepared call.
+            for root in (size - 1, 0):
+                flat.fill_(float(rank))
+                td.broadcast(flat, root=root)
+                seen["broadcast", root, checks] = flat.unique().tolist()
+        # The check still compares shapes on a prepared call: rank 0 passes the memory as
+        # 1024 elements, the others as 32 x 32.
+        state.checks = True
+        mine = flat if rank == 0 else flat.view(32, 32)
+        try:
+            td.allreduce(mine, op="sum")
+            seen["mismatch"] = None
+        except td.CollectiveMismatchError as error:
+            seen["mismatch"] = str(error)
+    finally:
+        state.checks = True
+    return seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_calls_on_reused_memory_reduce_each_tensor_and_check_each_call(backend):
+    for seen in run_distributed(check_repeated_calls_on_reused_memory, world_size=2,
+                                backend=backend):
+        for checks in (True, False):
+            assert seen["columns", checks], seen
+            assert seen["mean", checks] == 0.5, seen
+            assert seen["int mean", checks] == [2] * 8, seen  # (1 + 4) // 2
+            assert seen["broadcast", 1, checks] == [1.0], seen
+            assert seen["broadcast", 0, checks] == [0.0], seen
+        assert "rank 0: allreduce(shape=(1024,)" in seen["mismatch"], seen
+        assert "rank 1: allreduce(shape=(32, 32)" in seen["mismatch"], seen

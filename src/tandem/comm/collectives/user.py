@@ -156,12 +156,13 @@ def _learn_cpu(backend) -> None:
 
 
 class Plan:
-    """A repeated blocking `allreduce` of one tensor's memory on the world: the engine's
-    prepared call (`run`) and, for "mean", the division on a NumPy view of that memory
+    """A repeated blocking `allreduce` or `broadcast` of one tensor's memory on the world: the
+    engine's prepared call (`run`) and, for "mean", the division on a NumPy view of that memory
     (`divide`; torch's `div_` costs 2 us of dispatch, NumPy's 0.6, next to a 3 us message).
 
-    Kept by address, count, dtype and op, as the engine keeps its buffer specs: a later tensor
-    at that address, with that count and dtype, is the same memory. Neither holds the tensor.
+    Kept by address, count, dtype and op (or root), as the engine keeps its buffer specs: a
+    later tensor at that address, with that count and dtype, is the same memory. Neither holds
+    the tensor.
     """
 
     __slots__ = ("state", "run", "divide")
@@ -190,9 +191,14 @@ def _plan(state: context.Context, tensor: torch.Tensor, op: str) -> None:
     run = state.backend.allreduce_plan(tensor, _NATIVE_OF[op],
                                        getattr(state.backend, "watchdog", None))
     if run is not None:
-        if len(_plans) >= _MOST_PLANS:
-            _plans.clear()
-        _plans[(tensor.data_ptr(), tensor.numel(), tensor.dtype, op)] = Plan(state, run, divide)
+        _keep(tensor, op, Plan(state, run, divide))
+
+
+def _keep(tensor: torch.Tensor, what: str | int, plan: Plan) -> None:
+    """Keep `plan` for `tensor`'s memory and `what` (an all-reduce's op, a broadcast's root)."""
+    if len(_plans) >= _MOST_PLANS:
+        _plans.clear()
+    _plans[(tensor.data_ptr(), tensor.numel(), tensor.dtype, what)] = plan
 
 
 def divide(tensor: torch.Tensor, n: int) -> torch.Tensor:
@@ -325,6 +331,20 @@ def broadcast(
         CollectiveMismatchError: ranks passed other shapes, dtypes or roots.
         ValueError: `root` is not a rank of `group`.
     """
+    if tensor.__class__ is torch.Tensor and group is None and inplace and not async_op \
+            and src is None and root.__class__ is int:
+        try:  # a tensor seen before runs its `Plan`, as in allreduce
+            plan = _plans.get((tensor.data_ptr(), tensor.numel(), tensor.dtype, root))
+        except RuntimeError:
+            plan = None
+        if plan is not None and plan.state is context.active and tensor.is_contiguous():
+            state = plan.state
+            if state.checks or state.debug:
+                checks.agree("broadcast", tensor, None, root=root, engine=state)
+            work = plan.run(tensor)
+            if work is not None:
+                work.wait(state.timeout)
+            return tensor
     state = context.active
     if tensor.__class__ is torch.Tensor and group is None and inplace and not async_op \
             and src is None and state is not None and tensor.is_cpu \
@@ -338,6 +358,10 @@ def broadcast(
             work = backend.broadcast_now(tensor, root, None)
             if work is not None:
                 work.wait(state.timeout)
+            if _cpu[3]:
+                run = backend.broadcast_plan(tensor, root, getattr(backend, "watchdog", None))
+                if run is not None:
+                    _keep(tensor, root, Plan(state, run, None))
             return tensor
     if src is not None:
         root = one_rank("root", root, "src", src)

@@ -267,6 +267,35 @@ class MPIBackend(Backend):
         return self._work(request, (), (tensor, spec),
                           (_collective, "broadcast", tensor, self.rank, handle, None, root))
 
+    def broadcast_plan(self, tensor, root, ledger=None):
+        """A blocking broadcast of `tensor`'s memory from `root` on the world, prepared once,
+        as `allreduce_plan` prepares an all-reduce: `run(t)` returns None, or a watched `Work`
+        when it did not finish on the spot. None for a tensor it cannot take."""
+        if tensor.is_cuda or not tensor.is_contiguous() or not 0 < tensor.nbytes < PIECES_FROM_BYTES:
+            return None
+        spec = [self.staging.fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.nbytes,
+                self._MPI.BYTE]
+        post, local_root = self._world.comm.Ibcast, self._world.rank_of(root, "root")
+        failure, world = self._MPI.Exception, self._world
+        count = None if ledger is None else ledger.count
+
+        def run(tensor):
+            request = post(spec, local_root)
+            test = request.Test
+            try:
+                done = test() or test() or completed_within(request, ON_THE_SPOT_S)
+            except failure as error:
+                described = _collective("broadcast", tensor, self.rank, world, None, root)[0]
+                raise RuntimeError(f"MPI {described} failed: {error}") from error
+            if done:
+                if count is not None:
+                    count(None)
+                return None
+            work = self._work(request, (), (tensor, spec),
+                              (_collective, "broadcast", tensor, self.rank, world, None, root))
+            return work if ledger is None else ledger.issue(work, "broadcast", None, tensor)
+        return run
+
     def broadcast(self, tensor, root, group):
         handle = self._handle(group)
         local_root = handle.rank_of(root, "root")
