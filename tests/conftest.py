@@ -309,6 +309,12 @@ SLOW: dict[str, str] = {
     **{f"tests/test_optimizer_matrix.py::test_a_sharded_optimizer_shrunk_in_memory_from_3_ranks_to_2_equals_one_process[{c}]":
        "every optimizer a sharded wrapper takes, 3 -> 2 in memory, 10-15 s (fast: [fully_shard-gloo])"
        for c in ("ZeroOptimizer-gloo", "ZeroOptimizer-mpi", "fully_shard-mpi")},
+    "tests/test_launch_bad_input.py::test_a_discovery_script_gone_bad_mid_job_is_named_once_each_way_and_the_job_goes_on":
+        "an elastic tandem run job through a junk, a failing and a hung discovery script (two runs "
+        "of each, 1.5 s timeouts) and a grown world, and its one-process reference (fast: the "
+        "same scripts refused before the start)",
+    "tests/test_launch_bad_input.py::test_a_second_agent_for_a_node_rank_and_agents_of_another_job_or_secret_are_refused":
+        "a 3-node job of agents on loopback and three refused agents (fast: the other refusals)",
 }
 
 
