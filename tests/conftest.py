@@ -319,25 +319,11 @@ SLOW: dict[str, str] = {
 
 
 # --- two workers -------------------------------------------------------------------------------
-# scripts/test.sh runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): most
-# slow tests wait (for a watchdog, a signal, a requeue, a lost peer) far more than they compute,
-# so two at once on 2 cores take little more than one. Each worker has its own shared worlds.
-# The tests of a file named here run on one worker, one after another, and why: they share
-# something beyond their own processes, or a module fixture too costly to build twice.
-ONE_WORKER: dict[str, str] = {
-    "tests/test_slurm.py": "the local SLURM cluster: its module fixture starts and stops the daemons",
-    "tests/test_preemption_slurm.py": "the local SLURM cluster (test_slurm.py's fixture) on 2 cores",
-    "tests/test_cluster.py": "one network-namespace cluster for the module",
-    "tests/test_docs_site.py": "one site build for the module",
-    "tests/test_elastic.py": "four one-process references for the module",
-    "tests/test_job_ends.py": "a one-process reference for the module",
-    "tests/test_hf_integration.py": "a torchrun reference for the module",
-    "tests/test_torchrun_env.py": "a torchrun reference for the module",
-    "tests/test_preemption_launcher.py": "a one-process reference for the module",
-    "tests/test_restart.py": "an uninterrupted job as the module's reference",
-    "tests/test_lightning.py": "a one-process reference for the module",
-}
-GROUP_OF = {"tests/test_preemption_slurm.py": "tests/test_slurm.py"}  # one cluster, one worker
+# `TEST_WORKERS=2 bash scripts/test.sh` runs the suite on two pytest-xdist workers, a file to a
+# worker (`--dist loadfile`): a module's fixtures (a one-process reference, a site build, a
+# network-namespace cluster) are built once, and a file's tests keep their order. Each worker
+# has its own shared worlds. (`--dist loadgroup` would group by an xdist_group mark, but
+# pytest-xdist 3.8 cannot rename a test's node id under pytest 9, so the mark has no effect.)
 
 
 def slow_reason(nodeid: str) -> str | None:
@@ -355,6 +341,3 @@ def pytest_collection_modifyitems(config, items):
         reason = slow_reason(item.nodeid)
         if reason is not None:
             item.add_marker(pytest.mark.slow(reason=reason))
-        path = item.nodeid.split("::", 1)[0]
-        if path in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(GROUP_OF.get(path, path)))

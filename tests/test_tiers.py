@@ -46,13 +46,3 @@ def test_an_entry_covers_its_file_its_test_or_one_parametrization(monkeypatch):
     assert slow_reason("tests/test_b.py::test_z[mpi]") == "one"
     assert slow_reason("tests/test_b.py::test_z[gloo]") is None
     assert slow_reason("tests/test_b.py::test_y_other") is None
-
-
-def test_every_one_worker_entry_names_a_file_and_why():
-    from conftest import GROUP_OF, ONE_WORKER
-
-    for path, reason in ONE_WORKER.items():
-        assert reason.strip(), f"ONE_WORKER[{path!r}] gives no reason"
-        assert "::" not in path and (ROOT / path).is_file(), f"ONE_WORKER[{path!r}]: no file {path}"
-    for path, group in GROUP_OF.items():
-        assert path in ONE_WORKER and group in ONE_WORKER, f"GROUP_OF[{path!r}] = {group!r}"
