@@ -33,6 +33,7 @@ from typing import Any
 from tandem.job import settings
 
 _POLL_S = 1e-3  # how often a rank at exit checks whether the others have arrived
+FINALIZE_S = 30.0  # at most, for MPI_Finalize once every rank passed the exit barrier
 _guard: _ExitGuard | None = None
 
 
@@ -54,6 +55,7 @@ def adopt(comm: Any) -> None:
     failed, `MPIBackend.shrink`): the lost rank would never arrive. Collective over `comm`."""
     if _guard is not None:
         _guard.comm = comm.Dup()
+        _guard.shrunk = True
 
 
 @contextmanager
@@ -88,6 +90,7 @@ class _ExitGuard:
         self.policy = policy
         self.failure: str | None = None
         self.exit_code = 1
+        self.shrunk = False  # the world lost a rank and shrank (`adopt`)
         self.comm = MPI.COMM_WORLD.Dup()  # the exit barrier never meets anyone else's message
         previous = sys.excepthook
 
@@ -127,21 +130,26 @@ class _ExitGuard:
                 )
             pause.wait(_POLL_S)
         self.comm.Free()
-        if self.policy == "shrink":
+        if self.policy == "shrink" or self.shrunk:
             self._finalize(rank)
 
     def _finalize(self, rank: int) -> None:
-        """`MPI_Finalize` under the timeout, for a world that shrinks: Open MPI's waits for the
-        processes of the job, and one that never comes back would hold this finished rank (and
-        its job) for ever. Called through ctypes, which lets go of the GIL (mpi4py's
-        `MPI.Finalize` keeps it, and the deadline's thread could not run); mpi4py's own exit
-        handler then finds MPI finalized."""
-        try:
-            finalize = ctypes.CDLL(None).MPI_Finalize
+        """`MPI_Finalize` under a deadline, in a world that shrinks: Open MPI 5's waits in a
+        process-manager fence over every process of the job, the lost one too, and on a busy
+        machine that fence sometimes never completed (a survivor of scripts/ulfm-shrink.py sat
+        in ompi_mpi_finalize's usleep loop for minutes after the others had left). Every
+        survivor has passed the exit barrier by now, so nothing is lost by leaving. Called
+        through ctypes, which lets go of the GIL (mpi4py's `MPI.Finalize` keeps it, and the
+        deadline's thread could not run); mpi4py's own exit handler then finds MPI
+        finalized."""
+        try:  # through mpi4py's own module: it loaded libmpi without exporting it
+            finalize = ctypes.CDLL(self.MPI.__file__).MPI_Finalize
         except (OSError, AttributeError):
             return  # not found: mpi4py's exit handler finalizes, as in any job
-        with deadline(self.timeout, f"rank {rank} finished, but MPI_Finalize did not return "
-                      f"within {self.timeout:g} s; leaving without it", code=0):
+        seconds = min(self.timeout, FINALIZE_S)
+        with deadline(seconds, f"rank {rank} finished, but MPI_Finalize did not return within "
+                      f"{seconds:g} s (Open MPI's fence with the lost rank); leaving without it",
+                      code=0):
             finalize()
 
     def _arrived(self, request: Any, rank: int) -> bool:
