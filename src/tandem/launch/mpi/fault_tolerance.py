@@ -38,7 +38,10 @@ An MPI world can only shrink: no rank can join it (`MPI_Comm_spawn` would be the
 --max-np above -np is refused (`elastic_mpi_problem`), and so is any elastic job on an MPI
 without ULFM (MPICH), in words that say what this mpiexec is and what would be needed.
 Open MPI 5.0.11's non-blocking `MPIX_Comm_ishrink` failed here (MPI_ERR_INTERN), so the
-shrink is the blocking call under a deadline (`mpi_exit.deadline`).
+shrink is the blocking call under a deadline (`mpi_exit.deadline`). At exit, its MPI_Finalize
+waits in a process-manager fence over every process of the job, the lost one too, and at a
+load of 20 both survivors of one job in six sat there for good (gdb: ompi_mpi_finalize's usleep
+loop): a shrunk world's ranks finalize under a deadline too (`mpi_exit`, 30 s at most).
 """
 
 from __future__ import annotations
