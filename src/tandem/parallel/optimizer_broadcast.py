@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tandem import runtime
+from tandem.comm.collectives import direct
 from tandem.comm.collectives import user as collectives
 from tandem.comm.collectives.tensors import coalesced
 from tandem.comm.groups import Group, group_ranks, group_size
@@ -31,7 +32,7 @@ def broadcaster(root: int, group: Group | None) -> Callable[[torch.Tensor], None
 
     def send(flat: torch.Tensor) -> None:
         if backend.supports_device(flat.device):
-            backend.broadcast(flat, root, group).wait(timeout)
+            direct.broadcast_into(flat, root, group)[0].wait(timeout)
         else:
             collectives.broadcast(flat, root=root, inplace=True, group=group)
 

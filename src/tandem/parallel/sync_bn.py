@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tandem import runtime
-from tandem.comm.engines.backend import on_wire
+from tandem.comm.collectives import direct
 from tandem.comm.groups import Group, group_size, new_group
 from tandem.parallel.data_parallel.join import join_active
 
@@ -63,18 +63,16 @@ def _private_world_group() -> Group:
 
 
 def _allreduce(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
-    backend = runtime.get_backend()
-    message = on_wire(tensor, backend)
-    backend.allreduce(message, "sum", group).wait(runtime.state().timeout)
+    work, message = direct.allreduce_into(tensor, "sum", group)
+    work.wait(runtime.state().timeout)
     return message.to(tensor.device)
 
 
 def _allgather(tensor: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Every rank's `tensor` (1-D, the same length everywhere), as rows in group order."""
-    backend = runtime.get_backend()
-    message = on_wire(tensor, backend)
-    rows = torch.empty(group_size(group) * tensor.numel(), dtype=tensor.dtype, device=message.device)
-    backend.allgather_into(rows, message, group).wait(runtime.state().timeout)
+    rows = torch.empty(group_size(group) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    work, rows, _sent = direct.allgather_into(rows, tensor, group)
+    work.wait(runtime.state().timeout)
     return rows.view(group_size(group), -1).to(tensor.device)
 
 

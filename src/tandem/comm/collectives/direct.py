@@ -6,11 +6,19 @@
 Tensor-parallel layers, `td.tensor.Branches` and `td.functional` inside a tensor-parallel model call
 these instead of the user-facing collectives. Their ranks agreed once on the layout (at
 `td.parallelize` or `Branches` construction), and each forward and backward of the model opens
-with one fixed-size agreement (`parallel/model_check.py`) that names a rank in another
+with one fixed-size agreement (`parallel/operation_check.py`) that names a rank in another
 operation; so a collective inside needs no argument check of its own, and the sizes it needs
 are known from the layout (equal shards, lengths cached by the caller) instead of exchanged.
 Nothing here reads a tensor on the host: on NCCL each call only queues work on the GPU, as
 DDP's and Megatron's do.
+
+The one door from tandem's split-model code to the engine: fully_shard, ZeroOptimizer, the
+pipeline's links, context parallelism's ring, SyncBatchNorm, LocalSGD and the data-parallel
+wrappers' own messages start their operations here too, on their own buffers (`*_into`,
+`send`, `recv`: the engine's work and the staged tensors come back), and call no engine
+operation themselves (tests/test_one_door.py). What is not covered by an agreement goes
+through the checked collectives (`user`); a data-parallel comm hook is handed the engine as
+DDP's hooks are (`bucket.backend`).
 
 `covering(group)` marks, for the operation that runs inside it (a model's forward), that an
 agreement over `group` covers its collectives; `frame(group)` is the innermost such mark
@@ -31,7 +39,7 @@ import torch
 from tandem.comm import context
 from tandem.comm.collectives import user as collectives
 from tandem.comm.collectives.user import Staging, divide
-from tandem.comm.engines.backend import Group
+from tandem.comm.engines.backend import Group, Work, on_wire
 from tandem.comm.members import group_size
 
 
@@ -210,3 +218,61 @@ def alltoall(tensor: torch.Tensor, received: Sequence[int], sent: Sequence[int],
     engine.backend.alltoall_into(output.buffer, source.buffer, list(received), list(sent),
                                  group).wait(engine.timeout)
     return output.copy_back()
+
+
+# -- on the caller's buffers ------------------------------------------------------------------
+# fully_shard, ZeroOptimizer, the pipeline's links and context parallelism's ring keep their
+# own buffers (a unit's gather target, a bucket of shards) and finish the work themselves.
+# These start the engine's operation on them, staged through `on_wire` where the engine does not
+# take their device, and return the work with the tensors it reads and writes: the caller keeps
+# them alive until the work is waited for, and copies a staged result back (`out is not wire`).
+
+
+def allgather_into(out: torch.Tensor, source: torch.Tensor, group: Group | None
+                   ) -> tuple[Work, torch.Tensor, torch.Tensor]:
+    """Start gathering every rank's `source` into `out` (group size x its length): (the work,
+    the tensor the engine writes, the one it reads)."""
+    backend = context.current().backend
+    wire, sent = on_wire(out, backend, keep_values=False), on_wire(source, backend)
+    return backend.allgather_into(wire, sent, group), wire, sent
+
+
+def reducescatter_into(out: torch.Tensor, source: torch.Tensor, op: str, group: Group | None
+                       ) -> tuple[Work, torch.Tensor, torch.Tensor]:
+    """Start reducing `source` (a native `op`) and scattering this rank's chunk into `out`:
+    (the work, the tensor the engine writes, the one it reads)."""
+    backend = context.current().backend
+    wire, sent = on_wire(out, backend, keep_values=False), on_wire(source, backend)
+    return backend.reducescatter_into(wire, sent, op, group), wire, sent
+
+
+def allreduce_into(tensor: torch.Tensor, op: str, group: Group | None) -> tuple[Work, torch.Tensor]:
+    """Start reducing `tensor` in place (a native `op`): (the work, the tensor the engine
+    reduces)."""
+    backend = context.current().backend
+    wire = on_wire(tensor, backend)
+    return backend.allreduce(wire, op, group), wire
+
+
+def broadcast_into(tensor: torch.Tensor, root: int, group: Group | None
+                   ) -> tuple[Work, torch.Tensor]:
+    """Start broadcasting `root`'s `tensor` (a global rank) in place: (the work, the tensor the
+    engine sends or overwrites)."""
+    backend = context.current().backend
+    wire = on_wire(tensor, backend)
+    return backend.broadcast(wire, root, group), wire
+
+
+def send(tensor: torch.Tensor, peer: int, tag: int, group: Group | None) -> tuple[Work, torch.Tensor]:
+    """Start sending `tensor` to `peer` (a global rank): (the work, the tensor the engine reads)."""
+    backend = context.current().backend
+    wire = on_wire(tensor, backend)
+    return backend.send(wire, peer, tag, group), wire
+
+
+def recv(out: torch.Tensor, peer: int, tag: int, group: Group | None) -> tuple[Work, torch.Tensor]:
+    """Start receiving from `peer` (a global rank) into `out`: (the work, the tensor the engine
+    writes)."""
+    backend = context.current().backend
+    wire = on_wire(out, backend, keep_values=False)
+    return backend.recv(wire, peer, tag, group), wire

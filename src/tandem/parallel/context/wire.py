@@ -72,8 +72,8 @@ class Ring:
         engine = context.current()
         out = Staging(torch.empty_like(buffer), engine)
         source = Staging(buffer.contiguous(), engine)
-        sent = engine.backend.send(source.buffer, self.next, _TAG, self.group)
-        got = engine.backend.recv(out.buffer, self.prev, _TAG, self.group)
+        sent, _ = direct.send(source.buffer, self.next, _TAG, self.group)
+        got, _ = direct.recv(out.buffer, self.prev, _TAG, self.group)
         return _Pending(sent, got, out, engine.timeout, source)
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm.engines.backend import on_wire
+from tandem.comm.collectives import direct
 from tandem.comm.groups import group_ranks, group_size
 
 _active = 0
@@ -150,9 +150,8 @@ def _last_joiner(reducer) -> int:
     n = group_size(group)
     # max(rounds * n + (n - 1 - me)) names the most rounds, then the lowest rank.
     code = torch.tensor([reducer.rounds * n + (n - 1 - reducer.group_rank())], dtype=torch.int64)
-    backend = runtime.get_backend()
-    code = on_wire(code, backend)
-    backend.allreduce(code, "max", group).wait(runtime.state().timeout)
+    work, code = direct.allreduce_into(code, "max", group)
+    work.wait(runtime.state().timeout)
     return group_ranks(group)[n - 1 - int(code.item()) % n]
 
 

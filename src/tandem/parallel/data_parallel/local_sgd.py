@@ -31,6 +31,7 @@ import torch
 
 from tandem import runtime
 from tandem.comm.agreement.agree import agree_layout, describe_tensors
+from tandem.comm.collectives import direct
 from tandem.comm.collectives import user as collectives
 from tandem.comm.collectives.tensors import coalesced
 from tandem.comm.groups import Group, group_size
@@ -122,7 +123,7 @@ class LocalSGD:
         def mean(flat: torch.Tensor) -> None:
             # Layouts were agreed at construction: call the backend directly when we can.
             if backend.supports_device(flat.device) and flat.is_floating_point():
-                backend.allreduce(flat, "sum", self.group).wait(timeout)
+                direct.allreduce_into(flat, "sum", self.group)[0].wait(timeout)
                 flat.div_(size)
             else:
                 collectives.allreduce(flat, op="mean", inplace=True, group=self.group)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tandem import runtime
+from tandem.comm.collectives import direct
 from tandem.comm.collectives.tensors import coalesced
 from tandem.comm.groups import Group, group_ranks, group_size
 from tandem.diagnostics import steps, timeline
@@ -381,10 +382,13 @@ class DistributedDataParallel(nn.Module):
                 and not reducer.joining)
 
     def _sync_buffers(self) -> None:
-        backend, timeout = runtime.get_backend(), runtime.state().timeout
+        timeout = runtime.state().timeout
 
         def send(flat: torch.Tensor) -> None:
-            backend.broadcast(flat, self._root, self.group).wait(timeout)
+            work, wire = direct.broadcast_into(flat, self._root, self.group)
+            work.wait(timeout)
+            if wire is not flat:  # staged (a device the engine does not take): copied back
+                flat.copy_(wire)
 
         with torch.no_grad():
             coalesced(self._buffers_to_sync, send, copy_back=runtime.rank() != self._root)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tandem import runtime
-from tandem.comm.engines.backend import on_wire
+from tandem.comm.collectives import direct
 from tandem.comm.groups import Group, group_size
 from tandem.parallel.data_parallel.samples import PassSamples
 from tandem.parallel.layout import splits
@@ -80,11 +80,9 @@ class GradientReduction:
         packed[:, s + 1] = self._samples.divisor()
         work, out = None, packed[0]
         if n > 1:
-            backend = runtime.get_backend()
-            out = on_wire(torch.empty(s + 2, dtype=grad.dtype, device=grad.device), backend,
-                          keep_values=False)
-            self._input = on_wire(packed, backend).view(-1)
-            work = backend.reducescatter_into(out, self._input, "sum", self.group)
+            work, out, self._input = direct.reducescatter_into(
+                torch.empty(s + 2, dtype=grad.dtype, device=grad.device), packed.view(-1), "sum",
+                self.group)
         self._pending, self._scattered = (work, out), False
         _in_flight.append(self)
         while len(_in_flight) > MAX_IN_FLIGHT:
@@ -105,9 +103,7 @@ class GradientReduction:
             work.wait(runtime.state().timeout)
         work = None
         if self.replicate is not None:
-            backend = runtime.get_backend()
-            staged = on_wire(out, backend)
-            work = backend.allreduce(staged, "sum", self.replicate)
+            work, staged = direct.allreduce_into(out, "sum", self.replicate)
             out = staged if staged is out else (out, staged)
         self._pending = (work, out)
 

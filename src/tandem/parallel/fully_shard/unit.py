@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tandem import runtime
-from tandem.comm.engines.backend import on_wire
+from tandem.comm.collectives import direct
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.parallel import model_check
 from tandem.parallel.fully_shard import unit_agreement
@@ -257,9 +257,7 @@ class Unit:
             into.copy_(source, non_blocking=True)
             self._pending = (None, into)
             return
-        backend = runtime.get_backend()
-        out = on_wire(into, backend, keep_values=False)
-        work = backend.allgather_into(out, on_wire(source, backend), self.group)
+        work, out, _ = direct.allgather_into(into, source, self.group)
         self._pending = (work, into if out is into else (into, out))
 
     def wait_gathered(self) -> torch.Tensor:

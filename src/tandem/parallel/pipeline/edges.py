@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.comm.engines.backend import Backend, Work, on_wire
+from tandem.comm.collectives import direct
+from tandem.comm.engines.backend import Backend, Work
 
 #: int64 words in a packed spec: container, count, then (dtype, ndim, *dims) per tensor.
 SPEC_WORDS = 256
@@ -138,16 +139,14 @@ class Link:
         self._sends: list[tuple[Work, torch.Tensor, str]] = []
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        buffer = on_wire(tensor.detach().contiguous(), self.backend)
-        work = self.backend.send(buffer, peer, tag, self.group)
+        work, buffer = direct.send(tensor.detach().contiguous(), peer, tag, self.group)
         self._sends.append((work, buffer, f"{what} to {self._describe(peer)}"))
         if len(self._sends) > 32:  # drop finished sends so their tensors can be freed
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
     def recv(self, shape, dtype, device: torch.device, peer: int, tag: int, what: str) -> Pending:
         target = torch.empty(shape, dtype=dtype, device=device)
-        buffer = on_wire(target, self.backend, keep_values=False)
-        work = self.backend.recv(buffer, peer, tag, self.group)
+        work, buffer = direct.recv(target, peer, tag, self.group)
         return Pending(work, buffer, target, f"{what} from {self._describe(peer)}", self)
 
     def flush(self) -> None:

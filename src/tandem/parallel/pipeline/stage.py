@@ -54,8 +54,8 @@ from torch import nn
 
 from tandem import runtime
 from tandem.comm.agreement.agree import DivergedError
+from tandem.comm.collectives import direct
 from tandem.comm.collectives import user as collectives
-from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_ranks, group_size
 from tandem.diagnostics import timeline
 from tandem.parallel.layout import split_grads, splits
@@ -243,8 +243,8 @@ class Pipeline:
         if loss is not None:
             buffer.fill_(float(loss))
         if self.num_stages > 1:
-            staged = on_wire(buffer, self._backend)
-            self._backend.broadcast(staged, self._ranks[-1], self._group).wait(self._timeout)
+            work, staged = direct.broadcast_into(buffer, self._ranks[-1], self._group)
+            work.wait(self._timeout)
             buffer = staged.cpu()
         return buffer
 

@@ -72,8 +72,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem import runtime
 from tandem.comm.agreement.agree import agree_layout, describe_tensors
+from tandem.comm.collectives import direct
 from tandem.comm.collectives import user as collectives
-from tandem.comm.engines.backend import on_wire
 from tandem.comm.groups import Group, group_rank, group_size
 from tandem.diagnostics import steps
 from tandem.parallel.data_parallel.samples import WindowSamples
@@ -405,13 +405,10 @@ class ZeroOptimizer:
         if self._size == 1:
             output.copy_(input)
             return
-        backend = runtime.get_backend()
-        out = on_wire(output, backend, keep_values=False)
-        inp = on_wire(input, backend)
         if kind == "reducescatter":
-            work = backend.reducescatter_into(out, inp, "sum", self.group)
+            work, out, _sent = direct.reducescatter_into(output, input, "sum", self.group)
         else:
-            work = backend.allgather_into(out, inp, self.group)
+            work, out, _sent = direct.allgather_into(output, input, self.group)
         start = time.perf_counter()
         work.wait(runtime.state().timeout)
         steps.add_comm(time.perf_counter() - start)
