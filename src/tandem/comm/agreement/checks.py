@@ -120,19 +120,8 @@ def agree(
         differ = agreement.differing(prepared.codes, group, engine, prepared=prepared)
         if not differ:
             return True
-        same_dim0 = not (ignore_dim0 and differ.pop(_DIM0, None))
-        if not differ:
-            return same_dim0
-
-        def call() -> str:
-            return describe(collective, tensor, op, root, ignore_dim0)
-        if set(differ) == {_SITE}:  # the same call from other lines: a skip or a branch?
-            _judge_sites(call, site, group, engine, differ[_SITE], strict=False)
-            return same_dim0
-        # the slow path: every rank saw the same difference, and names every call
-        agreement.agree(call, group, codes=prepared.codes, engine=engine, explain=_explain,
-                        differ=differ)
-        return same_dim0
+        return _differed(collective, tensor, group, op, root, ignore_dim0, engine, site,
+                         prepared, differ)
     stream = "world" if group is None else tuple(group.ranks)
     fingerprint = fingerprints.next_fingerprint(collective, stream, site)
 
@@ -148,6 +137,46 @@ def agree(
     if _SITE in differ:
         _judge_sites(numbered, site, group, engine, differ[_SITE], strict=True)
     return _DIM0 not in differ
+
+
+def _differed(collective, tensor, group, op, root, ignore_dim0, engine, site, prepared,
+              differ: dict) -> bool:
+    """`agree` once the ranks' codes differed somewhere (`differ`): tolerated first dims, a
+    judged pair of lines, or the error on every rank."""
+    same_dim0 = not (ignore_dim0 and differ.pop(_DIM0, None))
+    if not differ:
+        return same_dim0
+
+    def call() -> str:
+        return describe(collective, tensor, op, root, ignore_dim0)
+    if set(differ) == {_SITE}:  # the same call from other lines: a skip or a branch?
+        _judge_sites(call, site, group, engine, differ[_SITE], strict=False)
+        return same_dim0
+    # the slow path: every rank saw the same difference, and names every call
+    agreement.agree(call, group, codes=prepared.codes, engine=engine, explain=_explain,
+                    differ=differ)
+    return same_dim0
+
+
+def agree_again(collective: str, tensor: torch.Tensor, engine: context.Context, seen: list,
+                *, op: str | None = None, root: int | None = None) -> None:
+    """`agree` on the world for a call its caller repeats on one tensor's memory (a small
+    `td.allreduce`'s or `td.broadcast`'s plan), with checks on: the message that the last call
+    made at the same line with the same shape is kept in `seen` ([line, shape, message], the
+    caller's), so the call costs the line's walk, a comparison of shapes and the message."""
+    if engine.debug or engine.world.size == 1:
+        agree(collective, tensor, None, op=op, root=root, engine=engine)
+        return
+    site = fingerprints.site_key()  # the user's line, outward past tandem's frames
+    shape = tensor.shape
+    if site is seen[0] and shape == seen[1]:
+        prepared = seen[2]
+    else:
+        prepared = _prepared(collective, tensor, op, root, False, site)
+        seen[:] = site, shape, prepared
+    differ = agreement.differing(prepared.codes, None, engine, prepared=prepared)
+    if differ:
+        _differed(collective, tensor, None, op, root, False, engine, site, prepared, differ)
 
 
 _PREPARED: dict[tuple, agreement.Prepared] = {}
