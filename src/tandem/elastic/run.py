@@ -223,8 +223,8 @@ def _resizable() -> bool:
 def _name_the_silent(state: State, error: Exception) -> None:
     """A timeout whose peers did not even answer the watchdog: those are stuck (stopped, hung,
     deadlocked), not this rank; the launcher drops them and forms the round without them."""
-    silent = getattr(error, "silent", ())
-    if isinstance(error, WatchdogTimeout) and silent:
+    silent = _silent_of(error)  # also when a check re-raised the timeout in its own words
+    if silent:
         elastic_rounds.report_silent(state._store, state._round, silent, runtime.rank(),
                                      runtime.state().timeout)
 
