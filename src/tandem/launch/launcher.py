@@ -3,9 +3,10 @@ check what it needs.
 
 Without `--backend` (or TANDEM_BACKEND) the backend is `default_backend(config)`, the one
 choice the ranks make too (`settings.choose_backend`): NCCL with GPUs, else MPI when it can run
-this job, else Gloo. MPI jobs go to `mpiexec.launch`; Gloo and NCCL jobs to the rank
-supervisor (`supervisor.LocalJob`), or, with `--max-restarts`, `--nnodes`, remote hosts
-(`-H node1:4`) or an elastic range (`--min-np/--max-np`), to the one agent (`multinode.launch`).
+this job, else Gloo. MPI jobs go to `mpiexec.launch`; Gloo and NCCL jobs, local or with
+`--max-restarts`, `--nnodes`, remote hosts (`-H node1:4`) or an elastic range
+(`--min-np/--max-np`), to the one agent (`multinode.launch`; a plain local job is its case of
+one machine, no restarts and min = max).
 Nothing here imports torch: the machine is probed without it (`cuda_available`), and the
 rendezvous store is hosted once the ranks are started.
 
@@ -29,7 +30,6 @@ from contextlib import contextmanager
 from tandem.job import settings
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.launch.config import LaunchConfig, LaunchError, check_program
-from tandem.launch.local.supervisor import LocalJob
 from tandem.launch.mpi import mpiexec, shm, shrinking
 
 
@@ -183,8 +183,6 @@ def launch_once(config: LaunchConfig) -> int:
         print(f"tandem run: {shm.describe_removed(removed, size)}", file=sys.stderr, flush=True)
     if config.backend == "mpi":  # elastic: the world shrinks when ranks fail (Open MPI's ULFM)
         return (shrinking.launch if config.elastic else mpiexec.launch)(config)
-    if config.elastic or config.max_restarts or config.nnodes > 1 or config.remote_hosts:
-        from tandem.launch.agents import multinode  # the agent: restarts, nodes, ssh, elastic
+    from tandem.launch.agents import multinode  # the one agent: local, restarts, nodes, elastic
 
-        return multinode.launch(config)
-    return LocalJob(config).run()
+    return multinode.launch(config)

@@ -2,8 +2,10 @@
 -H/--hostfile hosts, elastic ranges. One agent, as torchrun's: a fixed job is an elastic job
 whose size cannot change (min = max).
 
-`tandem run --max-restarts K`, `--nnodes` (node 0), `-H` and every `--min-np/--max-np` job use
-this agent (a plain single-node job without restarts is `supervisor.LocalJob`). It hosts the
+Every `tandem run` job that mpiexec does not start uses this agent: a plain local job (one
+machine, no restarts: the case nnodes = 1, restarts = 0, min = max), `--max-restarts K`,
+`--nnodes` (node 0), `-H` and every `--min-np/--max-np` job; a `--backend mpi` job's ranks are
+started by mpiexec (`mpiexec.MPIExecRanks`) under the same agent. It hosts the
 rendezvous store for the life of the job (every attempt gets key prefixes of its own through
 `TANDEM_RESTART`), and, across machines, the control plane the other agents join
 (`member.Member`; `nodes.Nodes` is node 0's table of them).
@@ -12,8 +14,8 @@ The job runs in attempts (`_run`): every agent starts its ranks, and events come
 queue: a rank's exit, a message from another agent, a lost agent, a signal. The watch over one
 attempt is the job's policy:
 
-- a fixed job (`_Attempt`): the first failure anywhere stops every rank on every node
-  (SIGTERM, then SIGKILL after `STOP_GRACE_S`);
+- a fixed job (`supervisor.Supervisor`): the first failure anywhere stops every rank on every
+  node (SIGTERM, then SIGKILL after `STOP_GRACE_S`);
 - an elastic job (`elastic.Rounds`): a failure shrinks the job to the survivors in a new round
   while they are `--min-np` or more, and new slots grow it; only below `--min-np` (or at the
   job's end) does the attempt stop.
@@ -43,18 +45,24 @@ import socket
 from typing import TextIO
 
 from tandem import rendezvous
+from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.control import interface_of
-from tandem.launch.agents.nodes import ElasticRanks, Nodes
+from tandem.launch.agents.nodes import Nodes
 from tandem.launch.config import LaunchConfig
-from tandem.launch.events import Event, Joined, Lost, Message, Rejected
+from tandem.launch.events import Rejected
 from tandem.launch.local.joined import JoinWatch
 from tandem.launch.local.output import signals_blocked
-from tandem.launch.local.processes import KILL_WAIT_S, STOP_GRACE_S, describe
-from tandem.launch.local.ranks import MASTER_ADDR, Placement, free_port, new_run_id
-from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor, summary
-
-REMOTE_STOP_S = STOP_GRACE_S + KILL_WAIT_S + 5.0  # how long other nodes may take to stop
+from tandem.launch.local.ranks import MASTER_ADDR, LocalRanks, Placement, free_port, new_run_id
+from tandem.launch.local.supervisor import (
+    DRAIN_S,
+    Agent,
+    Failure,
+    StartInterrupted,
+    Supervisor,
+    silent_ranks,
+    summary,
+)
 
 
 class Coordinator(Agent):
@@ -67,9 +75,9 @@ class Coordinator(Agent):
                  store: tuple[str, int] = (MASTER_ADDR, 0), secret: str | None = None,
                  gloo_interface: str | None = None, host: str | None = None,
                  listen: str | None = None, expected_nodes: int | None = None,
-                 rounds: type | None = None,
+                 rounds: type | None = None, ranks: type[LocalRanks] = LocalRanks,
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
-        super().__init__(config, ranks=ElasticRanks, nproc=nproc, stdout=stdout, stderr=stderr)
+        super().__init__(config, ranks=ranks, nproc=nproc, stdout=stdout, stderr=stderr)
         self.store_address, self.secret = store, secret  # `store`: what everyone is told
         self.host = host or socket.gethostname()
         self.listen = listen or store[0]  # where the store and the control plane listen
@@ -87,7 +95,11 @@ class Coordinator(Agent):
         self.store: rendezvous.StoreServer | None = None
         self.run_id = new_run_id()  # TORCHELASTIC_RUN_ID, the same on every node and attempt
         self.watch: JoinWatch | None = None  # whether a rank of the current attempt joined
+        self.preempted: set[int] = set()  # ranks of the last attempt that exited preempted
         self.rounds = rounds(self) if rounds is not None else None
+        # A plain local job (one machine, no restarts, a fixed size) names no node in what it
+        # says, and a rank that saved and exited EXIT_PREEMPTED ends it preempted.
+        self.plain = nnodes == 1 and not config.max_restarts and rounds is None
 
     # -- the whole job --------------------------------------------------------------------
     def close(self) -> None:
@@ -96,7 +108,7 @@ class Coordinator(Agent):
         if self.store is not None:
             self.store.close()
 
-    def _open(self) -> None:
+    def open_store(self) -> None:
         """The store (and, across nodes, the control plane) the job lives on."""
         several = self.nodes.several
         with signals_blocked():  # the store's and the listener's threads leave them to us
@@ -114,7 +126,7 @@ class Coordinator(Agent):
 
     def _run(self) -> int:
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
-        self._open()
+        self.open_store()
         if self.nodes.several:
             failure = self.nodes.gather(timeout)
             if failure is not None:
@@ -124,6 +136,8 @@ class Coordinator(Agent):
         attempts = self.config.max_restarts + 1  # elastic: 1 (it goes on instead)
         for attempt in range(attempts):
             failure = self._attempt(attempt)
+            if self.plain:
+                return self._plain_end(failure)
             if failure is None:
                 if attempt:
                     self.output.message(f"tandem run: the job succeeded after {attempt} "
@@ -142,6 +156,24 @@ class Coordinator(Agent):
             self._say(f"tandem run: restarting the whole job: attempt {attempt + 2} of "
                       f"{attempts}, TANDEM_RESTART={attempt + 1}")
         raise AssertionError("unreachable")
+
+    def _plain_end(self, failure: Failure | None) -> int:
+        """A plain local job's code: 0, the first failing rank's (its summary said), 128 + N
+        after signal N (one line when every rank was still starting), or EXIT_PREEMPTED."""
+        if self.preempted and (failure is None or failure.interrupt is not None):
+            self.output.message(f"tandem run: preempted: rank(s) {sorted(self.preempted)} saved "
+                                f"at the step they agreed on; exit {EXIT_PREEMPTED} (resume me: "
+                                f"the next run restores the checkpoint)")
+            return EXIT_PREEMPTED
+        if failure is not None and failure.startup:
+            self.output.message(f"tandem run: interrupted during start-up "
+                                f"({signal.Signals(failure.interrupt).name}); stopped "
+                                f"{self.config.np} rank(s)")
+        if failure is None:
+            return self.independent_copies(self.watch)
+        if failure.interrupt is None:
+            self.output.message(summary(failure))
+        return failure.code
 
     def _say(self, text: str) -> None:
         """Print on this node, and on the others' terminals when they have their own."""
@@ -211,18 +243,24 @@ class Coordinator(Agent):
                 self.rounds.stop()
                 self.ranks.reap()
         else:
-            run = self._start(attempt)
+            try:
+                run = self._start(attempt)
+            except StartInterrupted as interrupt:  # not all started: nothing to wait for
+                return Failure(interrupt=interrupt.signum, startup=True)
             run.run()
+            self.preempted = run.preempted
         self.output.join(DRAIN_S)
         failure = run.failure
         if failure is not None and failure.rank is not None:
-            tail = (self.output.tail(failure.rank) if failure.node in (None, 0)
-                    else run.tails.get(failure.rank, failure.tail))
-            failure = dataclasses.replace(failure, tail=tuple(tail))
+            here = failure.node in (None, 0)
+            tail = self.output.tail(failure.rank) if here else run.tails.get(failure.rank,
+                                                                              failure.tail)
+            silent = silent_ranks(self.output, self.config.np) if here else ()
+            failure = dataclasses.replace(failure, tail=tuple(tail), silent=silent)
         return failure
 
-    def _start(self, attempt: int) -> _Attempt:
-        """A fixed job's attempt: every node starts its share of the ranks."""
+    def _start(self, attempt: int) -> Supervisor:
+        """A fixed job's attempt: every node starts its share of the ranks; node 0's watch."""
         offsets, start = {}, 0
         for number in sorted(self.nodes.nodes):
             offsets[number], start = start, start + self.nodes.nodes[number].slots
@@ -236,79 +274,7 @@ class Coordinator(Agent):
         self.watch = JoinWatch(self.store)
         self.ranks.start(Placement(attempt, offsets[0], start, (host, port), self.store.key,
                                    self.gloo_interface, node=0, **torch))
-        return _Attempt(self, attempt, offsets)
-
-
-class _Attempt(Supervisor):
-    """A fixed job's attempt as node 0 sees it: its own ranks, and the other nodes until they
-    are done; the first failure anywhere stops them all."""
-
-    kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
-
-    def __init__(self, job: Coordinator, attempt: int, offsets: dict[int, int]) -> None:
-        super().__init__(job.ranks, job.events, job.output, node=0, host=job.host)
-        self.job, self.attempt, self.offsets = job, attempt, offsets
-        self.running = set(job.nodes.peers())  # other nodes whose ranks have not all ended
-        self.tails: dict[int, tuple[str, ...]] = {}
-
-    def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
-        """The first failure: stop every rank here and on every other node."""
-        if not self.stopping:
-            peers = self.job.nodes.peers()
-            for node in self.running & set(peers):
-                peers[node].send(("stop", {"attempt": self.attempt}))
-        super().stop(failure, signum)
-
-    def others_running(self) -> bool:
-        return bool(self.running)
-
-    def give_up(self) -> None:
-        self.output.message(f"tandem run: giving up on ranks {sorted(self.ranks.live)} and "
-                            f"nodes {sorted(self.running)} that did not stop")
-
-    def rank_exited(self, rank: int, returncode: int) -> None:
-        if self.failure is None:
-            self.output.message(f"tandem run: rank {rank} failed: {describe(returncode)}; "
-                                "stopping every rank of the job")
-            self.stop(self.rank_failure(rank, returncode))
-
-    def other(self, event: Event) -> None:
-        job = self.job
-        if isinstance(event, Lost):
-            number = event.node
-            self.running.discard(number)
-            job.lost.add(number)
-            node = job.nodes.nodes.get(number)
-            first = self.offsets.get(number, 0)
-            lost = Failure(node=number, host=node.host if node else "?", lost=event.why,
-                           ranks=(first, first + (node.slots if node else 1) - 1))
-            job.output.message(f"tandem run: {lost.headline()}; stopping the job")
-            if self.failure is None:
-                self.stop(lost)
-            elif self.failure.restartable:
-                self.failure = lost  # a job without that node cannot be restarted
-        elif isinstance(event, Message):
-            self._message(event.node, event.kind, event.body)
-        elif isinstance(event, Joined):
-            try:  # the job has all its nodes
-                event.conn.send(("refused", {"reason": "the job is running with all its nodes"}))
-            except OSError:
-                pass
-            event.conn.close()
-
-    def _message(self, number: int, kind: str, body: dict) -> None:
-        if body.get("attempt", self.attempt) != self.attempt:
-            return  # a late word about an earlier attempt
-        node = self.job.nodes.nodes.get(number)
-        host = node.host if node else "?"
-        if kind == "exit" and self.failure is None and body.get("returncode"):
-            self.job.output.message(
-                f"tandem run: rank {body['rank']} on node {number} failed: "
-                f"{describe(body['returncode'])}; stopping every rank of the job")
-            self.stop(Failure(node=number, host=host, rank=body["rank"], pid=body.get("pid"),
-                              returncode=body["returncode"]))
-        elif kind == "done":
-            self.running.discard(number)
-            self.tails.update({int(r): tuple(t) for r, t in body.get("tails", {}).items()})
-        elif kind == "interrupted" and self.failure is None:
-            self.stop(Failure(node=number, host=host, interrupt=body["signum"]))
+        if self.plain:
+            return Supervisor(self.ranks, self.events, self.output)
+        return Supervisor(self.ranks, self.events, self.output, node=0, host=self.host,
+                          nodes=self.nodes, attempt=attempt, offsets=offsets, lost=self.lost)

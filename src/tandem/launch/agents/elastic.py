@@ -17,7 +17,7 @@ Every transition is one line: the old and new world and why. A rank that exits 0
 job is finishing: no round changes after that, and a failure then ends the job. The end is an
 event like the others: once every worker that trained to the end has exited, workers that
 came too late (still starting, or in a round the finished ones never entered) are stopped,
-and the job ends with the finished workers' code (`_ElasticWatch.late`).
+and the job ends with the finished workers' code (`supervisor.Supervisor.late`).
 
 `Rounds` is the elastic policy of the one agent, node 0's `coordinator.Coordinator` (a fixed
 job is the case min = max, restarted whole instead): the coordinator hosts the store and the
@@ -45,31 +45,22 @@ again.
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
-from tandem.launch.agents.coordinator import REMOTE_STOP_S
 from tandem.launch.agents.discovery import discover
 from tandem.launch.agents.nodes import Node
 from tandem.launch.events import (
-    Event,
-    Joined,
-    Lost,
-    Message,
-    Rejected,
     SilentRanks,
     SlotsOffered,
     WorkersReady,
 )
 from tandem.launch.local.output import block_agent_signals, signals_blocked
-from tandem.launch.local.processes import describe
-from tandem.launch.local.supervisor import Failure, Supervisor
+from tandem.launch.local.supervisor import Supervisor
 from tandem.rendezvous.elastic_rounds import (
     Round,
-    arrived,
     publish,
     ready_key,
     report_death,
@@ -100,7 +91,7 @@ class Rounds:
     def store(self) -> rendezvous.StoreServer:
         return self.job.store
 
-    def start(self) -> _ElasticWatch:
+    def start(self) -> Supervisor:
         """Round 0 on the nodes there now, discovery and the watch for silent ranks; the watch
         over them."""
         self.begin()
@@ -110,7 +101,7 @@ class Rounds:
                                  daemon=True).start()
             threading.Thread(target=self._watch_silent, name="tandem-elastic-silent",
                              daemon=True).start()
-        return _ElasticWatch(self)
+        return Supervisor(self.ranks, self.job.events, self.output, rounds=self)
 
     def stop(self) -> None:
         self._stop.set()
@@ -222,195 +213,3 @@ class Rounds:
             if slots is not None:
                 self.job.events.put(SlotsOffered(slots))
 
-
-
-class _ElasticWatch(Supervisor):
-    """The supervisor's loop, where a failed rank shrinks the job instead of ending it, and,
-    across nodes, the other agents' reports, arrivals and losses."""
-
-    def __init__(self, rounds: Rounds) -> None:
-        super().__init__(rounds.ranks, rounds.job.events, rounds.output)
-        self.job = rounds
-        self.tails: dict[int, tuple[str, ...]] = {}  # (a fixed attempt's; exits carry them)
-        self.finished: set[int] = set()  # workers that exited 0
-        self.dismissed: set[int] = set()  # late workers stopped at the job's end (`late`)
-        self.silenced: dict[int, str] = {}  # stuck workers killed (`_silent`) -> why
-        if rounds.nodes.several:
-            self.kill_wait = REMOTE_STOP_S  # after SIGKILL here: the other nodes stop too
-
-    def finishing(self) -> bool:
-        """A worker exited 0: the job is at its end."""
-        return bool(self.finished)
-
-    def others_running(self) -> bool:
-        return bool(self.job.nodes.remote_live())
-
-    def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
-        if not self.stopping:
-            self.job.nodes.tell_all(("stop", {}))
-        super().stop(failure, signum)
-
-    def rank_finished(self, worker: int) -> None:
-        self.job.nodes.gone(worker)
-        self.finished.add(worker)
-        self._end_without_late()
-
-    def late(self) -> set[int]:
-        """Once the job is finishing: the live workers that will never train with the finished
-        ones. Those still starting (no round will include them now), and the newcomers of a
-        round that a finished worker never entered (they wait for it in the roll call)."""
-        live = self.job.nodes.live()
-        late = live & self.job.pending
-        newest = self.job.round
-        if newest is not None and any(w in newest.workers and not arrived(
-                self.job.store, newest.number, w) for w in self.finished):
-            late |= {w for w in newest.workers if w in live
-                     and self.job.first_round.get(w) == newest.number}
-        return late
-
-    def _end_without_late(self) -> None:
-        """The job is over when only late workers are left: stop them, end with code 0."""
-        if self.stopping or not self.finishing():
-            return
-        live = self.job.nodes.live()
-        late = self.late()
-        if not live or live - late:
-            return
-        self.dismissed |= late
-        names = ", ".join(map(str, sorted(late)))
-        self.output.message(f"tandem run: elastic: the job's ranks finished before worker(s) "
-                            f"{names} could join them; stopping {names}")
-        self.stop(None)
-
-    def rank_exited(self, worker: int, returncode: int) -> None:
-        self.job.nodes.gone(worker)
-        self.failed(worker, returncode, self.rank_failure(worker, returncode))
-
-    def failed(self, worker: int, returncode: int, failure: Failure) -> None:
-        """Worker `worker` (here or on another node) exited `returncode` != 0."""
-        if self.failure is not None or worker in self.dismissed:
-            return
-        if worker in self.job.pending:  # never joined a round: the others did not miss it
-            self.job.pending.discard(worker)
-            self.output.message(f"tandem run: elastic: new worker {worker} "
-                                f"{describe(returncode)} before it joined; the job goes on")
-            return
-        rank = self.job.round.rank_of(worker)
-        how = self.silenced.get(worker, describe(returncode))
-        why = f"rank {rank} (worker {worker}{self._where(failure)}) {how}"
-        if not self.finishing() and self.job.shrink({worker: how}, why):
-            return
-        self.end(f"worker {worker} {describe(returncode)}", failure)
-
-    def end(self, what: str, failure: Failure) -> None:
-        """Stop the whole job: too few workers left, or the job was finishing."""
-        left = len(self.job.nodes.live())
-        why = (f"{left} rank(s) left, below --min-np {self.job.low}" if not self.finishing()
-               else "the job was finishing")
-        self.output.message(f"tandem run: {what}; {why}: stopping the job")
-        self.stop(failure)
-
-    def _where(self, failure: Failure) -> str:
-        return f" on node {failure.node}" if failure.node else ""
-
-    def other(self, event: Event) -> None:
-        match event:
-            case Message(number, kind, body):
-                self._message(number, kind, body)
-            case Lost(number, why):
-                self._lost(number, why)
-            case Joined():
-                node = self.job.nodes.admit(event)
-                if node is not None and not (self.stopping or self.finishing()):
-                    self._grow(node, f"node {node.number} ({node.host}) joined")
-            case Rejected(where, why):
-                self.output.message(f"tandem run: rejected an agent from {where}: {why}")
-            case _ if self.stopping or self.finishing():
-                self._end_without_late()  # a newcomer got ready after the others finished
-            case SilentRanks(number, report):
-                self._silent(number, report)
-            case WorkersReady(workers):
-                self.job.admit(workers, f"{len(workers)} worker(s) joined")
-            case SlotsOffered(slots) if not self.job.pending:
-                self._discovered(slots)
-
-    def _silent(self, number: int, report: dict) -> None:
-        """A rank's wait in round `number` timed out and these ranks never answered its
-        watchdog: they are the stuck ones (SIGSTOP, a hung kernel, a deadlock). Kill them; their
-        exits form the round without them, and the ranks that waited go on."""
-        if number != self.job.round.number:
-            return
-        live = self.job.nodes.live()
-        for rank in report["ranks"]:
-            if not 0 <= rank < self.job.round.size:
-                continue
-            worker = self.job.round.workers[rank]
-            node = self.job.nodes.node_of(worker)
-            if worker not in live or worker in self.silenced or node is None:
-                continue
-            self.silenced[worker] = (
-                f"stopped answering (rank {report['by']}'s wait for it timed out after "
-                f"{report['waited']:g} s and it did not answer the watchdog: stopped, hung or "
-                f"deadlocked); killed")
-            self.output.message(f"tandem run: elastic: rank {rank} (worker {worker}"
-                                f"{f' on node {node.number}' if node.number else ''}) did not "
-                                f"answer rank {report['by']}'s watchdog after a "
-                                f"{report['waited']:g} s wait: killing it (SIGKILL)")
-            if node.peer is None:
-                self.ranks.signal(signal.SIGKILL, {worker})
-            else:
-                self.job.nodes.send(node, ("kill", {"workers": [worker]}))
-
-    def _discovered(self, offered: dict[str, int]) -> None:
-        """The discovery script's hosts: on one machine, all its slots are this machine's;
-        with -H, a host that runs no agent gets one (`elastic_hosts`)."""
-        here = self.job.nodes.nodes[0]
-        agents = self.job.agents
-        if agents is None:
-            here.slots = sum(offered.values())
-            self._grow(here, f"the discovery script offers {here.slots} slot(s)")
-            return
-        if agents.hosts[0] in offered:
-            here.slots = offered[agents.hosts[0]]
-            self._grow(here, f"the discovery script offers {here.slots} slot(s) here")
-        agents.discovered({name: min(slots, self.job.high) for name, slots in offered.items()})
-
-    def _grow(self, node: Node, why: str) -> None:
-        count = min(self.job.high - len(self.job.nodes.live()), node.capacity())
-        if count > 0:
-            self.output.message(f"tandem run: elastic: {why}; starting {count} worker(s)")
-            self.job.grow(node, count)
-
-    def _message(self, number: int, kind: str, body: dict) -> None:
-        if kind != "exit":
-            return
-        worker, returncode = int(body["worker"]), int(body["returncode"])
-        node = self.job.nodes.gone(worker)
-        if returncode == 0:
-            self.finished.add(worker)
-            self._end_without_late()
-            return
-        host = node.host if node is not None else "?"
-        self.failed(worker, returncode, Failure(
-            node=number, host=host, rank=worker, pid=body.get("pid"), returncode=returncode,
-            tail=tuple(body.get("tail") or ())))
-
-    def _lost(self, number: int, reason: str) -> None:
-        """Node `number`'s agent went away or silent: its workers are lost with it."""
-        node, workers = self.job.nodes.lost(number)
-        if self.job.agents is not None:
-            self.job.agents.forget(number)
-        if node is None or self.stopping or self.finishing():
-            return
-        self.job.pending.difference_update(workers)
-        how = f"was lost with node {number} ({node.host})"
-        why = f"node {number} ({node.host}) is unreachable: {reason}"
-        in_round = {w: how for w in workers if self.job.round.rank_of(w) is not None}
-        if not in_round:
-            self.output.message(f"tandem run: elastic: {why}; none of its workers had joined")
-            return
-        if self.job.shrink(in_round, why):
-            return
-        ranks = sorted(self.job.round.rank_of(w) for w in in_round)
-        self.end(f"node {number} ({node.host}) is unreachable", Failure(
-            node=number, host=node.host, lost=reason, ranks=(ranks[0], ranks[-1])))

@@ -17,7 +17,6 @@ secret), then runs what node 0 gives it until node 0 says the job is over:
 
 from __future__ import annotations
 
-import signal
 import socket
 from typing import TextIO
 
@@ -25,11 +24,10 @@ from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents import control
 from tandem.launch.agents.admission import versions
-from tandem.launch.agents.nodes import ElasticRanks, lost_after
+from tandem.launch.agents.nodes import lost_after
 from tandem.launch.config import LaunchConfig
-from tandem.launch.events import Event, JobState, Lost, Message
 from tandem.launch.local.ranks import Placement
-from tandem.launch.local.supervisor import DRAIN_S, Agent, Failure, Supervisor
+from tandem.launch.local.supervisor import DRAIN_S, Agent, Supervisor
 
 
 class Member(Agent):
@@ -38,7 +36,7 @@ class Member(Agent):
 
     def __init__(self, config: LaunchConfig, secret: str, interface: str | None = None,
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
-        super().__init__(config, ranks=ElasticRanks, stdout=stdout, stderr=stderr)
+        super().__init__(config, stdout=stdout, stderr=stderr)
         self.secret, self.interface = secret, interface
         self.peer: control.Peer | None = None
         self.master = "{}:{}".format(*config.master)
@@ -85,121 +83,25 @@ class Member(Agent):
         code = self._join()
         if code is not None:
             return code
-        watch = _MemberWatch(self)
+        watch = Supervisor(self.ranks, self.events, self.output, node=self.config.node_rank,
+                           host=socket.gethostname(), attempt=None, member=self)
         watch.run()
         self.output.join(DRAIN_S)
         return watch.verdict()
 
+    def start_attempt(self, body: dict) -> None:
+        """A fixed job's attempt: this node's ranks at the place node 0 gave them."""
+        self.ranks.start(Placement(
+            body["attempt"], body["offset"], body["world"], tuple(body["store"]),
+            rendezvous.store_key(self.secret), self.interface,
+            torch_port=body.get("torch_port"), run_id=body.get("run_id", ""),
+            node=body.get("node", 0), nodes=body.get("nodes", 1)))
 
-class _MemberWatch(Supervisor):
-    """Node k's side of the job, over all its attempts or rounds: every exit goes to node 0,
-    which decides; node 0's stop, its finish or its loss ends this node's ranks."""
-
-    def __init__(self, member: Member) -> None:
-        super().__init__(member.ranks, member.events, member.output,
-                         node=member.config.node_rank, host=socket.gethostname())
-        self.member = member
-        self.elastic = member.config.elastic
-        self.attempt: int | None = None  # a fixed job's attempt whose ranks run here
-        self.failed: dict[int, int] = {}  # ... and its ranks that failed
-        self.ended: tuple[str, object] | None = None  # ("finish", body) / ("lost", why) / ...
-        self.what = "workers" if self.elastic else "ranks"
-
-    def others_running(self) -> bool:
-        return self.ended is None
-
-    def rank_exited(self, rank: int, returncode: int) -> None:
-        self.failed[rank] = returncode
-        self.member.peer.send(("exit", {"attempt": self.attempt, "rank": rank, "worker": rank,
-                                        "returncode": returncode,
-                                        "pid": self.ranks.pids.get(rank),
-                                        "tail": list(self.output.tail(rank))}))
-        if not self.elastic:  # a fixed job stops at its first failure: here at once
-            self.stop(self.rank_failure(rank, returncode))
-        self._settled()
-
-    def rank_finished(self, rank: int) -> None:
-        if self.elastic:
-            self.member.peer.send(("exit", {"worker": rank, "returncode": 0}))
-        self._settled()
-
-    def _settled(self) -> None:
-        """Once this node's ranks are all down: a fixed job's attempt is over here (say so, with
-        the failed ranks' last lines); a stop node 0 asked for is over. Wait for node 0's word
-        (the next attempt or round, or the finish) without a deadline again."""
-        if self.ranks.live:
-            return
-        if self.attempt is not None:
-            self.output.join(DRAIN_S)
-            tails = {rank: self.output.tail(rank) for rank in self.failed}
-            self.member.peer.send(("done", {"attempt": self.attempt, "tails": tails}))
-            self.attempt = None
-        if self.ended is None and self.stopping:
-            self.advance(JobState.RUNNING)
-
-    def interrupted(self, signum: int) -> None:
-        """Ctrl-C here: node 0 hears of it. An elastic job goes on without this machine; a fixed
-        job's node 0 stops the attempt and ends the job, whose code this agent waits for."""
-        self.member.peer.send(("interrupted", {"attempt": self.attempt, "signum": signum}))
-        if self.elastic:
-            super().interrupted(signum)
-        elif self.ranks.live:
-            self.stop(Failure(node=self.node, host=self.host, interrupt=signum), signum)
-        if self.elastic or not self.ranks.live:
-            self.ended = ("signal", signum)
-
-    def _stop_ranks(self) -> None:
-        if self.ranks.live and not self.stopping:
-            self.stop(None)
-
-    def other(self, event: Event) -> None:
-        if isinstance(event, Lost):
-            self.member.say(f"node 0 ({self.member.master}) is unreachable: {event.why}; "
-                            f"stopping this node's {self.what}")
-            self.ended = ("lost", event.why)
-            self.attempt = None  # node 0 is gone: nobody to tell
-            self._stop_ranks()
-            return
-        if not isinstance(event, Message):
-            return
-        kind, body = event.kind, event.body
-        if kind == "start" and self.ended is None:  # a fixed job's attempt
-            self.attempt, self.failed, self.failure = body["attempt"], {}, None
-            self.ranks.start(Placement(
-                body["attempt"], body["offset"], body["world"], tuple(body["store"]),
-                rendezvous.store_key(self.member.secret), self.member.interface,
-                torch_port=body.get("torch_port"), run_id=body.get("run_id", ""),
-                node=body.get("node", 0), nodes=body.get("nodes", 1)))
-        elif kind == "workers" and self.ended is None and not self.stopping:  # elastic
-            self.ranks.start_workers(body["workers"], body["slots"], body["first_rank"],
-                                     body["size"], body["round"], tuple(body["store"]),
-                                     rendezvous.store_key(self.member.secret),
-                                     self.member.interface)
-        elif kind == "stop" and body.get("attempt", self.attempt) == self.attempt:
-            self._stop_ranks()
-        elif kind == "kill":  # a stuck worker (`elastic._ElasticWatch._silent`)
-            self.ranks.signal(signal.SIGKILL, set(body["workers"]))
-        elif kind == "finish":
-            self.ended = ("finish", body)
-            self._stop_ranks()
-        elif kind == "refused":
-            self.member.say(f"node 0 refused this agent: {body['reason']}")
-            self.ended = ("refused", body)
-        elif kind == "note":
-            self.output.message(body["text"])
-
-    def give_up(self) -> None:
-        self.member.say(f"{self.what} {sorted(self.ranks.live)} did not exit after SIGKILL")
-
-    def verdict(self) -> int:
-        kind, body = self.ended or ("lost", None)
-        if kind == "finish":
-            if body.get("summary"):
-                self.output.message(body["summary"])
-            return int(body["code"])
-        if kind == "signal":
-            return 128 + int(body)
-        return 2 if kind == "refused" else 1
+    def start_workers(self, body: dict) -> None:
+        """An elastic round's new workers on this machine."""
+        self.ranks.start_workers(body["workers"], body["slots"], body["first_rank"],
+                                 body["size"], body["round"], tuple(body["store"]),
+                                 rendezvous.store_key(self.secret), self.interface)
 
 
 __all__ = ["Member"]

@@ -39,7 +39,7 @@ from typing import TextIO
 
 from tandem import rendezvous
 from tandem.launch.agents import control, ssh
-from tandem.launch.agents.coordinator import REMOTE_STOP_S, Coordinator
+from tandem.launch.agents.coordinator import Coordinator
 from tandem.launch.agents.elastic import Rounds
 from tandem.launch.agents.hosts import LOCAL_NAMES, holds_address
 from tandem.launch.agents.member import Member
@@ -163,8 +163,8 @@ def launch_hosts(config: LaunchConfig) -> int:
 
 
 def launch(config: LaunchConfig) -> int:
-    """Run a job through the agents: restarts, several nodes, hosts, an elastic range (see the
-    module docstring); return its exit code."""
+    """Run a job through the one agent: a plain local one, restarts, several nodes, hosts, an
+    elastic range (see the module docstring); return its exit code."""
     rounds = Rounds if config.elastic else None
     try:
         if config.remote_hosts or (config.elastic and config.hosts):
@@ -184,4 +184,4 @@ def launch(config: LaunchConfig) -> int:
         raise LaunchError(str(error)) from None
 
 
-__all__ = ["Member", "job_secret", "launch", "launch_hosts", "read_secret", "REMOTE_STOP_S"]
+__all__ = ["Member", "job_secret", "launch", "launch_hosts", "read_secret"]

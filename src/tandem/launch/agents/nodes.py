@@ -6,14 +6,10 @@ checks of `admission`, plus a lost node's replacement running as many ranks as i
 who runs where (`live`, `node_of`, `gone`), talks to them (`send`, `tell_all`) and ends the
 job on all of them (`finish`). A fixed job waits for every node; an elastic one, once the nodes
 there offer `--min-np` slots, waits `START_WINDOW_S` more and starts with those.
-
-`ElasticRanks` starts ranks on one machine: a fixed job's attempt (`LocalRanks.start`), or an
-elastic round's new workers in groups (`start_workers`).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -22,11 +18,9 @@ from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.admission import admit, await_hang_ups
 from tandem.launch.agents.control import ControlServer, Peer, reached_at
-from tandem.launch.config import LaunchConfig, StartError
+from tandem.launch.config import LaunchConfig
 from tandem.launch.events import AgentExited, Joined, Lost, Rejected, Signalled
 from tandem.launch.local.output import RankOutput, signals_blocked
-from tandem.launch.local.processes import start_failure_code, start_ranks
-from tandem.launch.local.ranks import LocalRanks, Placement, rank_command, rank_environment
 from tandem.launch.local.supervisor import Failure
 
 START_WINDOW_S = 3.0  # elastic: with --min-np slots there, how long node 0 waits for the others
@@ -39,40 +33,6 @@ MAX_LOST_AFTER_S = 4.0
 
 def lost_after(config: LaunchConfig) -> float:
     return min(config.timeout or DEFAULT_TIMEOUT_S, MAX_LOST_AFTER_S)
-
-
-class ElasticRanks(LocalRanks):
-    """The ranks of a job on one machine: a fixed job's attempt (`start`), or an elastic job's
-    workers, started in groups whenever a round adds some; the output and the events name each
-    by its worker id (its rank when the job started)."""
-
-    def start_workers(self, workers: list[int], slots: list[int], first_rank: int, size: int,
-                      number: int, store: tuple[str, int], store_key: str,
-                      gloo_interface: str | None = None) -> None:
-        """Start `workers` on this machine's local `slots` as ranks `first_rank`, ... of a
-        world of `size`, for round `number` (-1: a round that will add them, once they are
-        ready). `td.init()` reads its place from the store's current round anyway; these are
-        where it starts from."""
-        self.store_port = store[1]
-        placement = Placement(attempt=0, offset=first_rank, world=size, store=store,
-                              store_key=store_key, gloo_interface=gloo_interface)
-        low, high = self.config.min_np or 1, self.config.max_np or self.config.np
-        envs = []
-        local_size = max(self.nproc, *(slot + 1 for slot in slots))  # slots offered later
-        for index, (worker, slot) in enumerate(zip(workers, slots, strict=True)):
-            env = rank_environment(self.config, slot, placement, os.environ, local_size,
-                                   rank=first_rank + index)
-            env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
-                       TANDEM_ELASTIC_RANGE=f"{low}:{high}")
-            envs.append(env)
-        command = rank_command(self.config)
-        try:
-            processes = start_ranks(command, envs)
-        except OSError as error:
-            raise StartError(f"could not start {command[0]}: {error.strerror or error}",
-                             code=start_failure_code(error)) from None
-        for worker, proc in zip(workers, processes, strict=True):
-            self.watch(worker, proc.pid, proc.stdout, proc.stderr, proc.wait)
 
 
 @dataclass
@@ -263,4 +223,4 @@ class Nodes:
         await_hang_ups(self.events, waiting)
 
 
-__all__ = ["ElasticRanks", "MAX_LOST_AFTER_S", "Node", "Nodes", "START_WINDOW_S", "lost_after"]
+__all__ = ["MAX_LOST_AFTER_S", "Node", "Nodes", "START_WINDOW_S", "lost_after"]

@@ -167,7 +167,9 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
 
 
 class LocalRanks:
-    """The ranks this machine runs in one attempt; exits become `RankExited` events."""
+    """The ranks this machine runs: a fixed job's attempt (`start`), or an elastic job's
+    workers, started in groups whenever a round adds some (`start_workers`); exits become
+    `RankExited` events."""
 
     def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
                  nproc: int | None = None) -> None:
@@ -178,21 +180,48 @@ class LocalRanks:
         self.store_port: int | None = None  # the job's store, which td.init() connects to
 
     def start(self, placement: Placement) -> None:
-        self.store_port = placement.store[1]
+        """A fixed job's attempt: this node's `nproc` ranks at the node's offset, in local
+        slots 0, 1, ... (an earlier attempt's are forgotten)."""
         envs = [rank_environment(self.config, local, placement, os.environ, self.nproc)
                 for local in range(self.nproc)]
         for local, env in enumerate(envs):
             if self.output.terminal_rank(placement.offset + local):
                 env["TANDEM_TERMINAL"] = "1"  # its bars may redraw in place (see launch.local.output)
+        self.pids, self.live = {}, set()
+        self._launch(placement, [placement.offset + local for local in range(self.nproc)], envs)
+
+    def start_workers(self, workers: list[int], slots: list[int], first_rank: int, size: int,
+                      number: int, store: tuple[str, int], store_key: str,
+                      gloo_interface: str | None = None) -> None:
+        """An elastic job's new `workers`, on this machine's local `slots`, as ranks
+        `first_rank`, ... of a world of `size`, for round `number` (-1: a round that will add
+        them, once they are ready). `td.init()` reads its place from the store's current round
+        anyway; these are where it starts from. Their output and events name each by its worker
+        id (its rank when the job started)."""
+        placement = Placement(attempt=0, offset=first_rank, world=size, store=store,
+                              store_key=store_key, gloo_interface=gloo_interface)
+        low, high = self.config.min_np or 1, self.config.max_np or self.config.np
+        local_size = max(self.nproc, *(slot + 1 for slot in slots))  # slots offered later
+        envs = []
+        for index, (worker, slot) in enumerate(zip(workers, slots, strict=True)):
+            env = rank_environment(self.config, slot, placement, os.environ, local_size,
+                                   rank=first_rank + index)
+            env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
+                       TANDEM_ELASTIC_RANGE=f"{low}:{high}")
+            envs.append(env)
+        self._launch(placement, workers, envs)
+
+    def _launch(self, placement: Placement, ids: list[int], envs: list[dict[str, str]]) -> None:
+        """Start one rank per environment, named by `ids`, and watch them."""
+        self.store_port = placement.store[1]
         command = rank_command(self.config)
         try:
             processes = start_ranks(command, envs)
         except OSError as error:  # checked before (programs.py), yet the system said no
             raise StartError(f"could not start {command[0]}: {error.strerror or error}",
                              code=start_failure_code(error)) from None
-        self.pids, self.live = {}, set()
-        for local, proc in enumerate(processes):
-            self.watch(placement.offset + local, proc.pid, proc.stdout, proc.stderr, proc.wait)
+        for rank, proc in zip(ids, processes, strict=True):
+            self.watch(rank, proc.pid, proc.stdout, proc.stderr, proc.wait)
 
     def watch(self, rank: int, pid: int, stdout, stderr, wait) -> None:
         """Copy a started rank's output; report its exit code (`wait()`'s result) as an event."""

@@ -9,7 +9,7 @@ to this process over local sockets (`MPIExecRanks`, the local ranks' way of star
 With MPICH the ranks are started by `mpiexec.gforker`, MPICH's one-node process manager,
 when it sits beside Hydra's `mpiexec` (`find_forker`): it hands each rank its process-manager
 connection as an inherited socket pair, where Hydra listens on every interface.
-From there on the job is run by the rank supervisor (`supervisor.LocalJob`): the same `[rank]` prefixes,
+From there on the job is run by the one agent (`coordinator.Coordinator`): the same `[rank]` prefixes,
 the same fail-fast stop (SIGTERM to every rank's process group, SIGKILL after a grace), the
 same summary naming the first rank to fail and its last lines, the same exit code. mpiexec
 only starts processes and wires MPI (its process-manager connection is inherited by the
@@ -42,12 +42,13 @@ import threading
 import time
 from pathlib import Path
 
+from tandem.launch.agents.coordinator import Coordinator
 from tandem.launch.config import LaunchConfig, LaunchError, StartError, check_program
 from tandem.launch.events import LaunchConnected, Signalled
 from tandem.launch.local.output import block_agent_signals
 from tandem.launch.local.processes import signal_group
 from tandem.launch.local.ranks import LocalRanks, Placement, job_environment, rank_command
-from tandem.launch.local.supervisor import LocalJob, StartInterrupted
+from tandem.launch.local.supervisor import StartInterrupted
 from tandem.launch.mpi import shm
 from tandem.launch.mpi.launch_port import KINDS, LaunchPort
 
@@ -396,4 +397,4 @@ def launch(config: LaunchConfig) -> int:
                           f"{config.nnodes}): use --backend gloo")
     check_program(config)
     find_mpiexec()
-    return LocalJob(config, ranks=MPIExecRanks).run()
+    return Coordinator(config, nproc=config.np, ranks=MPIExecRanks).run()  # the one agent
