@@ -8,8 +8,8 @@ What is where:
   is sent (`td.spawn`, `tandem.testing`'s shared worlds).
 - `processes`: Local rank processes: start them, signal their process groups, stop them within a
   deadline.
-- `ranks`: This machine's ranks of one attempt: what each runs, what it gets, and their exits as
-  events.
-- `supervisor`: The rank supervisor: watch this machine's ranks, stop them all on the first
-  failure, say why.
+- `ranks`: This machine's ranks (a fixed attempt, or an elastic round's workers): what each runs,
+  what it gets, and their exits as events.
+- `supervisor`: The rank supervisor: watch a job's ranks, stop them all on the first failure,
+  say why (one watch for every job; the job decides what a failure does).
 """

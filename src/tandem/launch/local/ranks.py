@@ -1,12 +1,13 @@
-"""This machine's ranks of one attempt: what each runs, what it gets, and their exits as events.
+"""This machine's ranks (a fixed attempt, or an elastic round's workers): what each runs, what it
+gets, and their exits as events.
 
-Every kind of job starts its local ranks here (`LocalRanks.start`, through
-`processes.start_ranks`): a plain single-node job, each attempt of a restartable one, each
-node of a multi-node one; `mpiexec.MPIExecRanks` starts the same ranks through mpiexec
-instead. A rank gets this Python running the script or module (`rank_command`), our
-environment plus thread limits and tandem's `sitecustomize` (`job_environment`, `rank_site/`),
-and its place in the whole job (`rank_environment`): global rank, world size, the rendezvous
-store, `TANDEM_RESTART=<attempt>`,
+Every kind of job starts its local ranks here, through `processes.start_ranks`: a fixed job's
+attempt on each node (`LocalRanks.start`: a plain single-node job, a restartable one, a
+multi-node one) and an elastic job's workers (`start_workers`, with `TANDEM_ELASTIC_*`);
+`mpiexec.MPIExecRanks` starts the same ranks through mpiexec instead. A rank gets this Python
+running the script or module (`rank_command`), our environment plus thread limits and tandem's
+`sitecustomize` (`job_environment`, `rank_site/`), and its place in the whole job
+(`rank_environment`): global rank, world size, the rendezvous store, `TANDEM_RESTART=<attempt>`,
 torchrun's variables (`environments.torchrun_variables`: RANK, MASTER_PORT...), and on
 multi-node jobs the network interface Gloo should use. Exits arrive as
 `events.RankExited` on the supervisor's queue.
