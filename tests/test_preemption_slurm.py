@@ -121,19 +121,20 @@ def test_a_batch_job_signalled_mid_epoch_requeues_itself_and_resumes_exactly(tmp
 
 @pytest.mark.timeout(660)
 def test_a_batch_job_at_its_walltime_requeues_itself_and_resumes_exactly(tmp_path):
-    """A 2-minute job that trains for 77 s after its start-up: tandem reads the job's end
-    (squeue's time left on this SLURM, SLURM_JOB_END_TIME on newer ones) and stops 60 s before
-    it, on its own, so every run has 60 s for its start-up and some steps (2 runs on a quiet
-    machine, more on a busy one, whose start-ups are long)."""
-    reference, _ = _reference(tmp_path, epochs=8)
-    # The example without its --signal line (a 120 s lead cannot fit a 2-minute job): the stop
+    """A 1-minute job (SLURM's shortest walltime) that trains for 48 s after its start-up:
+    tandem reads the job's end (squeue's time left on this SLURM, SLURM_JOB_END_TIME on newer
+    ones) and stops 15 s before it, on its own, so every run has 45 s for its start-up and some
+    steps (2 runs on a quiet machine, more on a busy one, whose start-ups are long) and 15 s for
+    a step, the save and the requeue."""
+    reference, _ = _reference(tmp_path, epochs=6)
+    # The example without its --signal line (a 120 s lead cannot fit a 1-minute job): the stop
     # comes from the walltime alone.
     sbatch = tmp_path / "walltime.sbatch"
     sbatch.write_text("".join(line for line in SBATCH.read_text().splitlines(keepends=True)
                               if not line.startswith("#SBATCH --signal")))
     log, out = tmp_path / "job.out", tmp_path / "out.pt"
-    job = _submit(sbatch, log, tmp_path / "ckpt", out, "--time=2", epochs=8, step_s=1.2,
-                  env=_env(TANDEM_PREEMPT_LEAD="60"))
+    job = _submit(sbatch, log, tmp_path / "ckpt", out, "--time=1", epochs=6, step_s=1.0,
+                  env=_env(TANDEM_PREEMPT_LEAD="15"))
     state = _until_done(job, log, within=560)
     text = _read(log)
     _check_resumed(state, text, out, reference)

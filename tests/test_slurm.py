@@ -3,6 +3,7 @@
 Skipped, with the reason, where SLURM cannot start here (not root, no apt-get, no daemons).
 """
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -15,22 +16,38 @@ ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 
 
+# Two pytest-xdist workers (TEST_WORKERS=2 bash scripts/test.sh) may run this file and
+# test_preemption_slurm.py at once: one starts the cluster at a time (an exclusive lock), each
+# uses it under a shared lock, and the last to leave stops it if a test started it.
+LOCK = Path("/tmp/tandem-slurm-tests.lock")
+STARTED = Path("/tmp/tandem-slurm-tests.started")  # the cluster was started by a test
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """A running single-node cluster, or a skip that says why there is none."""
     if os.geteuid() != 0:
         pytest.skip("SLURM: scripts/slurm-local.sh needs root to install and start the daemons")
-    running = subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
-    try:
-        started = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh")], capture_output=True,
-                                 text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip("SLURM: scripts/slurm-local.sh did not finish in 600 s")
-    if started.returncode != 0 or not shutil.which("sbatch"):
-        pytest.skip(f"SLURM cannot start here: {started.stderr.strip() or 'no sbatch'}")
-    yield
-    if not running:  # we started it: leave the machine as we found it
-        subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop"], timeout=60)
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode != 0:
+            STARTED.touch()  # we start it: leave the machine as we found it
+        try:
+            started = subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh")],
+                                     capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.skip("SLURM: scripts/slurm-local.sh did not finish in 600 s")
+        if started.returncode != 0 or not shutil.which("sbatch"):
+            pytest.skip(f"SLURM cannot start here: {started.stderr.strip() or 'no sbatch'}")
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        yield
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another worker's tests still use it; the last one stops it
+        if STARTED.exists():
+            subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop"], timeout=60)
+            STARTED.unlink()
 
 
 def _sbatch(*args, timeout):
