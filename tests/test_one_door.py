@@ -3,7 +3,7 @@
 - Every torch optimizer's step passes tandem's one pre-step and one post-step hook, however many
   splits and checked models a process builds: the hook refuses, records the step for `tandem
   scale`, and counts it for the per-operation checks whose parameters it steps.
-- The split-model code (parallel/, checkpoint/, elastic/) reaches the engine through
+- The split-model code (parallel/, checkpoint/, elastic/) and the metrics reach the engine through
   `tandem.comm.collectives.direct` (unchecked, under an agreement) or the checked collectives,
   never by calling an engine's operation itself; the one exception is the data-parallel comm
   hooks, whose `bucket.backend` is the engine a user's `hook(bucket) -> Work` is handed.
@@ -46,7 +46,7 @@ def _engine_calls(path: Path) -> list[str]:
 
 
 def test_split_model_code_reaches_the_engine_through_one_door():
-    calls = [call for folder in ("parallel", "checkpoint", "elastic")
+    calls = [call for folder in ("parallel", "checkpoint", "elastic", "metrics")
              for path in sorted((SRC / folder).rglob("*.py"))
              if str(path.relative_to(SRC)) not in COMM_HOOKS
              for call in _engine_calls(path)]

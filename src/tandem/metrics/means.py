@@ -34,7 +34,7 @@ from tandem import runtime
 from tandem.comm import context
 from tandem.comm.agreement import agree as agreement
 from tandem.comm.agreement.agree import CollectiveMismatchError
-from tandem.comm.engines.backend import on_wire
+from tandem.comm.collectives import direct
 from tandem.comm.groups import Group, group_ranks, group_size
 
 _KIND = agreement.checksum("tandem.metrics.means: names, then sums")
@@ -79,7 +79,7 @@ def reduce_means(what: str, sums: Mapping[str, float], count: float, group: Grou
         if not agreed:
             return {}
         mine = dict(zip(names, totals, strict=False))
-        totals = _sum([mine.get(name, 0.0) for name in agreed] + [totals[-1]], group, engine)
+        totals = _sum([mine.get(name, 0.0) for name in agreed] + [totals[-1]], group)
         names = agreed
     total = totals[-1]
     return {name: (totals[i] / total if total else math.nan) for i, name in enumerate(names)}
@@ -103,13 +103,10 @@ def _agree_on_names(what: str, names: list[str], group: Group | None, engine: co
     return list(named.pop())
 
 
-def _sum(values: list[float], group: Group | None, engine: context.Context) -> list[float]:
+def _sum(values: list[float], group: Group | None) -> list[float]:
     """One float64 all-reduce of `values`, without a second argument check (agreed above)."""
-    message = on_wire(torch.tensor(values, dtype=torch.float64), engine.backend)
-    work = engine.backend.allreduce_now(message, "sum", group)
-    if work is not None:
-        work.wait(engine.timeout)
-    return message.tolist()
+    return direct.allreduce(torch.tensor(values, dtype=torch.float64), "sum", group,
+                            inplace=True).tolist()
 
 
 def explain(ranks: Sequence[int], calls: Sequence[Call]) -> str:
