@@ -315,6 +315,12 @@ SLOW: dict[str, str] = {
         "same scripts refused before the start)",
     "tests/test_launch_bad_input.py::test_a_second_agent_for_a_node_rank_and_agents_of_another_job_or_secret_are_refused":
         "a 3-node job of agents on loopback and three refused agents (fast: the other refusals)",
+    "tests/test_elastic_grow.py": "an elastic tandem run job that grows 2 -> 3 while its ranks set up, "
+        "and its one-process reference, 15-55 s (fast: none; the rounds' OVER rule is in this job)",
+    **{f"tests/test_mpi_elastic.py::test_sharded_state_with_a_peer_backup_is_restored_from_memory_when_the_mpi_world_shrinks[{c}]":
+       "tandem run on Open MPI with ULFM, 3 ranks, a rank SIGKILLed, sharded state restored from "
+       "the peer backup, 10-25 s idle (fast: none on MPI; the Gloo backup in test_elastic.py)"
+       for c in ("zero", "fsdp")},
 }
 
 

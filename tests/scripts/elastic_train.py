@@ -20,6 +20,10 @@ Faults and events, by worker id (a worker keeps its id whatever its rank):
   --await-start S    at step S, once the world has shrunk, wait until a new worker's process
                      has started (OUT.started.W, made by every process at its start) before
                      training the step: the survivors then finish while it is still joining
+  --grow-in-setup    before td.elastic.run, in a collective of the set-up (a td.broadcast from
+                     rank 0), the first ranks wait until the launcher has formed the round that
+                     adds a discovered worker (rank 0 waits for it on the store, then holds the
+                     others in the broadcast for 2.5 s, past the watchdog's next look at its board)
   --optimizer adam   Adam instead of SGD with momentum (adafactor: Adafactor, which
                      td.ZeroOptimizer shards by whole parameters)
   --no-commit        never commit (the warning, and the start state as the fallback)
@@ -55,6 +59,7 @@ parser.add_argument("--die-in-resize", type=int, default=None)
 parser.add_argument("--wait-size", default=None)
 parser.add_argument("--offer", default=None)
 parser.add_argument("--await-start", default=None)
+parser.add_argument("--grow-in-setup", action="store_true")
 parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--no-commit", action="store_true")
 parser.add_argument("--diverge", default=None)
@@ -105,6 +110,38 @@ if args.scheduler:  # steps the inner optimizer: its learning rate is what the w
     extras["scheduler"] = torch.optim.lr_scheduler.StepLR(inner, step_size=5, gamma=0.5)
 state = make_state(model=net, optimizer=optimizer, checkpointer=checkpointer, step=0, sizes=[],
                    **extras)
+
+
+
+def grow_in_setup() -> None:
+    """--grow-in-setup: the first ranks sit in a set-up collective while the job grows."""
+    from tandem import runtime
+    from tandem.rendezvous import StoreClient, elastic_rounds
+
+    if runtime.joins_running_job():
+        return  # the newcomer: its set-up collectives meet nobody
+    probe = torch.zeros(1)
+    if td.rank() == 0:
+        job = runtime.state().job
+        store = StoreClient(job.master_addr or "127.0.0.1", job.master_port, job.store_key, 60)
+        joined = job.elastic.round
+        deadline = time.monotonic() + 60
+        while elastic_rounds.current_number(store) == joined:
+            assert time.monotonic() < deadline, "the launcher never formed the grow round"
+            try:
+                store.wait([elastic_rounds.record_key(joined + 1)], timeout=1.0)
+            except TimeoutError:
+                pass
+        store.close()
+        # a duration, not an event: the others' wait outlives their watchdog's next tick (1 s)
+        time.sleep(2.5)
+        probe += 1
+    td.broadcast(probe, root=0)
+    assert probe.item() == 1
+
+
+if args.grow_in_setup:
+    grow_in_setup()
 
 die = tuple(map(int, args.die.split(":"))) if args.die else None
 die_before_commit = tuple(map(int, args.die_before_commit.split(":"))) \

@@ -49,17 +49,25 @@ def _watchdog_board(number: int) -> str:
     return f"tandem/watchdog/elastic/{number}/"
 
 
-OVER = "over"  # on a round's watchdog board: the launcher formed a later round
+OVER = "over"  # on a round's watchdog board: a later round left out one of its workers
 
 
 def publish(store, new: Round) -> None:
     """The launcher's side: write the round, point the job at it, and tell the watchdogs of
-    the round before that their world is over (a rank still waiting in it stops waiting)."""
+    every earlier round that lost a worker that their world is over (a rank still waiting in it
+    stops waiting: the peer it waits for is gone). A round whose workers are all in `new` (the
+    job grew) is not over: its ranks are healthy, finish what they are doing and move at their
+    next commit (`State.check_host_updates`), while the new workers wait at the roll call.
+    Every earlier round, not only the last: ranks may still be in an older world when a grow
+    was formed and then a shrink."""
     store.set(record_key(new.number), json.dumps(
         {"workers": list(new.workers), "why": new.why, "since": new.since}))
     store.set(ROUND_KEY, str(new.number))
-    if new.number:
-        store.set(_watchdog_board(new.number - 1) + OVER, "1")
+    staying = set(new.workers)
+    for number in range(new.number):
+        board = _watchdog_board(number) + OVER
+        if store.get(board) is None and not set(read(store, number).workers) <= staying:
+            store.set(board, "1")
 
 
 def current_number(store) -> int:

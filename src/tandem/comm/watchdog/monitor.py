@@ -128,8 +128,9 @@ class Watchdog(Ledger):
         self._tick = DEBUG_TICK_S if debug else TICK_S
         self._thread: threading.Thread | None = None
         # An elastic job's world can be over while a rank still waits in it (its launcher
-        # formed the next round: a peer died, or left it for the next one): then the engine's
-        # connections are shut (`abort_engine`) and the wait fails now, not at the timeout.
+        # formed a later round without one of its workers: a peer died or was dropped): then
+        # the engine's connections are shut (`abort_engine`) and the wait fails now, not at the
+        # timeout. A round that only grew leaves this world going (`elastic_rounds.publish`).
         self.world_over: Callable[[], bool] | None = None
         self.abort_engine: Callable[[], None] | None = None
         self._abandoned = False
@@ -192,7 +193,7 @@ class Watchdog(Ledger):
                    or board.get(f"died/{r}") is not None for r in others):
                 break
             if self.world_over is not None and self.world_over():
-                break  # an elastic job's next round: the others left, or will not answer
+                break  # a later round left out a peer of this world: it will not answer
             self._serve()  # peers may be asking us at the same moment: answer while we wait
             self._pause.wait(QUERY_POLL_S)
         for rank in others:
@@ -241,8 +242,8 @@ class Watchdog(Ledger):
         if self._abandoned or (self.world_over is not None and self.world_over()):
             raise PeerUnreachableError(
                 f"rank {self.rank}: {waitgraph.describe_op(op_dict(wait[WAIT_OP], self.size))} "
-                f"was abandoned: the elastic job's launcher formed its next round (a peer died, "
-                f"or every other rank left this world) while this rank waited") from error
+                f"was abandoned: the elastic job's launcher formed a later round without one of "
+                f"this world's workers (it died or was dropped) while this rank waited") from error
 
     def _mine(self, answers, wait: tuple) -> dict:
         mine = answers[self.rank]
