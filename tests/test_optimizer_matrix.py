@@ -18,8 +18,8 @@ sparse (nn.Embedding(sparse=True)): exact where ranks step whole tensors (a Pipe
 Branches alone), refused where gradients are averaged or cut (DistributedOptimizer, DDP,
 ZeroOptimizer, fully_shard, HSDP, a vocabulary-parallel embedding), each naming SparseAdam and
 tandem.horovod's hvd.DistributedOptimizer, which averages sparse gradients. Muon under
-fully_shard and HSDP is refused by torch's own constructor (the shards are flat: "only supports
-2D parameters"), before tandem sees it; td.ZeroOptimizer steps it whole.
+fully_shard and HSDP is refused at its construction (the shards are flat: torch's "only supports
+2D parameters", with the cause and td.ZeroOptimizer, which steps each matrix whole).
 
 Every optimizer a sharded wrapper takes (ZeroOptimizer: 14, fully_shard: 12) is saved by
 td.Checkpointer on 2 ranks (HSDP: 4) and restored on 3 (HSDP's as fully_shard), and shrunk
@@ -306,7 +306,8 @@ def _refusal(wrapper: str, name: str) -> list[str] | None:
                 "Branches": whole, "Branches x DDP": whole}.get(wrapper)
     if wrapper in SHARDED and name in NOT_ELEMENTWISE:
         if wrapper in ("fully_shard", "HSDP") and name == "Muon":
-            return ["Muon only supports 2D parameters"]  # torch's, at construction
+            # torch's words at construction, with the cause and the alternative
+            return ["Muon only supports 2D parameters", "td.fully_shard", "td.ZeroOptimizer"]
         split = "tensor parallelism" if wrapper == "tensor parallel" else "td.fully_shard"
         return [f"{short} under {split}", SHARDED[wrapper], "optimizer.elementwise = True"]
     return None

@@ -45,7 +45,7 @@ from tandem.comm.collectives import user as collectives
 from tandem.comm.groups import Group, Mesh, group_ranks
 from tandem.parallel import model_check
 from tandem.parallel.fully_shard import dtensor as dtensor_params
-from tandem.parallel.fully_shard import fsdp2_methods, policies
+from tandem.parallel.fully_shard import fsdp2_methods, muon, policies
 from tandem.parallel.fully_shard.pieces import UnitPieces
 from tandem.parallel.fully_shard.unit import Unit, attach, taken_by, unit_of
 from tandem.parallel.layout import protocol as layout
@@ -122,6 +122,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
             f"modules without tensor-parallel layers (fully_shard(..., group=mesh.dp_group))")
     _refuse_taken(module)
     _refuse_sparse(module)
+    muon.refuse_over_shards()  # before the user builds an optimizer over the shards
     unit = Unit(module, group, policy, reshard_after_forward, has_inner=bool(inner),
                 offload=offload, replicate=replicate)
     for sub in inner:
