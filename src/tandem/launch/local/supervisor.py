@@ -275,6 +275,8 @@ class Supervisor:
                     self.kill()
             case Message(_, kind, body) if self.member is not None:
                 self._from_node0(kind, body)
+            case Message(number, kind, body) if self.rounds is not None:
+                self._worker_message(number, kind, body)
             case Message(number, kind, body):
                 self._message(number, kind, body)
             case Lost(number, why):
@@ -410,10 +412,8 @@ class Supervisor:
 
     # -- node 0 of a fixed job: the other nodes' words -------------------------------------
     def _message(self, number: int, kind: str, body: dict) -> None:
-        if self.rounds is not None:
-            return self._worker_message(number, kind, body)
         if body.get("attempt", self.attempt) != self.attempt:
-            return None  # a late word about an earlier attempt
+            return  # a late word about an earlier attempt
         node = self.nodes.nodes.get(number) if self.nodes is not None else None
         host = node.host if node else "?"
         if kind == "exit" and self.failure is None and body.get("returncode"):
@@ -427,7 +427,6 @@ class Supervisor:
             self.tails.update({int(r): tuple(t) for r, t in body.get("tails", {}).items()})
         elif kind == "interrupted" and self.failure is None:
             self.stop(Failure(node=number, host=host, interrupt=body["signum"]))
-        return None
 
     def _lost(self, number: int, why: str) -> None:
         """Another agent went away or silent (on another node: node 0)."""
