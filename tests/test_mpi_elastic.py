@@ -19,6 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tests" / "scripts" / "elastic_train.py")
+KILL_POINTS = str(ROOT / "tests" / "scripts" / "elastic_kill_points.py")
 
 
 def _version_of_mpiexec() -> tuple[str, str]:
@@ -59,6 +60,17 @@ def one_process(tmp_path_factory) -> dict:
     _skip_without_ulfm()
     reference = tmp_path_factory.mktemp("reference") / "sgd.pt"
     done = subprocess.run([sys.executable, TRAIN, str(reference)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return torch.load(reference)
+
+
+@pytest.fixture(scope="module")
+def one_process_adam(tmp_path_factory) -> dict:
+    """elastic_kill_points.py's one-process result (Adam), the reference of the sharded jobs."""
+    _skip_without_ulfm()
+    reference = tmp_path_factory.mktemp("reference") / "adam.pt"
+    done = subprocess.run([sys.executable, KILL_POINTS, str(reference)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return torch.load(reference)
@@ -177,3 +189,33 @@ def test_a_stopped_rank_of_an_mpi_job_is_the_one_dropped_and_the_job_ends_as_one
                      r"rank [01]'s watchdog and were stopped|.*MPI_ERR_REVOKED\b.*)\); resumed "
                      r"from commit 5", said), said
     _same_as_one_process(torch.load(out), one_process)
+
+
+@pytest.mark.timeout(600)  # ~10-25 s idle; minutes on 2 cores under load
+@pytest.mark.parametrize("sharding, kill, resumed", [
+    ("--zero", "2:5:step", (5,)), ("--fsdp", "2:4:commit", (4, 5))], ids=["zero", "fsdp"])
+def test_sharded_state_with_a_peer_backup_is_restored_from_memory_when_the_mpi_world_shrinks(
+        tmp_path, one_process_adam, sharding, kill, resumed):
+    """td.elastic.State(..., peer_backup=True) over td.ZeroOptimizer(Adam) or a td.fully_shard
+    model, on `tandem run --backend mpi -np 3 --min-np 2`, no checkpointer: worker 2 SIGKILLs
+    itself inside optimizer.step (after ZeroOptimizer's reduce-scatter) or inside the commit
+    (after the backup exchange). Its part of the sharded state lived only on it and, by the
+    peer backup, on the next rank (rank 0, around the ring); the survivors shrink the world,
+    reshard from their own parts and rank 0's backup of worker 2's, and end as one process."""
+    out = tmp_path / "out.pt"
+    job = _tandem_run("-np", "3", "--min-np", "2", KILL_POINTS, str(out), sharding,
+                      "--kill", kill, timeout=420)
+    said = job.stderr
+    assert job.returncode == 0, said
+    assert re.search(r"tandem run: elastic: world 3 -> 2: rank 2 \(pid \d+\) killed by SIGKILL",
+                     said), said
+    commits = [int(c) for c in re.findall(r"the MPI world shrank without rank\(s\) 2: .*\); "
+                                          r"resumed from commit (\d+) \(step \1\)", said)]
+    # a kill inside the commit, after the exchange: the survivors hold that commit or, where
+    # one's exchange failed, the one before (every survivor goes back to it)
+    assert len(commits) == 1 and commits[0] in resumed, said
+    assert "checkpoint" not in said and "held only by the rank(s) that left" not in said, said
+    got, want = torch.load(out), one_process_adam
+    assert got["sizes"] == [3] * commits[0] + [2] * (12 - commits[0]) and got["step"] == 12
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-5)

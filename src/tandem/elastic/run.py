@@ -113,6 +113,7 @@ def _shrinking(train: Callable[..., Any], state: State, args: tuple, kwargs: dic
 
     change = None  # (size, commits, seconds) before the last shrink, the ranks lost, why
     workers = list(range(runtime.size()))  # each rank's worker (its first rank, which it keeps)
+    state.follow_workers(workers)  # a peer backup names each part's owner by worker
     while True:
         try:
             if change is not None:
@@ -140,6 +141,7 @@ def _shrinking(train: Callable[..., Any], state: State, args: tuple, kwargs: dic
         _leave(state, collect=False)  # ULFM's revoke already released the peers
         lost = runtime.shrink()
         workers = [worker for rank, worker in enumerate(workers) if rank not in lost]
+        state.follow_workers(workers)
         change = (before, lost, why)
 
 

@@ -68,7 +68,8 @@ class State:
         checkpointer: a `td.Checkpointer` that each commit also saves to (on disk every
             `every` commits): the fallback when no rank holds the last commit.
         peer_backup: with sharded state, each commit also hands this rank's part to the next
-            rank, so that one lost rank's part is restored from memory.
+            rank, so that one lost rank's part is restored from memory (an elastic Gloo job,
+            or an MPI world that shrinks: `tandem run --backend mpi --min-np`).
         **extras: anything else to restore (an epoch, a scheduler): picklable values, or
             objects with `state_dict()`/`load_state_dict()`, by names without a leading "_".
 
@@ -136,6 +137,10 @@ class State:
         # The commit before the newest while some rank may not have reached the newest (its
         # backup exchange failed): (snapshot, commits, backup), or None.
         d["_previous"] = None
+        # On an MPI world that shrinks, each rank's worker (its first rank, kept whatever its
+        # rank after a shrink), in rank order: `td.elastic.run` sets it (`follow_workers`).
+        # None elsewhere (an elastic Gloo job's worker is its `job.elastic.worker`).
+        d["_workers"] = None
 
     # -- extras as attributes ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -161,7 +166,7 @@ class State:
         """Snapshot the state in memory, then check with every rank: the same state, and
         whether the world changed (then `WorldChanged`, caught by `td.elastic.run`). With a
         `checkpointer`, also its save (on disk every `checkpointer.every` commits)."""
-        if self._peer_backup and self._sharded and runtime.state().job.elastic is not None:
+        if self._peer_backup and self._sharded and _resizes():
             self._commit_with_backup()
         else:
             self.save()
@@ -174,7 +179,9 @@ class State:
         survive. The snapshot is taken first, sent, and only then replaces the old one; the old
         one (and its backup) is kept until the commit's allgather shows that every rank got
         this far (`check_host_updates`), since one rank's exchange may succeed where its
-        neighbour's fails: `sync` then puts the ranks that moved on back on it (`settle`)."""
+        neighbour's fails: `sync` then puts the ranks that moved on back on it (`settle`).
+        On a shrinking MPI world no commit agrees (it has no rounds to look at), so the commit
+        before stays kept until the next one."""
         pending = self._take()
         received = transfer.to_next(pending["part"])  # raises if a peer died
         self._previous = (self._snapshot, self._commits, self._backup)
@@ -189,10 +196,8 @@ class State:
     def _take(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = {"extras": kept.values(self._extras)}
         if self._sharded:  # this rank's boxes of the sharded state: a copy, no communication
-            job = runtime.state().job
-            snapshot["part"] = {
-                **state_pieces.take(self._sharded_objects(), self._models()),
-                "worker": job.elastic.worker if job.elastic is not None else runtime.rank()}
+            snapshot["part"] = {**state_pieces.take(self._sharded_objects(), self._models()),
+                                "worker": self._worker()}
         if self.model is not None and not self._fsdp:
             snapshot["model"] = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                  for k, v in self.model.state_dict().items()}
@@ -345,11 +350,27 @@ class State:
         self._commits = newest
         return False
 
+    def follow_workers(self, workers: list[int]) -> None:
+        """On an MPI world that shrinks (`td.elastic.run`): each rank's worker, in rank
+        order, for this world (the survivors after a shrink). A peer backup names its part's
+        owner by worker, and `sync` restores the parts whose owner is not among them."""
+        self._workers = list(workers)
+
+    def _worker(self) -> int:
+        """This process's worker: the id it keeps across changes of world."""
+        job = runtime.state().job
+        if job.elastic is not None:
+            return job.elastic.worker
+        if self._workers is not None:
+            return self._workers[runtime.rank()]
+        return runtime.rank()
+
     def _round_workers(self) -> set[int]:
-        """The workers of this process's round (every rank, outside an elastic job)."""
+        """The workers of this process's round (the survivors of a shrinking MPI world; every
+        rank, outside an elastic job)."""
         job = runtime.state().job
         if job.elastic is None:
-            return set(range(runtime.size()))
+            return set(self._workers) if self._workers is not None else set(range(runtime.size()))
         self._look()
         return set(elastic_rounds.read(self._store, job.elastic.round).workers)
 
@@ -432,6 +453,12 @@ class State:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _resizes() -> bool:
+    """Whether this job's world can lose ranks and go on: an elastic Gloo job, or an MPI world
+    that shrinks (`tandem run --backend mpi --min-np`)."""
+    return runtime.state().job.elastic is not None or runtime.shrinks()
 
 
 def _split_how(owner: Any, fsdp: bool) -> str | None:
