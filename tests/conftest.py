@@ -318,8 +318,8 @@ SLOW: dict[str, str] = {
     "tests/test_elastic_grow.py": "an elastic tandem run job that grows 2 -> 3 while its ranks set up, "
         "and its one-process reference, 15-55 s (fast: none; the rounds' OVER rule is in this job)",
     **{f"tests/test_mpi_elastic.py::test_sharded_state_with_a_peer_backup_is_restored_from_memory_when_the_mpi_world_shrinks[{c}]":
-       "tandem run on Open MPI with ULFM, 3 ranks, a rank SIGKILLed, sharded state restored from "
-       "the peer backup, 10-25 s idle (fast: none on MPI; the Gloo backup in test_elastic.py)"
+       "tandem run on Open MPI with ULFM, 3 or 4 ranks, one or two SIGKILLed, sharded state "
+       "restored from the peer backup, 10-25 s idle (fast: none on MPI; the Gloo backup in test_elastic.py)"
        for c in ("zero", "fsdp")},
 }
 

@@ -192,30 +192,37 @@ def test_a_stopped_rank_of_an_mpi_job_is_the_one_dropped_and_the_job_ends_as_one
 
 
 @pytest.mark.timeout(600)  # ~10-25 s idle; minutes on 2 cores under load
-@pytest.mark.parametrize("sharding, kill, resumed", [
-    ("--zero", "2:5:step", (5,)), ("--fsdp", "2:4:commit", (4, 5))], ids=["zero", "fsdp"])
+@pytest.mark.parametrize("sharding, np, kills, resumed", [
+    ("--zero", 3, [(2, 5, "step")], [(5,)]),
+    ("--fsdp", 4, [(1, 3, "backward"), (3, 7, "commit")], [(3,), (7, 8)])], ids=["zero", "fsdp"])
 def test_sharded_state_with_a_peer_backup_is_restored_from_memory_when_the_mpi_world_shrinks(
-        tmp_path, one_process_adam, sharding, kill, resumed):
-    """td.elastic.State(..., peer_backup=True) over td.ZeroOptimizer(Adam) or a td.fully_shard
-    model, on `tandem run --backend mpi -np 3 --min-np 2`, no checkpointer: worker 2 SIGKILLs
-    itself inside optimizer.step (after ZeroOptimizer's reduce-scatter) or inside the commit
-    (after the backup exchange). Its part of the sharded state lived only on it and, by the
-    peer backup, on the next rank (rank 0, around the ring); the survivors shrink the world,
-    reshard from their own parts and rank 0's backup of worker 2's, and end as one process."""
+        tmp_path, one_process_adam, sharding, np, kills, resumed):
+    """td.elastic.State(..., peer_backup=True), no checkpointer, on `tandem run --backend mpi
+    --min-np 2`: each killed worker's part of the sharded state lived only on it and, by the
+    peer backup, on the next rank; the survivors shrink the world, reshard from their own parts
+    and the backup of the lost worker's, and end as one process.
+
+    zero: td.ZeroOptimizer(Adam) on 3 ranks, worker 2 SIGKILLs itself inside optimizer.step
+    (after the reduce-scatter); its backup is on rank 0, around the ring. fsdp: a td.fully_shard
+    model on 4 ranks shrinks twice: worker 1 dies in the backward, then worker 3 (rank 2 of the
+    3 left, so a part names its worker, not its rank) inside the commit, after the backup
+    exchange: the survivors hold that commit or, where one's exchange failed, the one before."""
     out = tmp_path / "out.pt"
-    job = _tandem_run("-np", "3", "--min-np", "2", KILL_POINTS, str(out), sharding,
+    kill = ",".join(f"{worker}:{step}:{point}" for worker, step, point in kills)
+    job = _tandem_run("-np", str(np), "--min-np", "2", KILL_POINTS, str(out), sharding,
                       "--kill", kill, timeout=420)
     said = job.stderr
     assert job.returncode == 0, said
-    assert re.search(r"tandem run: elastic: world 3 -> 2: rank 2 \(pid \d+\) killed by SIGKILL",
-                     said), said
-    commits = [int(c) for c in re.findall(r"the MPI world shrank without rank\(s\) 2: .*\); "
+    for lost, (worker, _, _) in enumerate(kills):
+        assert re.search(rf"tandem run: elastic: world {np - lost} -> {np - lost - 1}: rank "
+                         rf"{worker} \(pid \d+\) killed by SIGKILL", said), said
+    commits = [int(c) for c in re.findall(r"the MPI world shrank without rank\(s\) \d: .*\); "
                                           r"resumed from commit (\d+) \(step \1\)", said)]
-    # a kill inside the commit, after the exchange: the survivors hold that commit or, where
-    # one's exchange failed, the one before (every survivor goes back to it)
-    assert len(commits) == 1 and commits[0] in resumed, said
+    assert len(commits) == len(kills), said
+    assert all(c in allowed for c, allowed in zip(commits, resumed, strict=True)), said
     assert "checkpoint" not in said and "held only by the rank(s) that left" not in said, said
     got, want = torch.load(out), one_process_adam
-    assert got["sizes"] == [3] * commits[0] + [2] * (12 - commits[0]) and got["step"] == 12
+    sizes = [np - sum(c <= step for c in commits) for step in range(12)]
+    assert got["sizes"] == sizes and got["step"] == 12, (got["sizes"], said)
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-5)
