@@ -7,8 +7,8 @@ Each case is one `tandem run -np 3 --min-np 2` job of `tests/scripts/elastic_kil
 seed, so the cases are reproducible and cover forward, backward, inside optimizer.step, inside
 the commit (after the backup exchange) and between steps over the two ways of sharding. Then
 two ranks that are not next to each other (1 and 3 of 4) die in one step: each one's part is
-held by the next rank, which survives. Elastic jobs run on Gloo only (MPI's world is fixed by
-mpiexec; tests/test_elastic.py names that refusal).
+held by the next rank, which survives. These jobs run on Gloo; the same script under an
+MPI world that shrinks (Open MPI with ULFM) is tests/test_mpi_elastic.py's.
 """
 
 from __future__ import annotations
