@@ -3,7 +3,8 @@
 A plain local job, a job with restarts and an elastic one are watched by one `Supervisor`
 (launch/local/supervisor.py), whose policy is the job's, not a subclass's: a failed rank
 stops a fixed job and shrinks an elastic one while `--min-np` ranks are left, so a fixed job
-is the case min = max, where no round without a rank is ever big enough. These cases drive the
+is the case min = max, where no round without a rank is ever big enough; an elastic MPI job
+is the plain case whose world shrinks in place, down to `--min-np` (the watch's `low`). These cases drive the
 watch with typed events around the agent's real store and node table (no processes: the
 ranks are placeholders with pids that do not exist); the jobs themselves are tested end to end
 in test_launcher.py, test_restart.py, test_elastic.py and test_multinode.py.
@@ -18,9 +19,10 @@ import time
 from tandem.launch import LaunchConfig
 from tandem.launch.agents.coordinator import Coordinator
 from tandem.launch.agents.elastic import Rounds
-from tandem.launch.events import JobState, RankExited
+from tandem.launch.events import JobState, RankExited, SilentRanks
 from tandem.launch.local.ranks import LocalRanks
 from tandem.launch.local.supervisor import Supervisor
+from tandem.launch.mpi.shrinking import ShrinkingRanks
 from tandem.rendezvous.elastic_rounds import current_number, read
 
 
@@ -30,9 +32,11 @@ def placeholder_ranks(ranks: LocalRanks, count: int) -> None:
     ranks.pids = {rank: os.getpid() + 10**7 + rank for rank in range(count)}
 
 
-def agent(config: LaunchConfig, rounds: type | None = None) -> tuple[Coordinator, io.StringIO]:
+def agent(config: LaunchConfig, rounds: type | None = None,
+          ranks: type[LocalRanks] = LocalRanks) -> tuple[Coordinator, io.StringIO]:
     said = io.StringIO()
-    job = Coordinator(config, nproc=config.np, rounds=rounds, stdout=io.StringIO(), stderr=said)
+    job = Coordinator(config, nproc=config.np, rounds=rounds, ranks=ranks, stdout=io.StringIO(),
+                      stderr=said)
     job.open_store()  # the job's store (no other nodes)
     return job, said
 
@@ -82,3 +86,41 @@ def test_a_failed_rank_shrinks_an_elastic_job_until_min_np_then_stops_it_like_a_
     finally:
         job.close()
 
+
+
+def test_an_elastic_mpi_job_is_the_plain_case_whose_watch_drops_ranks_in_place_to_min_np():
+    # (the config names no backend: on MPICH `--backend mpi --min-np` is refused before any
+    # agent exists, test_mpi_elastic.py; the agent and its watch are the same on Open MPI)
+    config = LaunchConfig(np=3, program="t.py", min_np=2, max_np=3)
+    job, said = agent(config, ranks=ShrinkingRanks)
+    try:
+        assert job.plain and job.rounds is None  # one machine, mpiexec's ranks, no rounds
+        placeholder_ranks(job.ranks, 3)
+        pid = job.ranks.pids[2]
+        watch = Supervisor(job.ranks, job.events, job.output, low=2)
+        # td.elastic.run's report of a rank that did not answer the watchdog: it is killed...
+        watch.handle(SilentRanks(1, {"workers": [2], "by": 0, "waited": 10.0}))
+        assert f"rank 2 (pid {pid}) did not answer rank 0's watchdog after a 10 s wait: " \
+               "killing it (SIGKILL)" in said.getvalue()
+        watch.handle(RankExited(2, -9))  # ... and its exit drops it: three -> two, at --min-np
+        assert watch.state is JobState.RUNNING and watch.failure is None
+        assert f"elastic: world 3 -> 2: rank 2 (pid {pid}) stopped answering (rank 0's wait " \
+               "for it timed out after 10 s" in said.getvalue()
+        watch.handle(RankExited(0, 0))
+        watch.handle(RankExited(1, 0))
+        assert watch.run() is None and watch.state is JobState.SUCCEEDED
+        assert watch.shrunk(3).startswith("tandem run: elastic: the job ended on 2 of 3 ranks "
+                                          "(--min-np 2), without rank 2 (pid ")
+    finally:
+        job.close()
+    job, said = agent(config, ranks=ShrinkingRanks)
+    try:
+        placeholder_ranks(job.ranks, 3)
+        watch = Supervisor(job.ranks, job.events, job.output, low=2)
+        watch.handle(RankExited(2, 1))
+        watch.handle(RankExited(1, 1))  # one left, below --min-np: stopped as a fixed job is
+        assert watch.state is JobState.STOPPING and watch.failure.rank == 1
+        assert "rank 1 exit code 1; 1 rank(s) left, below --min-np 2: stopping the job" \
+            in said.getvalue()
+    finally:
+        job.close()

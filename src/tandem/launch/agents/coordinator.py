@@ -5,7 +5,8 @@ whose size cannot change (min = max).
 Every `tandem run` job that mpiexec does not start uses this agent: a plain local job (one
 machine, no restarts: the case nnodes = 1, restarts = 0, min = max), `--max-restarts K`,
 `--nnodes` (node 0), `-H` and every `--min-np/--max-np` job; a `--backend mpi` job's ranks are
-started by mpiexec (`mpiexec.MPIExecRanks`) under the same agent. It hosts the
+started by mpiexec (`mpiexec.MPIExecRanks`) under the same agent, an elastic one's
+(`shrinking.ShrinkingRanks`) with a world that shrinks in place (the watch's `low`). It hosts the
 rendezvous store for the life of the job (every attempt gets key prefixes of its own through
 `TANDEM_RESTART`), and, across machines, the control plane the other agents join
 (`member.Member`; `nodes.Nodes` is node 0's table of them).
@@ -96,6 +97,7 @@ class Coordinator(Agent):
         self.run_id = new_run_id()  # TORCHELASTIC_RUN_ID, the same on every node and attempt
         self.watch: JoinWatch | None = None  # whether a rank of the current attempt joined
         self.preempted: set[int] = set()  # ranks of the last attempt that exited preempted
+        self.shrunk: str | None = None  # an elastic MPI job's line naming the ranks it lost
         self.rounds = rounds(self) if rounds is not None else None
         # A plain local job (one machine, no restarts, a fixed size) names no node in what it
         # says, and a rank that saved and exited EXIT_PREEMPTED ends it preempted.
@@ -170,6 +172,8 @@ class Coordinator(Agent):
                                 f"({signal.Signals(failure.interrupt).name}); stopped "
                                 f"{self.config.np} rank(s)")
         if failure is None:
+            if self.shrunk:
+                self.output.message(self.shrunk)
             return self.independent_copies(self.watch)
         if failure.interrupt is None:
             self.output.message(summary(failure))
@@ -248,7 +252,7 @@ class Coordinator(Agent):
             except StartInterrupted as interrupt:  # not all started: nothing to wait for
                 return Failure(interrupt=interrupt.signum, startup=True)
             run.run()
-            self.preempted = run.preempted
+            self.preempted, self.shrunk = run.preempted, run.shrunk(self.config.np)
         self.output.join(DRAIN_S)
         failure = run.failure
         if failure is not None and failure.rank is not None:
@@ -274,7 +278,8 @@ class Coordinator(Agent):
         self.watch = JoinWatch(self.store)
         self.ranks.start(Placement(attempt, offsets[0], start, (host, port), self.store.key,
                                    self.gloo_interface, node=0, **torch))
-        if self.plain:
-            return Supervisor(self.ranks, self.events, self.output)
+        if self.plain:  # an elastic MPI job's world shrinks in place, down to --min-np
+            low = (self.config.min_np or 1) if self.config.elastic else None
+            return Supervisor(self.ranks, self.events, self.output, low=low)
         return Supervisor(self.ranks, self.events, self.output, node=0, host=self.host,
                           nodes=self.nodes, attempt=attempt, offsets=offsets, lost=self.lost)

@@ -197,6 +197,9 @@ class Supervisor:
       the job to a new round while `--min-np` are left (a fixed job is the case min = max: it
       never can), new slots and nodes grow it, a worker that stopped answering is killed, and
       the end is an event like the others (`late`);
+    - an elastic MPI job (`low`, its --min-np: one machine, mpiexec's ranks, a world that
+      shrinks in place): a failed rank is dropped while `low` ranks are running or finished;
+      below, the usual stop. A rank reported silent (`SilentRanks`) is killed first;
     - another node's agent (`member`): every exit goes to node 0, which decides; a fixed job
       also stops this node's ranks at once; node 0's stop, finish or loss ends them.
     """
@@ -204,14 +207,15 @@ class Supervisor:
     def __init__(self, ranks: LocalRanks, events: queue.SimpleQueue, output: RankOutput,
                  node: int | None = None, host: str | None = None, *, nodes=None,
                  attempt: int | None = 0, offsets: dict[int, int] | None = None,
-                 lost: set[int] | None = None, rounds=None, member=None) -> None:
+                 lost: set[int] | None = None, rounds=None, member=None,
+                 low: int | None = None) -> None:
         self.ranks, self.events, self.output = ranks, events, output
         self.node, self.host = node, host
         self.failure: Failure | None = None
         self.state = JobState.RUNNING
         self.deadline: float | None = None  # STOPPING, KILLING: the moment to escalate
         self.preempted: set[int] = set()  # ranks that saved and exited EXIT_PREEMPTED
-        self.rounds, self.member = rounds, member
+        self.rounds, self.member, self.low = rounds, member, low
         self.nodes = rounds.nodes if rounds is not None else nodes  # node 0's table of nodes
         # a fixed job's attempt (None on another node between attempts); the other nodes
         # whose ranks still run, the failed ranks' last lines, the nodes lost (the agent's)
@@ -222,6 +226,7 @@ class Supervisor:
         self.finished: set[int] = set()  # elastic: workers that exited 0
         self.dismissed: set[int] = set()  # ... late workers stopped at the job's end (`late`)
         self.silenced: dict[int, str] = {}  # ... stuck workers killed (`_silent`) -> why
+        self.dropped: dict[int, int] = {}  # elastic MPI: ranks dropped -> their exit codes
         self.failed: dict[int, int] = {}  # another node: this attempt's failed ranks here
         self.ended: tuple[str, object] | None = None  # ... ("finish", body), ("lost", why)...
         self.elastic = member.config.elastic if member is not None else rounds is not None
@@ -289,12 +294,12 @@ class Supervisor:
                 self._end_without_late()  # a newcomer got ready after the others finished
             case SilentRanks(number, report) if self.rounds is not None:
                 self._silent(number, report)
+            case SilentRanks(_, report) if self.low is not None and not self.stopping:
+                self._silent_here(report)
             case WorkersReady(workers) if self.rounds is not None:
                 self.rounds.admit(workers, f"{len(workers)} worker(s) joined")
             case SlotsOffered(slots) if self.rounds is not None and not self.rounds.pending:
                 self._discovered(slots)
-            case _:
-                self.other(event)
 
     def stop(self, failure: Failure | None, signum: int = signal.SIGTERM) -> None:
         """Record the first failure; stop every rank here (`signum`, SIGKILL after a grace)
@@ -324,10 +329,6 @@ class Supervisor:
     def rank_failure(self, rank: int, returncode: int) -> Failure:
         return Failure(node=self.node, host=self.host, rank=rank, pid=self.ranks.pids[rank],
                        returncode=returncode)
-
-    def other(self, event: Event) -> None:
-        """An event none of the cases above takes (a front end's own, such as an elastic MPI
-        job's report of a silent rank): nothing, unless that front end says otherwise."""
 
     def others_running(self) -> bool:
         """Whether something besides this machine's ranks must end first: the other nodes of
@@ -368,6 +369,8 @@ class Supervisor:
         elif self.rounds is not None:
             self.nodes.gone(rank)
             self._worker_failed(rank, returncode, self.rank_failure(rank, returncode))
+        elif self.low is not None and returncode != EXIT_PREEMPTED and self.failure is None:
+            self._drop(rank, returncode)
         elif returncode == EXIT_PREEMPTED and self.node is None:
             self.preempted.add(rank)
         elif self.failure is None:
@@ -389,6 +392,8 @@ class Supervisor:
             self.nodes.gone(rank)
             self.finished.add(rank)
             self._end_without_late()
+        elif self.low is not None:  # an elastic MPI job counts them toward --min-np
+            self.finished.add(rank)
 
     def interrupted(self, signum: int) -> None:
         """SIGINT/SIGTERM/... to the agent: passed on to the ranks. On another node, node 0
@@ -608,6 +613,47 @@ class Supervisor:
         ranks = sorted(rounds.round.rank_of(w) for w in in_round)
         self._end(f"node {number} ({node.host}) is unreachable", Failure(
             node=number, host=node.host, lost=reason, ranks=(ranks[0], ranks[-1])))
+
+    # -- an elastic MPI job: ranks dropped in place ------------------------------------------
+    def _drop(self, rank: int, returncode: int) -> None:
+        """Rank `rank` failed: the others shrink the MPI world without it while `low` ranks
+        are running or finished; below, the job stops."""
+        running = len(self.ranks.live)
+        left = running + len(self.finished)
+        how = self.silenced.get(rank, describe(returncode))
+        if left < self.low:
+            self.output.message(f"tandem run: rank {rank} {how}; {left} rank(s) left, below "
+                                f"--min-np {self.low}: stopping the job")
+            self.stop(self.rank_failure(rank, returncode))
+            return
+        self.dropped[rank] = returncode
+        self.output.message(
+            f"tandem run: elastic: world {running + 1} -> {running}: rank {rank} (pid "
+            f"{self.ranks.pids[rank]}) {how}; the other ranks shrink the MPI world and go "
+            f"on (--min-np {self.low})" if running else
+            f"tandem run: elastic: rank {rank} (pid {self.ranks.pids[rank]}) {how} after "
+            f"the others finished")
+
+    def _silent_here(self, report: dict) -> None:
+        """A rank's wait timed out and these workers (first ranks) did not answer its watchdog
+        (`td.elastic.run` reports them on the store): kill them; the others shrink without."""
+        for rank in sorted(set(report["workers"]) & self.ranks.live - set(self.silenced)):
+            self.silenced[rank] = (f"stopped answering (rank {report['by']}'s wait for it timed "
+                                   f"out after {report['waited']:g} s and it did not answer the "
+                                   "watchdog: stopped, hung or deadlocked); killed")
+            self.output.message(f"tandem run: elastic: rank {rank} (pid {self.ranks.pids[rank]}) "
+                                f"did not answer rank {report['by']}'s watchdog after a "
+                                f"{report['waited']:g} s wait: killing it (SIGKILL)")
+            self.ranks.signal(signal.SIGKILL, {rank})
+
+    def shrunk(self, np: int) -> str | None:
+        """The last line of an elastic MPI job that ended without some of its ranks."""
+        if not self.dropped:
+            return None
+        lost = "; ".join(f"rank {rank} (pid {self.ranks.pids[rank]}) {describe(code)}"
+                         for rank, code in sorted(self.dropped.items()))
+        return (f"tandem run: elastic: the job ended on {len(self.finished)} of {np} ranks "
+                f"(--min-np {self.low}), without {lost}")
 
     # -- another node: node 0 decides ---------------------------------------------------------
     def _settled(self) -> None:
