@@ -43,9 +43,9 @@ def record_key(number: int) -> str:
     return f"tandem/elastic/{number}/record"
 
 
-def _watchdog_board(number: int) -> str:
+def watchdog_board(number: int) -> str:
     """Where the ranks' watchdogs of round `number` meet (`comm.watchdog.monitor`: its board's prefix
-    for an elastic round)."""
+    for an elastic round); `+ OVER` is set there once a later round left out one of its workers."""
     return f"tandem/watchdog/elastic/{number}/"
 
 
@@ -65,7 +65,7 @@ def publish(store, new: Round) -> None:
     store.set(ROUND_KEY, str(new.number))
     staying = set(new.workers)
     for number in range(new.number):
-        board = _watchdog_board(number) + OVER
+        board = watchdog_board(number) + OVER
         if store.get(board) is None and not set(read(store, number).workers) <= staying:
             store.set(board, "1")
 
@@ -117,7 +117,7 @@ def report_death(store, number: int, rank: int, how: str) -> None:
     """The launcher saw rank `rank` of round `number` die: say so where the ranks' watchdogs
     look for ranks that left (`comm.watchdog.monitor`), so that a survivor's failed wait is explained at once
     instead of after the watchdog's wait for an answer."""
-    store.set(_watchdog_board(number) + f"died/{rank}", json.dumps(
+    store.set(watchdog_board(number) + f"died/{rank}", json.dumps(
         {"rank": rank, "state": "died", "issued": {}, "waits": [], "inside": None,
          "stack": f"(it {how})"}))
 
