@@ -54,26 +54,26 @@ def _skip_without_ulfm() -> None:
                     "this on Open MPI 5 with ULFM)")
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict:
-    """elastic_train.py's one-process result (SGD), the reference of every job here."""
+def _one_process(tmp_path_factory, script: str, name: str) -> dict:
+    """`script`'s result in one process: the reference of the jobs that run it."""
     _skip_without_ulfm()
-    reference = tmp_path_factory.mktemp("reference") / "sgd.pt"
-    done = subprocess.run([sys.executable, TRAIN, str(reference)], cwd=ROOT, env=_env(),
+    reference = tmp_path_factory.mktemp("reference") / name
+    done = subprocess.run([sys.executable, script, str(reference)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return torch.load(reference)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """elastic_train.py's one-process result (SGD), the reference of every job here."""
+    return _one_process(tmp_path_factory, TRAIN, "sgd.pt")
 
 
 @pytest.fixture(scope="module")
 def one_process_adam(tmp_path_factory) -> dict:
     """elastic_kill_points.py's one-process result (Adam), the reference of the sharded jobs."""
-    _skip_without_ulfm()
-    reference = tmp_path_factory.mktemp("reference") / "adam.pt"
-    done = subprocess.run([sys.executable, KILL_POINTS, str(reference)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return torch.load(reference)
+    return _one_process(tmp_path_factory, KILL_POINTS, "adam.pt")
 
 
 def _same_as_one_process(got: dict, want: dict) -> None:
