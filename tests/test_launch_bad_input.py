@@ -5,7 +5,8 @@
   the start; named once mid-job, where the job goes on with what it has and ends with the
   one-process result (and a hung script's children are killed with it);
 - two agents claiming one node rank, an agent of another job (`--rdzv-id`, which is the job's
-  secret across machines) or with another secret: refused, and the job of the others goes on.
+  secret across machines) or with another secret: refused, and the job of the others goes on;
+  an agent of another job that shares the secret: refused by its job id, both ids named.
 
 The refusals before the start run in this process (`tandem.cli.command.main`, exit 2); the
 elastic job and the agents are real `tandem run` processes.
@@ -28,6 +29,7 @@ from streams import Lines
 
 from tandem.cli.command import build_parser, main
 from tandem.launch import config_from_args
+from tandem.launch.agents.admission import refusal, versions
 from tandem.launch.agents.elastic_options import discovery_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,3 +261,41 @@ def test_a_second_agent_for_a_node_rank_and_agents_of_another_job_or_secret_are_
     for agent, (_, err) in zip((first, node2), results, strict=True):
         assert agent.returncode == 0, err
     assert "[0] step 5 loss" in node0.stdout.read()
+
+
+def test_an_agent_of_another_job_with_the_same_secret_is_refused_naming_both_ids():
+    """Two jobs that share a --secret but not a --rdzv-id: node 0 turns the other job's agent
+    away (its hello names its job), naming both ids, and keeps waiting for its own node 1."""
+    hello = {"node_rank": 1, "nnodes": 2, "nproc": 1, "elastic": False, "job": "job-b",
+             **versions()}
+    said = refusal(hello, 2, {0}, elastic=False, job="job-a")
+    assert "node 1 is an agent of another job (--rdzv-id job-b; node 0 runs --rdzv-id job-a)" \
+        in said and "give every node of one job the same --rdzv-id" in said
+    assert "no --rdzv-id" in refusal({**hello, "job": None}, 2, {0}, elastic=False, job="job-a")
+    assert refusal(hello, 2, {0}, elastic=False, job="job-b") is None
+
+    port = _free_port()
+
+    def agent(node: int, job: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
+             "--master", f"127.0.0.1:{port}", "--secret", "shared", "--rdzv-id", job, "-np",
+             "1", TOUCH, os.devnull], cwd=ROOT, env=_env(TANDEM_TIMEOUT="60"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    node0 = agent(0, "job-a")
+    errors = Lines(node0.stderr)
+    stranger = agent(1, "job-b")
+    try:
+        _, err = stranger.communicate(timeout=JOB_S)
+        assert errors.wait_for("refused the agent from 127.0.0.1", JOB_S), errors.text()
+        assert node0.poll() is None, errors.text()  # still waiting for its own node 1
+    finally:
+        for each in (node0, stranger):
+            if each.poll() is None:
+                kill_tree(each.pid)
+                each.wait(10)
+    assert stranger.returncode == 2, err
+    assert "node 0 refused this agent: node 1 is an agent of another job (--rdzv-id job-b; " \
+        "node 0 runs --rdzv-id job-a)" in err, err
+    assert "(--rdzv-id job-b; node 0 runs --rdzv-id job-a)" in errors.text(), errors.text()

@@ -190,6 +190,7 @@ class LaunchConfig:
     node_rank: int = 0
     master: tuple[str, int] | None = None  # node 0's rendezvous store, for multi-node jobs
     secret: str | None = None
+    job_id: str | None = None  # torchrun's --rdzv-id across machines: node 0 admits only its own
     timeline: str | None = None  # a trace file; the ranks get it as TANDEM_TIMELINE
     require_join: bool = False  # a job that no rank joined is an error, not a warning
     min_np: int | None = None  # an elastic job (launch/agents/elastic.py): its range of world sizes
@@ -380,6 +381,7 @@ def config_from_args(
         node_rank=values["node_rank"] or 0,
         master=values["master"],
         secret=values["secret"],
+        job_id=values.get("job_id"),
         timeline=values["timeline"],
         require_join=bool(values["require_join"]),
         min_np=min_np,

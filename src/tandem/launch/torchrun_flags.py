@@ -19,7 +19,8 @@ What each flag becomes (`translate`):
   machine they, `--standalone` and `--rdzv-id` change nothing: tandem hosts the rendezvous on a
   free port itself. `--rdzv-backend` static or c10d: node 0's agent hosts the rendezvous.
 - `--rdzv-id ID` is the job's `--secret` across machines when none is given (torchrun's
-  rendezvous admits whoever reaches it; tandem's admits holders of the secret, here the id).
+  rendezvous admits whoever reaches it; tandem's admits holders of the secret, here the id),
+  and node 0 admits only agents of the same id even when two jobs share a secret.
 - `--no-python` runs the program as given; `--run-path` runs the script under Python.
 - `--monitor-interval`, `--start-method`, `--rdzv-conf` and `--log-dir` are accepted with a
   note: tandem's supervisor reacts to a rank's exit at once, starts every rank as a fresh
@@ -202,8 +203,10 @@ def _rendezvous(given: dict, values: dict, most: int) -> None:
         raise ValueError("--rdzv-backend c10d across machines: torchrun numbers the machines "
                          "as they arrive, tandem by --node-rank: give each machine --node-rank "
                          "R (0 on the machine of the endpoint, which hosts the rendezvous)")
-    if values["secret"] is None and given.get("rdzv_id", "none") != "none":
-        values["secret"] = given["rdzv_id"]
+    if given.get("rdzv_id", "none") != "none":
+        values["job_id"] = given["rdzv_id"]  # the agents' hello names it (agents.admission)
+        if values["secret"] is None:
+            values["secret"] = given["rdzv_id"]
 
 
 def _endpoint(given: dict, backend: str) -> tuple[str, int] | None:

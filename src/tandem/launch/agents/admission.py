@@ -5,7 +5,8 @@ them to hang up after the finish (`await_hang_ups`).
 Every agent says which tandem it runs in its hello (`versions`): tandem's version and the
 version of the agents' protocol (the messages on the control plane and what they carry). Node 0
 lets in only an agent whose versions equal its own: a node with another tandem would otherwise
-join without a word and fail later in ways that name neither version.
+join without a word and fail later in ways that name neither version. The hello also names the
+job (`--rdzv-id`, "job"): two jobs that share a `--secret` would otherwise look like one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tandem.launch.agents.control import Peer
 from tandem.launch.events import Joined, Lost
 
 FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
-PROTOCOL = 2  # the agents' protocol: bump it when a message or what it carries changes
+PROTOCOL = 3  # the agents' protocol: bump it when a message or what it carries changes
 
 
 def tandem_version() -> str:
@@ -75,12 +76,20 @@ def unwrap_hello(hello) -> dict:
     return hello if isinstance(hello, dict) else {}
 
 
-def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool) -> str | None:
-    """Why node 0 turns an authenticated agent away, or None to let it in."""
+def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool,
+            job: str | None = None) -> str | None:
+    """Why node 0 turns an authenticated agent away, or None to let it in. `job`: node 0's
+    job id (--rdzv-id), which two jobs that share a secret differ in."""
     mismatch = version_refusal(hello)  # first: another tandem may mean anything below
     if mismatch is not None:
         return mismatch
     node = hello.get("node_rank")
+    if hello.get("job") != job:
+        def named(found):
+            return "no --rdzv-id" if found is None else f"--rdzv-id {found}"
+        return (f"node {node!r} is an agent of another job ({named(hello.get('job'))}; node 0 "
+                f"runs {named(job)}) that knows the same secret: give every node of one job the "
+                f"same --rdzv-id, and each job a --secret of its own")
     if not isinstance(node, int) or not 0 <= node < nnodes:
         return f"node rank {node!r} is out of range: this job has nodes 0..{nnodes - 1}"
     if hello.get("nnodes") != nnodes:
@@ -96,13 +105,13 @@ def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool) -> str
 
 
 def admit(joined: Joined, *, nnodes: int, present: set[int], elastic: bool,
-          events: queue.SimpleQueue, lost_after: float, output,
+          events: queue.SimpleQueue, lost_after: float, output, job: str | None = None,
           also: Callable[[dict], str | None] | None = None) -> tuple[dict, Peer] | None:
     """Node 0 lets in an authenticated agent, fixed job or elastic: None when refused (with
     the reason: `refusal`, then the job's own check `also`), else its hello and its `Peer`,
     started and welcomed."""
     hello = unwrap_hello(joined.hello)
-    reason = refusal(hello, nnodes, present, elastic=elastic)
+    reason = refusal(hello, nnodes, present, elastic=elastic, job=job)
     if reason is None and also is not None:
         reason = also(hello)
     if reason is not None:

@@ -74,7 +74,8 @@ class Member(Agent):
             return 1
         conn.send(("hello", {"node_rank": self.config.node_rank, "nnodes": self.config.nnodes,
                              "nproc": self.config.np, "host": socket.gethostname(),
-                             "elastic": self.config.elastic, **versions()}))
+                             "elastic": self.config.elastic, "job": self.config.job_id,
+                             **versions()}))
         self.peer = control.Peer(conn, 0, self.events, lost_after(self.config))
         self.peer.start()
         return None

@@ -127,7 +127,7 @@ class Nodes:
         admitted = admit(joined, nnodes=self.nnodes, present=set(self.nodes),
                          elastic=self.elastic, events=self.events,
                          lost_after=lost_after(self.config), output=self.output,
-                         also=self._check)
+                         job=self.config.job_id, also=self._check)
         if admitted is None:
             return None
         hello, peer = admitted
