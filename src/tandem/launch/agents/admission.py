@@ -1,6 +1,5 @@
-"""What node 0 says to the other agents of a multi-node job, fixed (`coordinator`) or elastic
-(`elastic_nodes`): whether one is let in (`refusal`, `refuse`), and, at the end, waiting for
-them to hang up after the finish (`await_hang_ups`).
+"""What node 0 says to an agent of a multi-node job, fixed or elastic, that asks to join
+(`nodes.Nodes.admit`): why it is turned away (`refusal`), and telling it so (`refuse`).
 
 Every agent says which tandem it runs in its hello (`versions`): tandem's version and the
 version of the agents' protocol (the messages on the control plane and what they carry). Node 0
@@ -11,15 +10,8 @@ job (`--rdzv-id`, "job"): two jobs that share a `--secret` would otherwise look 
 
 from __future__ import annotations
 
-import queue
 import sys
-import time
-from collections.abc import Callable
 
-from tandem.launch.agents.control import Peer
-from tandem.launch.events import Joined, Lost
-
-FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
 PROTOCOL = 3  # the agents' protocol: bump it when a message or what it carries changes
 
 
@@ -55,20 +47,6 @@ def version_refusal(hello: dict) -> str | None:
             "there, or the same checkout), then start its agent again")
 
 
-def await_hang_ups(events: queue.SimpleQueue, waiting: set[int]) -> None:
-    """After the finish message: let the agents `waiting` read it and hang up first (closing a
-    socket with unread input resets the connection, which could lose the message), for at most
-    `FINISH_S`."""
-    deadline = time.monotonic() + FINISH_S
-    while waiting:
-        try:
-            event = events.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return
-        if isinstance(event, Lost):
-            waiting.discard(event.node)
-
-
 def unwrap_hello(hello) -> dict:
     """An agent's first message, ("hello", {...}) or the dict itself; {} when it is neither."""
     if isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello":
@@ -102,25 +80,6 @@ def refusal(hello: dict, nnodes: int, joined: set[int], *, elastic: bool,
     if node in joined:
         return f"node {node} has joined already (two agents with the same --node-rank?)"
     return None
-
-
-def admit(joined: Joined, *, nnodes: int, present: set[int], elastic: bool,
-          events: queue.SimpleQueue, lost_after: float, output, job: str | None = None,
-          also: Callable[[dict], str | None] | None = None) -> tuple[dict, Peer] | None:
-    """Node 0 lets in an authenticated agent, fixed job or elastic: None when refused (with
-    the reason: `refusal`, then the job's own check `also`), else its hello and its `Peer`,
-    started and welcomed."""
-    hello = unwrap_hello(joined.hello)
-    reason = refusal(hello, nnodes, present, elastic=elastic, job=job)
-    if reason is None and also is not None:
-        reason = also(hello)
-    if reason is not None:
-        refuse(joined.conn, reason, joined.where, output)
-        return None
-    peer = Peer(joined.conn, hello["node_rank"], events, lost_after)
-    peer.start()
-    peer.send(("welcome", {"node_rank": hello["node_rank"]}))
-    return hello, peer
 
 
 def refuse(conn, reason: str, where: str, output) -> None:

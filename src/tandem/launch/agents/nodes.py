@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
-from tandem.launch.agents.admission import admit, await_hang_ups
+from tandem.launch.agents.admission import refusal, refuse, unwrap_hello
 from tandem.launch.agents.control import ControlServer, Peer, reached_at
 from tandem.launch.config import LaunchConfig
 from tandem.launch.events import AgentExited, Joined, Lost, Rejected, Signalled
 from tandem.launch.local.output import RankOutput, signals_blocked
 from tandem.launch.local.supervisor import Failure
 
+FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
 START_WINDOW_S = 3.0  # elastic: with --min-np slots there, how long node 0 waits for the others
 # An agent silent this long (or the timeout, if shorter) is lost. The agents' heartbeats
 # (`control.HEARTBEAT_S`) run in threads of their own, never behind a collective: eight missed
@@ -123,14 +124,16 @@ class Nodes:
         return None
 
     def admit(self, joined: Joined) -> Node | None:
-        """An authenticated agent said hello: its node, or None when it was turned away."""
-        admitted = admit(joined, nnodes=self.nnodes, present=set(self.nodes),
-                         elastic=self.elastic, events=self.events,
-                         lost_after=lost_after(self.config), output=self.output,
-                         job=self.config.job_id, also=self._check)
-        if admitted is None:
+        """An authenticated agent said hello: its node, or None when it was turned away (told
+        why, and said here): `admission.refusal`, then the job's own check (`_check`)."""
+        hello = unwrap_hello(joined.hello)
+        reason = refusal(hello, self.nnodes, set(self.nodes), elastic=self.elastic,
+                         job=self.config.job_id) or self._check(hello)
+        if reason is not None:
+            refuse(joined.conn, reason, joined.where, self.output)
             return None
-        hello, peer = admitted
+        peer = Peer(joined.conn, hello["node_rank"], self.events, lost_after(self.config))
+        peer.start()
         node = Node(hello["node_rank"], str(hello.get("host", joined.where)),
                     int(hello["nproc"]), peer, reached=reached_at(joined.conn))
         self.nodes[node.number] = node
@@ -217,10 +220,19 @@ class Nodes:
             self.send(node, message)
 
     def finish(self, code: int, summary: str | None) -> None:
-        """Every agent exits with the job's code; let them read it and hang up first."""
+        """Every agent exits with the job's code. Let them read it and hang up first (closing a
+        socket with unread input resets the connection, which could lose the message), for at
+        most `FINISH_S`."""
         waiting = {node.number for node in self.nodes.values() if node.peer is not None
                    and node.peer.send(("finish", {"code": code, "summary": summary}))}
-        await_hang_ups(self.events, waiting)
+        deadline = time.monotonic() + FINISH_S
+        while waiting:
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if isinstance(event, Lost):
+                waiting.discard(event.node)
 
 
 __all__ = ["MAX_LOST_AFTER_S", "Node", "Nodes", "START_WINDOW_S", "lost_after"]
