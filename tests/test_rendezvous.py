@@ -8,6 +8,7 @@ torch's raw client and a wrong key while its ranks meet through it.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -94,6 +95,29 @@ def test_a_wrong_key_is_refused_and_the_server_is_told(server):
         assert told.wait(10)  # the server checks our proof as we check its own
         assert len(refused) == 1 and "does not know this job's secret" in refused[0][1]
         assert s.get("anything") is None
+
+
+def test_a_client_handed_over_leaves_the_store_and_a_store_without_a_taker_refuses():
+    """Node 0's agents join at the store's one port: a client that asks is handed over, its
+    connection now the taker's (it talks to it, not to the store); a store with no taker says
+    so, and still serves the client."""
+    taken: queue.SimpleQueue = queue.SimpleQueue()
+    with StoreServer("127.0.0.1", 0, on_hand_over=lambda conn, where: taken.put(
+            (conn, where))) as hosted:
+        conn = _client(hosted).hand_over()
+        theirs, where = taken.get(timeout=10)  # the store's thread hands it over after its "ok"
+        assert where.startswith("127.0.0.1:")
+        conn.send(("hello", {"node_rank": 1}))
+        assert theirs.recv() == ("hello", {"node_rank": 1})
+        conn.close()
+        theirs.close()
+    plain = StoreServer("127.0.0.1", 0)
+    with plain:
+        client = _client(plain)
+        with pytest.raises(RuntimeError, match="unknown request 'hand_over'"):
+            client.hand_over()
+        client.set("still", b"served")
+        assert plain.get("still") == b"served"
 
 
 def test_torchs_raw_client_gets_nothing(server):

@@ -83,6 +83,17 @@ class StoreClient:
     def num_keys(self) -> int:
         return self._request(("num_keys",))
 
+    def hand_over(self) -> Connection:
+        """This thread's authenticated connection, taken out of the store's service by the
+        server's `on_hand_over` (a multi-node agent's control plane); a RuntimeError from a
+        store that takes none."""
+        self._request(("hand_over",))
+        conn = self._connection()
+        self._local.conn = None
+        with self._lock:
+            self._connections.remove(conn)
+        return conn
+
     def close(self) -> None:
         with self._lock:
             connections, self._connections = self._connections, []

@@ -51,12 +51,16 @@ class StoreServer:
 
     Runs in daemon threads until `close()`. `set`/`get` here read and write it directly.
     `on_refused(where, why)` hears of each client refused (a multi-node agent reports them).
+    `on_hand_over(conn, where)` takes the connection of a client that asks for it (`hand_over`):
+    node 0's agent, whose control plane the other agents reach at the store's one port.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, key: str | None = None,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+                 on_refused: Callable[[str, str], None] | None = None,
+                 on_hand_over: Callable[[Connection, str], None] | None = None) -> None:
         self.key = key or new_secret()
         self._on_refused = on_refused  # (where, why) for each client that failed the handshake
+        self._on_hand_over = on_hand_over
         self.host = host
         self._listener = listen(host, port)
         self.port = self._listener.getsockname()[1]
@@ -135,16 +139,21 @@ class StoreServer:
                 return
             self._connections.add(conn)
             self.clients += 1
+        where = f"{address[0]}:{address[1]}"
         try:
             while True:
                 request = conn.recv()
+                if request == ("hand_over",) and self._on_hand_over is not None:
+                    conn.send(("ok", None))
+                    with self._changed:
+                        self._connections.discard(conn)
+                    return self._on_hand_over(conn, where)  # no longer a store client's
                 conn.send(self._serve(request, time.monotonic()))
         except (EOFError, OSError, ValueError):
             pass  # the client hung up, or we were closed
-        finally:
-            with self._changed:  # out of the set before it is closed: see close()
-                self._connections.discard(conn)
-            conn.close()
+        with self._changed:  # out of the set before it is closed: see close()
+            self._connections.discard(conn)
+        conn.close()
 
     def _serve(self, request: tuple, now: float) -> tuple:
         """One request -> ("ok", result) | ("timeout", missing keys) | ("error", text)."""

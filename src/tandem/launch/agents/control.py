@@ -1,10 +1,12 @@
 """The control plane between the agents of a multi-node job: authenticated messages, heartbeats.
 
-Node 0's agent listens (`ControlServer`) and the other agents connect to it (`connect`). Before
-anything is read as a message, each side proves it knows the job's secret without sending it
-(`rendezvous.auth.authenticate`, the rendezvous store's handshake too); a wrong secret fails on
-both sides with an error that says so, and a stranger that connects and says nothing is dropped
-after `HANDSHAKE_S`. Only then are messages (small tuples, pickled by
+Node 0 takes the other agents at its one port, the rendezvous store's (`--master`): an agent
+connects as a store client, proving the store's key, and asks the store to hand its connection
+over (`join`), which node 0's agent takes (`greet`). Before anything is read as a message, each
+side proves it knows the job's secret without sending it (`rendezvous.auth.authenticate`; the
+store's key is derived from it and held by the ranks too, so it admits no agent); a wrong secret
+fails on both sides with an error that says so, and a stranger that connects and says nothing
+is dropped after `HANDSHAKE_S`. Only then are messages (small tuples, pickled by
 `multiprocessing.connection`) exchanged.
 
 A cut network link produces no error by itself, TCP just goes quiet, so each side sends a ping
@@ -26,20 +28,18 @@ import queue
 import socket
 import struct
 import threading
-import time
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 
 from tandem.launch.events import Joined, Lost, Rejected
 from tandem.launch.events import message as heard
 from tandem.rendezvous.auth import HANDSHAKE_S, AuthenticationFailed, authenticate, new_secret
+from tandem.rendezvous.client import StoreClient
 
 HEARTBEAT_S = 0.5  # a lost peer is named after `lost_after` (4 s) of silence: 8 missed beats
-CONNECT_RETRY_S = 0.25
 _SIOCGIFADDR = 0x8915
 
-__all__ = ["AuthenticationFailed", "ControlServer", "Peer", "authenticate", "connect",
-           "interface_of", "local_address_towards", "local_addresses", "new_secret",
-           "reached_at"]
+__all__ = ["AuthenticationFailed", "Peer", "authenticate", "greet", "interface_of", "join",
+           "local_address_towards", "local_addresses", "new_secret", "reached_at"]
 
 
 class Peer:
@@ -109,70 +109,26 @@ class Peer:
             self.send(("ping",))
 
 
-class ControlServer:
-    """Node 0's listener: authenticates each agent in a thread of its own, then reports it.
-
-    Events: `Joined` with the agent's first message, or `Rejected` with the reason.
-    """
-
-    def __init__(self, host: str, secret: str, events: queue.SimpleQueue) -> None:
-        self._secret = secret
-        self._events = events
-        self._listener = Listener((host, 0), family="AF_INET")
-        self.port = self._listener.address[1]
-        self._thread = threading.Thread(target=self._accept, name="tandem-control-accept",
-                                        daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        from tandem.launch.local.output import block_agent_signals
-
-        block_agent_signals()
-        while True:
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return  # closed
-            address = self._listener.last_accepted
-            threading.Thread(target=self._greet, args=(conn, address), daemon=True).start()
-
-    def _greet(self, conn: Connection, address) -> None:
-        where = f"{address[0]}:{address[1]}" if address else "?"
-        try:
-            authenticate(conn, self._secret, server=True)
-            if not conn.poll(HANDSHAKE_S):
-                raise AuthenticationFailed("it authenticated but never said which node it is")
-            hello = conn.recv()
-        except (AuthenticationFailed, EOFError, OSError) as error:
-            conn.close()
-            self._events.put(Rejected(where, str(error)))
-            return
-        self._events.put(Joined(conn, hello, where))
-
-    def close(self) -> None:
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+def greet(conn: Connection, where: str, secret: str, events: queue.SimpleQueue) -> None:
+    """Node 0: an agent's connection, handed over by the store (`StoreServer.on_hand_over`):
+    it proves the job's secret (the store's key is not enough: ranks hold that one) and says
+    hello. Events: `Joined` with its first message, or `Rejected` with the reason."""
+    try:
+        authenticate(conn, secret, server=True)
+        if not conn.poll(HANDSHAKE_S):
+            raise AuthenticationFailed("it authenticated but never said which node it is")
+        hello = conn.recv()
+    except (AuthenticationFailed, EOFError, OSError) as error:
+        conn.close()
+        events.put(Rejected(where, str(error)))
+        return
+    events.put(Joined(conn, hello, where))
 
 
-def connect(address: tuple[str, int], secret: str, timeout: float) -> Connection:
-    """Connect to node 0's control plane and authenticate, retrying until `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            sock = socket.create_connection(address, timeout=max(0.1, min(remaining, 10.0)))
-            break
-        except OSError as error:
-            if remaining <= 0:
-                raise ConnectionError(
-                    f"cannot reach node 0's control plane at {address[0]}:{address[1]} within "
-                    f"{timeout:g} s ({error.strerror or error})"
-                ) from None
-            threading.Event().wait(CONNECT_RETRY_S)  # node 0 may still be starting: retry
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
+def join(store: StoreClient, secret: str) -> Connection:
+    """Another agent: node 0's control plane, on the store's connection (`hand_over`), once
+    both sides proved the job's secret."""
+    conn = store.hand_over()
     try:
         authenticate(conn, secret, server=False)
     except AuthenticationFailed:

@@ -43,12 +43,13 @@ import dataclasses
 import os
 import signal
 import socket
+from functools import partial
 from typing import TextIO
 
 from tandem import rendezvous
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.job.settings import DEFAULT_TIMEOUT_S
-from tandem.launch.agents.control import interface_of
+from tandem.launch.agents import control
 from tandem.launch.agents.nodes import Nodes
 from tandem.launch.config import LaunchConfig
 from tandem.launch.events import Rejected
@@ -111,20 +112,21 @@ class Coordinator(Agent):
             self.store.close()
 
     def open_store(self) -> None:
-        """The store (and, across nodes, the control plane) the job lives on."""
+        """The store the job lives on; across nodes, the other agents join at its port too
+        (the store hands their connections over: `control.greet`)."""
         several = self.nodes.several
-        with signals_blocked():  # the store's and the listener's threads leave them to us
+        with signals_blocked():  # the store's threads leave them to us
             key = rendezvous.store_key(self.secret) if self.secret else None  # None: a new one
             # An agent with the wrong secret is refused by the store first: report it as the
             # control plane would.
             refused = (lambda where, why: self.events.put(Rejected(where, why))) if several \
                 else None
-            self.store = rendezvous.StoreServer(self.listen, self.store_address[1], key, refused)
+            greet = partial(control.greet, secret=self.secret, events=self.events)
+            self.store = rendezvous.StoreServer(self.listen, self.store_address[1], key, refused,
+                                                greet if several else None)
         self.store_address = (self.store_address[0], self.store.port)
-        if several:
-            self.nodes.open(self.store, self.listen, self.store_address[0])
-            if self.on_listening is not None:
-                self.on_listening(self.store.port)
+        if several and self.on_listening is not None:
+            self.on_listening(self.store.port)
 
     def _run(self) -> int:
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
@@ -133,8 +135,7 @@ class Coordinator(Agent):
             failure = self.nodes.gather(timeout)
             if failure is not None:
                 return self._finish(failure)
-            if self.rounds is None:
-                self._point_gloo_at_the_others()
+            self._point_gloo_at_the_others()
         attempts = self.config.max_restarts + 1  # elastic: 1 (it goes on instead)
         for attempt in range(attempts):
             failure = self._attempt(attempt)
@@ -225,34 +226,32 @@ class Coordinator(Agent):
         return code
 
     def _point_gloo_at_the_others(self) -> None:
-        """Node 0's ranks use the interface the other agents reached it through: the route to
-        the master's name can be loopback here (`127.0.1.1 node0` in /etc/hosts) even where
-        the others reach node 0 over the network."""
+        """Node 0's ranks (a fixed attempt's or an elastic round's) use the interface the other
+        agents reached it through: the route to the master's name can be loopback here
+        (`127.0.1.1 node0` in /etc/hosts) even where the others reach node 0 over the network."""
         if "GLOO_SOCKET_IFNAME" in os.environ:
             return
         for number in sorted(self.nodes.nodes):
             reached = self.nodes.nodes[number].reached
-            interface = interface_of(reached) if reached is not None else None
+            interface = control.interface_of(reached) if reached is not None else None
             if interface is not None and interface != "lo":
                 self.gloo_interface = interface
                 return
 
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, attempt: int) -> Failure | None:
-        if self.rounds is not None:
-            run = self.rounds.start()
-            try:
-                run.run()
-            finally:
+        """One attempt (an elastic job's only one, in rounds): its first failure, or None."""
+        try:
+            run = self.rounds.start() if self.rounds is not None else self._start(attempt)
+        except StartInterrupted as interrupt:  # not all started: nothing to wait for
+            return Failure(interrupt=interrupt.signum, startup=True)
+        try:
+            run.run()
+        finally:
+            if self.rounds is not None:
                 self.rounds.stop()
                 self.ranks.reap()
-        else:
-            try:
-                run = self._start(attempt)
-            except StartInterrupted as interrupt:  # not all started: nothing to wait for
-                return Failure(interrupt=interrupt.signum, startup=True)
-            run.run()
-            self.preempted, self.shrunk = run.preempted, run.shrunk(self.config.np)
+        self.preempted, self.shrunk = run.preempted, run.shrunk(self.config.np)
         self.output.join(DRAIN_S)
         failure = run.failure
         if failure is not None and failure.rank is not None:

@@ -1,7 +1,8 @@
 """The agent of node 1, 2... of every multi-node job, fixed or elastic: one loop for both.
 
-It joins node 0 (`_join`: the store, then the control plane, authenticated with the job's
-secret), then runs what node 0 gives it until node 0 says the job is over:
+It joins node 0 (`_join`: at the store's port, authenticated with the store's key, then on
+the same connection with the job's secret: `control.join`), then runs what node 0 gives it
+until node 0 says the job is over:
 
 - a fixed job's attempt (`("start", placement)`): every rank of the attempt; a rank's failure
   is reported at once (`"exit"`) and stops this node's ranks, and once they are all down the
@@ -54,18 +55,13 @@ class Member(Agent):
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
         host, port = self.config.master
         try:
-            store = rendezvous.StoreClient(host, port, rendezvous.store_key(self.secret), timeout)
-            try:
-                address = store.get("tandem/control").decode()
-            finally:
-                store.close()
-            control_host, control_port = address.rsplit(":", 1)
-            conn = control.connect((control_host, int(control_port)), self.secret, timeout)
+            conn = control.join(rendezvous.StoreClient(
+                host, port, rendezvous.store_key(self.secret), timeout), self.secret)
         except control.AuthenticationFailed as error:  # at the store or the control plane
             self.say(f"cannot join node 0 at {self.master}: {error} (the secrets differ). "
                      "Give every node the same --secret (or TANDEM_SECRET)")
             return 2
-        except rendezvous.StoreTimeout as error:  # a store without the control plane's address
+        except RuntimeError as error:  # a store that takes no agents
             self.say(f"the rendezvous store at {self.master} has no tandem control plane "
                      f"({error}); is node 0 a `tandem run --nnodes` agent of this job?")
             return 1

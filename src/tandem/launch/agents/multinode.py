@@ -3,11 +3,12 @@
     node0$ tandem run --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -np 4 train.py
     node1$ tandem run --nnodes 2 --node-rank 1 --master 10.0.0.1:29500 --secret S -np 4 train.py
 
-Node 0's agent (`coordinator.Coordinator`) hosts the rendezvous store at ADDR:PORT and a control
-plane on a port the system picks, whose address it publishes in the store. Every other agent
-(`member.Member`, the same for elastic jobs) connects to the store, reads that address,
-connects, and authenticates with the job's secret (`--secret`/`TANDEM_SECRET`; node 0
-generates one and prints it when none is given; `--secret -` reads it from standard input).
+Node 0's agent (`coordinator.Coordinator`) hosts the rendezvous store at ADDR:PORT, the job's
+one port: every other agent (`member.Member`, the same for elastic jobs) connects there, and
+the store hands its connection over to node 0's control plane once it proved the job's secret
+(`--secret`/`TANDEM_SECRET`; node 0 generates one and prints it when none is given; `--secret
+-` reads it from standard input). A firewall between the nodes need only let that port through
+(and Gloo's).
 Node 0 admits each node once (a node rank out of range, a duplicate or a different `--nnodes`
 is refused with the reason) and assigns the ranks: node r runs ranks r*np .. r*np+np-1 (each
 node's own -np, in node order).
@@ -85,22 +86,17 @@ def _is_address(text: str) -> bool:
     return True
 
 
-def read_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str | None:
-    if config.secret != "-":
-        return config.secret
-    line = (stdin or sys.stdin).readline().strip()
-    if not line:
-        raise LaunchError("--secret -: expected the secret on standard input, got nothing")
-    return line
-
-
 def job_secret(config: LaunchConfig, stdin: TextIO | None = None) -> str:
     """The secret of a multi-node job's agent (fixed or elastic): --secret, TANDEM_SECRET, or
     standard input with --secret -. Node 0 makes one when none is given, and prints it for the
     other nodes; another node without one is a `LaunchError`."""
-    secret = read_secret(config, stdin)
-    if secret is not None:
-        return secret
+    if config.secret == "-":
+        line = (stdin or sys.stdin).readline().strip()
+        if not line:
+            raise LaunchError("--secret -: expected the secret on standard input, got nothing")
+        return line
+    if config.secret is not None:
+        return config.secret
     if config.node_rank != 0:
         raise LaunchError(f"node {config.node_rank} needs the job's secret: pass --secret S (or "
                           "set TANDEM_SECRET) with the value node 0 printed or was given")
@@ -184,4 +180,4 @@ def launch(config: LaunchConfig) -> int:
         raise LaunchError(str(error)) from None
 
 
-__all__ = ["Member", "job_secret", "launch", "launch_hosts", "read_secret"]
+__all__ = ["Member", "job_secret", "launch", "launch_hosts"]

@@ -14,13 +14,12 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.admission import refusal, refuse, unwrap_hello
-from tandem.launch.agents.control import ControlServer, Peer, reached_at
+from tandem.launch.agents.control import Peer, reached_at
 from tandem.launch.config import LaunchConfig
 from tandem.launch.events import AgentExited, Joined, Lost, Rejected, Signalled
-from tandem.launch.local.output import RankOutput, signals_blocked
+from tandem.launch.local.output import RankOutput
 from tandem.launch.local.supervisor import Failure
 
 FINISH_S = 5.0  # how long node 0 waits for the other agents to hang up at the end
@@ -67,25 +66,16 @@ class Nodes:
         self.secret, self.nnodes, self.elastic = secret, nnodes, config.elastic
         self.expected = expected or nnodes  # how many nodes the first round or attempt waits for
         self.nodes = {0: Node(0, host, nproc)}
-        self.server: ControlServer | None = None
         self.replacing: dict[int, int] = {}  # lost node -> the ranks its replacement must run
 
     @property
     def several(self) -> bool:
         return self.nnodes > 1
 
-    def open(self, store: rendezvous.StoreServer, listen: str, advertised: str) -> None:
-        """Listen for the other agents; tell them where (`advertised`) through the store."""
-        with signals_blocked():
-            self.server = ControlServer(listen, self.secret, self.events)
-        store.set("tandem/control", f"{advertised}:{self.server.port}")
-
     def close(self) -> None:
         for node in self.nodes.values():
             if node.peer is not None:
                 node.peer.close()
-        if self.server is not None:
-            self.server.close()
 
     # -- who is where ----------------------------------------------------------------------
     def peers(self) -> dict[int, Peer]:
