@@ -91,6 +91,28 @@ def test_one_thread_rule_for_every_rank_tandem_starts():
         name: value for name, value in env.items() if name.startswith(("TANDEM_", "OMP", "MKL"))}
 
 
+
+def test_an_mpi_ranks_supervisor_builds_its_environment_with_the_one_builder():
+    """Under `tandem run --backend mpi` each rank's supervisor (launch/mpi/rank.py) gives its
+    program the place mpiexec gave it through the same builder and thread rule as a local rank:
+    tandem's, horovodrun's and torchrun's variables, the agent's store, TANDEM_UNDER_MPI."""
+    from tandem.launch.mpi import rank as mpi_rank
+
+    hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    base = {**hydra, "OMP_NUM_THREADS": "3", "TANDEM_STORE_KEY": "k", "TANDEM_LAUNCH_TOKEN": "t"}
+    env = mpi_rank._child_environment(mpi_rank._mpi_job(base), ("127.0.0.1", 4321), base,
+                                      torch_port=5555, run_id="tandem-x")
+    local = local_rank_environment(
+        {k: v for k, v in base.items() if k != "TANDEM_LAUNCH_TOKEN"}, rank=1, size=2,
+        local_rank=1, local_size=2, store=("127.0.0.1", 4321), backend="mpi", under_mpi=True,
+        torch=dict(node=0, nodes=1, master_port=5555, run_id="tandem-x"))
+    assert env == local
+    assert (env["TANDEM_RANK"], env["HOROVOD_RANK"], env["RANK"], env["MASTER_PORT"]) == (
+        "1", "1", "1", "5555")
+    assert (env["TANDEM_UNDER_MPI"], env["TANDEM_STORE_KEY"], env["OMP_NUM_THREADS"]) == (
+        "1", "k", "3")
+    assert env["MKL_NUM_THREADS"] == str(max(1, cores() // 2))  # the rule: cores / local ranks
+
 def check_world_environment():
     import tandem as td
 

@@ -106,21 +106,26 @@ def thread_limits(base: Mapping[str, str], ranks_here: int,
 
 
 def local_rank_environment(base: Mapping[str, str], *, rank: int, size: int, local_rank: int,
-                           local_size: int, store: tuple[str, int], store_key: str,
-                           backend: str | None = None,
-                           threads: int | None = None) -> dict[str, str]:
+                           local_size: int, store: tuple[str, int], store_key: str | None = None,
+                           backend: str | None = None, threads: int | None = None,
+                           under_mpi: bool = False, torch: dict | None = None) -> dict[str, str]:
     """The one rank-environment builder: `base`, the thread rule (`thread_limits`, `threads`
-    per rank when given) and the TANDEM_* variables `td.init()` joins the job with: rank
-    `rank` of `size`, `local_rank` of the `local_size` ranks on this machine, the store at
-    `store` that the launcher hosts. The worker pool of `td.spawn` and `tandem.testing`
-    (`pool.WorkerPool`) starts its ranks with it as it is; `tandem run` adds the job's own
-    variables (`rank_environment`)."""
+    per rank when given) and a rank's place in the job, in tandem's, horovodrun's and (with
+    `torch`: node, nodes, master_port, run_id, restart, max_restarts) torchrun's variables:
+    rank `rank` of `size`, `local_rank` of the `local_size` ranks on this machine, the store at
+    `store` that the launcher hosts (`under_mpi`: a rank that MPI wires). The worker pool of
+    `td.spawn` and `tandem.testing` (`pool.WorkerPool`) starts its ranks with it as it is;
+    `tandem run` adds the job's own variables (`rank_environment`), and each MPI rank's
+    supervisor its place as mpiexec gave it (`mpi.rank`)."""
+    place = dict(rank=rank, size=size, local_rank=local_rank, local_size=local_size)
     env = dict(base)
     env.update(thread_limits(base, local_size, threads))
-    env.update(tandem_variables(rank=rank, size=size, local_rank=local_rank,
-                                local_size=local_size, master_addr=store[0],
-                                master_port=store[1], store_hosted=True, backend=backend,
+    if torch is not None:
+        env.update(torchrun_variables(**place, master_addr=store[0], **torch))
+    env.update(tandem_variables(**place, master_addr=store[0], master_port=store[1],
+                                store_hosted=True, backend=backend, under_mpi=under_mpi,
                                 store_key=store_key))
+    env.update(horovod_variables(**place))
     return env
 
 
@@ -147,20 +152,14 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
     """The environment of this node's rank `local` (of `nproc`, default `config.np`):
     `job_environment` plus its place in the job: global rank `rank`, by default the node's
     offset + `local` (an elastic job's new worker takes a free local slot instead)."""
-    host, _ = placement.store
-    rank = placement.offset + local if rank is None else rank
-    env = local_rank_environment(job_environment(config, base), rank=rank, size=placement.world,
-                                 local_rank=local, local_size=nproc or config.np,
-                                 store=placement.store, store_key=placement.store_key,
-                                 backend=config.backend, threads=config.threads_per_rank)
-    env.update(horovod_variables(rank=rank, size=placement.world,
-                                 local_rank=local, local_size=nproc or config.np))
-    if placement.torch_port is not None:
-        env.update(torchrun_variables(
-            rank=rank, size=placement.world, local_rank=local,
-            local_size=nproc or config.np, node=placement.node, nodes=placement.nodes,
-            master_addr=host, master_port=placement.torch_port, run_id=placement.run_id,
-            restart=placement.attempt, max_restarts=config.max_restarts))
+    torch = None if placement.torch_port is None else dict(
+        node=placement.node, nodes=placement.nodes, master_port=placement.torch_port,
+        run_id=placement.run_id, restart=placement.attempt, max_restarts=config.max_restarts)
+    env = local_rank_environment(
+        job_environment(config, base), rank=placement.offset + local if rank is None else rank,
+        size=placement.world, local_rank=local, local_size=nproc or config.np,
+        store=placement.store, store_key=placement.store_key, backend=config.backend,
+        threads=config.threads_per_rank, torch=torch)
     env["TANDEM_RESTART"] = str(placement.attempt)
     if placement.gloo_interface and "GLOO_SOCKET_IFNAME" not in base:
         env["GLOO_SOCKET_IFNAME"] = placement.gloo_interface

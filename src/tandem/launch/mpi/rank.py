@@ -49,7 +49,9 @@ import sys
 import threading
 
 from tandem.job import environments, settings
-from tandem.launch.local.processes import start_failure_code
+from tandem.launch.config import parse_address
+from tandem.launch.local.processes import signal_group, start_failure_code
+from tandem.launch.local.ranks import local_rank_environment
 from tandem.launch.mpi import launch_port
 from tandem.rendezvous.auth import AuthenticationFailed
 
@@ -84,11 +86,6 @@ def _receive_environment(control: socket.socket) -> dict[str, str]:
     return json.loads(data)
 
 
-def _address(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host, int(port)
-
-
 def _mpi_job(env):
     """This rank's place as mpiexec tells it (never from `TANDEM_*` or torchrun variables: those
     may be an enclosing job's)."""
@@ -101,20 +98,14 @@ def _mpi_job(env):
 
 def _child_environment(job, store: tuple[str, int], base, torch_port: int | None = None,
                        run_id: str = "") -> dict[str, str]:
-    """`base` minus the launch token, plus a local rank's `TANDEM_*` set and TANDEM_UNDER_MPI,
-    and torchrun's variables around the agent's `torch_port` (rank 0's TCPStore)."""
-    env = {k: v for k, v in base.items() if k != "TANDEM_LAUNCH_TOKEN"}
-    if torch_port is not None:
-        env.update(environments.torchrun_variables(
-            rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size,
-            node=0, nodes=1, master_addr=store[0], master_port=torch_port, run_id=run_id))
-    env.update(environments.tandem_variables(
-        rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size,
-        master_addr=store[0], master_port=store[1], store_hosted=True, backend="mpi",
-        under_mpi=True,
-    ))
-    env.update(environments.horovod_variables(
-        rank=job.rank, size=job.size, local_rank=job.local_rank, local_size=job.local_size))
+    """`base` minus the launch token, plus a local rank's variables (`local_rank_environment`)
+    and TANDEM_UNDER_MPI, and torchrun's around the agent's `torch_port` (rank 0's TCPStore)."""
+    torch = None if torch_port is None else dict(node=0, nodes=1, master_port=torch_port,
+                                                 run_id=run_id)
+    env = local_rank_environment(
+        {k: v for k, v in base.items() if k != "TANDEM_LAUNCH_TOKEN"}, rank=job.rank,
+        size=job.size, local_rank=job.local_rank, local_size=job.local_size, store=store,
+        backend="mpi", under_mpi=True, torch=torch)
     if base.get("TANDEM_MPI_ON_FAILURE") == "shrink":
         # An elastic MPI job (launch/mpi/shrinking.py): the worker id a rank keeps whatever
         # its rank after the world shrank, as an elastic Gloo job's workers do.
@@ -137,10 +128,7 @@ def _end_child_with_agent(control: socket.socket, child: subprocess.Popen) -> No
     except OSError:
         pass
     if child.returncode is None:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        signal_group(child.pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         # (MPI_LOCALRANKID): local and global are the same (the GPU each rank takes, for one).
         job = dataclasses.replace(job, local_rank=job.rank, local_size=job.size)
     token = settings.current().launch_token or ""
-    address = _address(args.connect)
+    address = parse_address(args.connect)
     try:
         streams = {kind: launch_port.connect(address, token, job.rank, kind, CONNECT_TIMEOUT_S)
                    for kind in launch_port.KINDS}
@@ -176,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     # The job's environment, then what mpiexec set (PMI_FD, PMI_RANK...: os.environ holds
     # what mpiexec was given, a part of the job's, plus those).
     base = {**_receive_environment(streams["control"]), **os.environ}
-    env = _child_environment(job, _address(args.store), base, args.torch_port, args.run_id)
+    env = _child_environment(job, parse_address(args.store), base, args.torch_port, args.run_id)
     control = streams["control"]
     try:
         child = subprocess.Popen(
@@ -194,15 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     streams["stdout"].close()  # the child holds them now: end of file when it is gone
     streams["stderr"].close()
 
-    def forward(signum: int, frame: object) -> None:
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            pass
-
     for signum in FORWARDED:
         if not (args.forker and signum in FORKER_KILLS):
-            signal.signal(signum, forward)
+            signal.signal(signum, lambda signum, frame: signal_group(child.pid, signum))
     # Hydra run with -disable-auto-cleanup tells the surviving processes that one failed with
     # SIGUSR1; stopping the job is the agent's decision, so the supervisor stays to report.
     # (A handler rather than SIG_IGN: handlers are not inherited by the program.)
