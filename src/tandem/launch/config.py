@@ -36,31 +36,29 @@ class StartError(LaunchError):
         self.code = code
 
 
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+def _argument(convert: Callable[[str], object], what: str = "") -> Callable[[str], object]:
+    """`convert` as an argparse type: its ValueError said as "'text' is not `what`", or as
+    it is when `what` is empty."""
+    def parse(text: str) -> object:
+        try:
+            return convert(text)
+        except ValueError as error:
+            said = f"{text!r} is not {what}" if what else str(error)
+            raise argparse.ArgumentTypeError(said) from None
+    return parse
+
+
+_integer = _argument(int, "an integer")
+_seconds = _argument(float, "a number of seconds")
 
 
 def _processes(text: str) -> int | tuple[int, int]:
-    """-np N, or -np A:B (an elastic job of A to B ranks, starting with B)."""
+    """-np N, or -np A:B (an elastic job of A to B ranks, starting with B); --nnodes N, or
+    torchrun's MIN:MAX (an elastic job of MIN to MAX machines)."""
     low, sep, high = text.partition(":")
     if not sep:
         return _integer(text)
     return _integer(low), _integer(high)
-
-
-def _nodes(text: str) -> int | tuple[int, int]:
-    """--nnodes N, or torchrun's MIN:MAX (an elastic job of MIN to MAX machines)."""
-    return _processes(text)
-
-
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -78,11 +76,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, number
 
 
-def _address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+_address = _argument(parse_address)
 
 
 def _boolean(text: str) -> bool:
@@ -94,11 +88,7 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a yes/no value (1 or 0)")
 
 
-def _backend(text: str) -> str:
-    try:
-        return check_backend(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+_backend = _argument(check_backend)
 
 
 @dataclass(frozen=True)
@@ -154,7 +144,7 @@ OPTIONS: tuple[Option, ...] = (
            "start it again, up to N times, on the same ranks; the script resumes from its "
            "newest checkpoint. A second signal to tandem run (or one while it restarts) stops "
            "it for good"),
-    Option("nnodes", ("--nnodes",), _nodes, "N",
+    Option("nnodes", ("--nnodes",), _processes, "N",
            "machines in the job, each running its own `tandem run` (an agent); default 1. "
            "MIN:MAX (torchrun's): an elastic job of MIN to MAX machines"),
     Option("node_rank", ("--node-rank", "--node_rank"), _integer, "R",

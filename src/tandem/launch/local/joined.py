@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tandem.launch.local.processes import tcp_sockets
 from tandem.launch.programs import is_python, python_target
 from tandem.rendezvous import StoreServer
 
@@ -78,23 +79,10 @@ def framework_hints(script: str | None) -> list[str]:
         return []
     return [hint for pattern, hint in FRAMEWORKS if pattern.search(source)]
 
-_LISTEN = "0A"  # the state column of a listening socket in /proc/net/tcp
-
 
 def listening(port: int) -> bool:
     """Whether a socket of this network namespace listens on TCP `port` (IPv4 or IPv6)."""
-    suffix = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as lines:
-                next(lines, None)  # the header
-                for line in lines:
-                    fields = line.split(None, 4)
-                    if len(fields) > 3 and fields[3] == _LISTEN and fields[1].endswith(suffix):
-                        return True
-        except OSError:
-            continue
-    return False
+    return bool(tcp_sockets(port, state="0A", end=1))
 
 
 class JoinWatch:

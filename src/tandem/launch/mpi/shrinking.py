@@ -30,7 +30,7 @@ import json
 import threading
 
 from tandem.launch.agents.coordinator import Coordinator
-from tandem.launch.config import LaunchConfig, LaunchError, check_program
+from tandem.launch.config import LaunchConfig, LaunchError
 from tandem.launch.events import SilentRanks
 from tandem.launch.local.output import signals_blocked
 from tandem.launch.local.ranks import Placement
@@ -89,7 +89,6 @@ def launch(config: LaunchConfig) -> int:
     problem = elastic_mpi_problem(config)
     if problem is not None:
         raise LaunchError(problem)
-    check_program(config)
     if not is_open_mpi(find_mpiexec()):  # elastic_mpi_problem found ULFM: Open MPI's
         raise LaunchError("an elastic MPI job needs Open MPI's mpiexec (ULFM)")
     return Coordinator(config, nproc=config.np, ranks=ShrinkingRanks).run()  # the one agent
