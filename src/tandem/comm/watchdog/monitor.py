@@ -134,6 +134,7 @@ class Watchdog(Ledger):
         self.world_over: Callable[[], bool] | None = None
         self.abort_engine: Callable[[], None] | None = None
         self._abandoned = False
+        self._explaining = 0  # failed waits being explained (by `failed`) right now
         self._host = socket.gethostname()
 
     # -- answers and queries --------------------------------------------------------------
@@ -171,8 +172,12 @@ class Watchdog(Ledger):
                 "state": "left" if self._left else "running", "issued": dict(self._issued),
                 "waits": waits, "inside": inside, "stack": "".join(parts)}
 
-    def query(self) -> dict[int, dict | None]:
-        """Every rank's answer (None for ranks that did not answer within `ANSWER_S`)."""
+    def query(self, again: bool = False) -> dict[int, dict | None]:
+        """Every rank's answer (None for ranks that did not answer within `ANSWER_S`).
+
+        `again`: a second look right after a first one, which already gave the ranks that left
+        `ANSWER_S` to end their processes: a rank that left counts as answered (its `left`
+        answer), so the second look does not wait for it once more."""
         answers: dict[int, dict | None] = {self.rank: self.answer()}
         board = self.board
         if board is None:
@@ -190,7 +195,8 @@ class Watchdog(Ledger):
             # that left: waiting for them lets a rank that raised and left end its process
             # first, so that its launcher names it rather than the ranks it left waiting.)
             if all(board.get(f"ans/{generation}/{r}") is not None
-                   or board.get(f"died/{r}") is not None for r in others):
+                   or board.get(f"died/{r}") is not None
+                   or (again and board.get(f"left/{r}") is not None) for r in others):
                 break
             if self.world_over is not None and self.world_over():
                 break  # a later round left out a peer of this world: it will not answer
@@ -222,7 +228,16 @@ class Watchdog(Ledger):
 
     # -- failures -------------------------------------------------------------------------
     def failed(self, wait: tuple, error: BaseException) -> None:
-        """Called by a failing `wait`: raise a better error, or return to re-raise `error`."""
+        """Called by a failing `wait`: raise a better error, or return to re-raise `error`.
+        While it explains the failure, the monitor thread reports no desync of its own: the
+        error raised here (e.g. `PeerUnreachableError` naming a peer that left) is the report."""
+        self._explaining += 1
+        try:
+            self._explain(wait, error)
+        finally:
+            self._explaining -= 1
+
+    def _explain(self, wait: tuple, error: BaseException) -> None:
         text = str(error).lower()
         # In an elastic job whose launcher already formed the next round, a failed wait needs no
         # inquiry: the peers are dead or gone to that round (asking would wait for them).
@@ -351,16 +366,27 @@ class Watchdog(Ledger):
                 self._look_for_desync()
 
     def _look_for_desync(self) -> None:
+        if self._explaining:
+            return  # a failed wait is being explained: its error is the report
         answers = self.query()
         desync = waitgraph.find_desync(answers, self._grace)
         if desync is None or desync.reporter != self.rank:
             return
         # Seen twice, a short while apart, with the same waits: not a snapshot artefact.
         self._pause.wait(DESYNC_CONFIRM_S)
-        again_answers = self.query()
+        again_answers = self.query(again=True)
         again = waitgraph.find_desync(again_answers, self._grace)
-        if again is not None and set(again.ranks) == set(desync.ranks):
+        if (again is not None and set(again.ranks) == set(desync.ranks)
+                and self._still_waiting(again_answers)):
             self._end_job(waitgraph.desync_report(self.rank, again, again_answers))
+
+    def _still_waiting(self, answers) -> bool:
+        """This rank still waits in a wait of its answer, none of them failed and explained (the
+        error raised for it, e.g. `PeerUnreachableError`, is then the report)."""
+        if self._explaining:
+            return False
+        serials = {w["serial"] for w in answers[self.rank]["waits"]}
+        return any(wait[WAIT_SERIAL] in serials for wait in list(self._waiting.values()))
 
 
 def enabled() -> bool:
