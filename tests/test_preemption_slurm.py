@@ -18,14 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_slurm import slurm  # noqa: F401 - the fixture: a running one-node cluster, or a skip
+from test_slurm import (
+    FINAL,
+    job_state,
+    read_log,
+    slurm,  # noqa: F401 - the fixture: a running one-node cluster, or a skip
+    until_done,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "preemptible.sbatch"
 SCRIPT = ROOT / "tests" / "scripts" / "preemptible_steps.py"
 JOB_S = 240  # for the whole job, its requeues included
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE"}
 
 pytestmark = pytest.mark.usefixtures("slurm")
 
@@ -58,37 +62,16 @@ def _submit(sbatch: Path, log: Path, directory: Path, out: Path, *options: str, 
     return done.stdout.strip().split(";")[0]
 
 
-def _job(job: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
-                           timeout=30)
-    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
-
-
-def _until_done(job: str, log: Path, within: float = JOB_S) -> dict[str, str]:
-    """Poll the job until it reaches a final state (its requeues are not); fail at `within`."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        state = _job(job)
-        if state.get("JobState") in FINAL:
-            return state
-        time.sleep(0.5)  # a poll interval; the wait itself is bounded by the deadline
-    subprocess.run(["scancel", job], timeout=30)
-    raise AssertionError(f"job {job} did not end within {within} s: {_job(job)}\n{_read(log)}")
-
-
 def _until_line(job: str, log: Path, line: str) -> None:
     deadline = time.monotonic() + JOB_S
     while time.monotonic() < deadline:
-        if line in _read(log).splitlines():
+        if line in read_log(log).splitlines():
             return
-        assert _job(job).get("JobState") not in FINAL, f"job {job} ended before {line!r}:\n{_read(log)}"
+        assert job_state(job).get("JobState") not in FINAL, \
+            f"job {job} ended before {line!r}:\n{read_log(log)}"
         time.sleep(0.1)
     subprocess.run(["scancel", job], timeout=30)
-    raise AssertionError(f"no {line!r} from job {job} within {JOB_S} s:\n{_read(log)}")
-
-
-def _read(log: Path) -> str:
-    return log.read_text(errors="replace") if log.exists() else ""
+    raise AssertionError(f"no {line!r} from job {job} within {JOB_S} s:\n{read_log(log)}")
 
 
 def _check_resumed(state: dict[str, str], text: str, out: Path, reference: dict) -> list[int]:
@@ -105,15 +88,15 @@ def _check_resumed(state: dict[str, str], text: str, out: Path, reference: dict)
 
 @pytest.mark.timeout(420)
 def test_a_batch_job_signalled_mid_epoch_requeues_itself_and_resumes_exactly(tmp_path):
-    reference, _ = _reference(tmp_path, epochs=4)
+    reference, _ = _reference(tmp_path, epochs=2)
     log, out = tmp_path / "job.out", tmp_path / "out.pt"
-    job = _submit(SBATCH, log, tmp_path / "ckpt", out, "--time=5", epochs=4, step_s=0.25,
+    job = _submit(SBATCH, log, tmp_path / "ckpt", out, "--time=5", epochs=2, step_s=0.25,
                   env=_env())
     _until_line(job, log, "step 3")  # mid-epoch (8 steps an epoch)
     # What `#SBATCH --signal=B:USR1@N` does: the batch shell hears it, and passes it on.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
-    state = _until_done(job, log)
-    text = _read(log)
+    state = until_done(job, log, within=JOB_S)
+    text = read_log(log)
     starts = _check_resumed(state, text, out, reference)
     assert state["Restarts"] == "1" and starts[1] % 8, text  # once, and mid-epoch
     assert "(restart 1)" in text, text
@@ -135,8 +118,8 @@ def test_a_batch_job_at_its_walltime_requeues_itself_and_resumes_exactly(tmp_pat
     log, out = tmp_path / "job.out", tmp_path / "out.pt"
     job = _submit(sbatch, log, tmp_path / "ckpt", out, "--time=1", epochs=6, step_s=1.0,
                   env=_env(TANDEM_PREEMPT_LEAD="15"))
-    state = _until_done(job, log, within=560)
-    text = _read(log)
+    state = until_done(job, log, within=560)
+    text = read_log(log)
     _check_resumed(state, text, out, reference)
     assert "preempted (walltime)" in text, text
     killed = [line for line in text.splitlines() if ("CANCELLED" in line or "TIME LIMIT" in line)
