@@ -17,7 +17,7 @@ Every transition is one line: the old and new world and why. A rank that exits 0
 job is finishing: no round changes after that, and a failure then ends the job. The end is an
 event like the others: once every worker that trained to the end has exited, workers that
 came too late (still starting, or in a round the finished ones never entered) are stopped,
-and the job ends with the finished workers' code (`supervisor.Supervisor.late`).
+and the job ends with the finished workers' code (`policies.Elastic.late`).
 
 `Rounds` is the elastic policy of the one agent, node 0's `coordinator.Coordinator` (a fixed
 job is the case min = max, restarted whole instead): the coordinator hosts the store and the
