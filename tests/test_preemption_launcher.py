@@ -37,6 +37,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+def one_process(where: Path) -> dict:
+    """The script's parameters after one uninterrupted process (run in `where`)."""
+    subprocess.run([sys.executable, SCRIPT, str(where / "ck"), str(where / "out.pt")],
+                   env=_env(), check=True, timeout=JOB_S, capture_output=True)
+    return torch.load(where / "out.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process parameters, one run for the module's tests."""
+    return one_process(tmp_path_factory.mktemp("reference"))
+
+
 def _until_step(job: subprocess.Popen, step: int) -> None:
     """Read the job's output until rank 0 printed `step N` (or fail at the deadline)."""
     _until_line(job, job.stdout, lambda line: line.strip() == f"[0] step {step}", f"step {step}")
@@ -54,11 +67,9 @@ def _until_line(job: subprocess.Popen, pipe, found, what: str) -> None:
     raise AssertionError(f"no {what} within {JOB_S} s")
 
 
-def test_sigusr1_to_tandem_run_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path):
+def test_sigusr1_to_tandem_run_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path,
+                                                                            reference):
     directory, out = tmp_path / "ckpt", tmp_path / "out.pt"
-    reference = tmp_path / "reference.pt"
-    subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one"), str(reference)], env=_env(),
-                   check=True, timeout=JOB_S, capture_output=True)
     job = subprocess.Popen([sys.executable, "-m", "tandem", "run", "-np", "2", SCRIPT,
                             str(directory), str(out)], env=_env(), cwd=ROOT, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -78,17 +89,8 @@ def test_sigusr1_to_tandem_run_saves_exits_75_and_the_next_run_resumes_exactly(t
     assert resumed.returncode == 0, resumed.stderr
     first = int(resumed.stdout.split("step ", 1)[1].split()[0])
     assert first > 3  # resumed where it stopped, not from the start
-    for name, expected in torch.load(reference).items():
+    for name, expected in reference.items():
         torch.testing.assert_close(torch.load(out)[name], expected, rtol=0, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The script's parameters after one uninterrupted process."""
-    where = tmp_path_factory.mktemp("reference")
-    subprocess.run([sys.executable, SCRIPT, str(where / "ck"), str(where / "out.pt")],
-                   env=_env(), check=True, timeout=JOB_S, capture_output=True)
-    return torch.load(where / "out.pt")
 
 
 def _resumable(backend: str, directory: Path, out: Path) -> subprocess.Popen:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_preemption_launcher import JOB_S, SCRIPT, _env
+from test_preemption_launcher import JOB_S, SCRIPT, _env, one_process
 
 import tandem as td
 from tandem.job.preemption import EXIT_PREEMPTED
@@ -32,11 +32,10 @@ BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
 needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="no mpi4py")
 
 
-def _reference(tmp_path: Path) -> dict:
-    reference = tmp_path / "reference.pt"
-    subprocess.run([sys.executable, SCRIPT, str(tmp_path / "one"), str(reference)], env=_env(),
-                   check=True, timeout=JOB_S, capture_output=True)
-    return torch.load(reference)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process parameters, one run for the module's tests."""
+    return one_process(tmp_path_factory.mktemp("reference"))
 
 
 def _until_step(job: subprocess.Popen, step: int) -> None:
@@ -76,9 +75,9 @@ def _check_resumed(resumed: subprocess.CompletedProcess, out: Path, reference: d
 
 
 @needs_mpi
-def test_sigterm_to_tandem_run_mpi_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path):
+def test_sigterm_to_tandem_run_mpi_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path,
+                                                                                   reference):
     directory, out = tmp_path / "ckpt", tmp_path / "out.pt"
-    reference = _reference(tmp_path)
     run = [sys.executable, "-m", "tandem", "run", "--backend", "mpi"]
     code, stderr = _stopped_by_sigterm([*run, "-np", "2", SCRIPT, str(directory), str(out)])
     assert code == EXIT_PREEMPTED, stderr
@@ -90,9 +89,9 @@ def test_sigterm_to_tandem_run_mpi_saves_exits_75_and_the_next_run_resumes_exact
 
 
 @needs_mpi
-def test_sigterm_to_plain_mpiexec_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path):
+def test_sigterm_to_plain_mpiexec_saves_exits_75_and_the_next_run_resumes_exactly(tmp_path,
+                                                                                  reference):
     directory, out = tmp_path / "ckpt", tmp_path / "out.pt"
-    reference = _reference(tmp_path)
     code, stderr = _stopped_by_sigterm([*mpiexec_command(2), sys.executable, "-u", SCRIPT,
                                         str(directory), str(out)])
     assert code == EXIT_PREEMPTED, stderr
