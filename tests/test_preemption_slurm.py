@@ -104,20 +104,22 @@ def test_a_batch_job_signalled_mid_epoch_requeues_itself_and_resumes_exactly(tmp
 
 @pytest.mark.timeout(660)
 def test_a_batch_job_at_its_walltime_requeues_itself_and_resumes_exactly(tmp_path):
-    """A 1-minute job (SLURM's shortest walltime) that trains for 48 s after its start-up:
+    """A 1-minute job (SLURM's shortest walltime) that trains for 36 s after its start-up:
     tandem reads the job's end (squeue's time left on this SLURM, SLURM_JOB_END_TIME on newer
-    ones) and stops 15 s before it, on its own, so every run has 45 s for its start-up and some
-    steps (2 runs on a quiet machine, more on a busy one, whose start-ups are long) and 15 s for
-    a step, the save and the requeue."""
-    reference, _ = _reference(tmp_path, epochs=6)
+    ones) and stops 25 s before it, on its own, so every run has 35 s for its start-up and some
+    steps (2 runs on a quiet machine, more on a busy one, whose start-ups are long; the first
+    cannot finish even with no start-up at all) and 25 s for a step of 0.5 s, the save and the
+    requeue. Start-ups of up to about 30 s end within the bound. (A lead of 15 s and steps of
+    1 s gave the first run 45 s and took 79 s on a quiet machine, for the same checks.)"""
+    reference, _ = _reference(tmp_path, epochs=9)
     # The example without its --signal line (a 120 s lead cannot fit a 1-minute job): the stop
     # comes from the walltime alone.
     sbatch = tmp_path / "walltime.sbatch"
     sbatch.write_text("".join(line for line in SBATCH.read_text().splitlines(keepends=True)
                               if not line.startswith("#SBATCH --signal")))
     log, out = tmp_path / "job.out", tmp_path / "out.pt"
-    job = _submit(sbatch, log, tmp_path / "ckpt", out, "--time=1", epochs=6, step_s=1.0,
-                  env=_env(TANDEM_PREEMPT_LEAD="15"))
+    job = _submit(sbatch, log, tmp_path / "ckpt", out, "--time=1", epochs=9, step_s=0.5,
+                  env=_env(TANDEM_PREEMPT_LEAD="25"))
     state = until_done(job, log, within=560)
     text = read_log(log)
     _check_resumed(state, text, out, reference)
