@@ -43,13 +43,13 @@ def _mpi_starter() -> str:
     return "gforker" if find_forker(mpiexec) else "hydra"
 
 
-def _run(backend: str) -> tuple[subprocess.CompletedProcess, int]:
-    """`python -m tandem run --backend <backend> -np 2` the script; its result and the pid of
-    the `tandem run` process."""
+def _run(backend: str, report: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """`python -m tandem run --backend <backend> -np 2` the script, which writes its `report`;
+    its result and the pid of the `tandem run` process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "tandem", "run", "--backend", backend, "-np", "2",
-               str(SCRIPT)]
+               str(SCRIPT), str(report)]
     with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as process:
         try:
@@ -99,13 +99,13 @@ def test_addresses_are_read_as_ss_prints_them():
     assert _descendants(10, {"10": 1, "11": 10, "12": 11, "13": 1, "14": 13}) == {10, 11, 12}
 
 
-def _jobs_sockets(done: subprocess.CompletedProcess, launcher: int) -> list[tuple[str, str]]:
+def _jobs_sockets(done: subprocess.CompletedProcess, launcher: int,
+                  written: Path) -> list[tuple[str, str]]:
     """(local address, owners) of every listening (TCP) or bound (UDP) socket that one of the
     job's processes holds."""
     assert done.returncode == 0, done.stdout + done.stderr
-    found = re.search(r"^\[0\] LISTENERS (.*)$", done.stdout, re.M)
-    assert found, done.stdout + done.stderr
-    report = json.loads(found.group(1))
+    assert re.search(r"^\[0\] LISTENERS written$", done.stdout, re.M), done.stdout + done.stderr
+    report = json.loads(written.read_text())
     assert report["rc"] == 0, f"ss failed: {report}"
     job = _descendants(launcher, report["parents"])
     assert len(job) >= 3, f"the job's processes were not found under pid {launcher}: {job}"
@@ -124,7 +124,7 @@ def _jobs_sockets(done: subprocess.CompletedProcess, launcher: int) -> list[tupl
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_a_single_node_job_listens_on_loopback_only(backend):
+def test_a_single_node_job_listens_on_loopback_only(backend, tmp_path):
     starter = None
     if backend == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
@@ -133,8 +133,9 @@ def test_a_single_node_job_listens_on_loopback_only(backend):
         if starter == "hydra":
             pytest.skip("Hydra's mpiexec without mpiexec.gforker beside it: its control port "
                         "listens on every interface (docs/mpi.md)")
-    done, launcher = _run(backend)
-    sockets = _jobs_sockets(done, launcher)
+    report = tmp_path / "listeners.json"
+    done, launcher = _run(backend, report)
+    sockets = _jobs_sockets(done, launcher, report)
     outside = [(local, owners) for local, owners in sockets if not is_loopback(local)]
     if starter == "openmpi":
         # prterun's out-of-band listeners (IPv4 and IPv6): the documented exception.
