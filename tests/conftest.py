@@ -8,12 +8,20 @@ here, not in its file, so that the tiers read as one list.
 """
 
 import os
+import signal
 
 import pytest
 
 from tandem import runtime
 from tandem.job import settings
 from tandem.testing import close_worlds
+
+# A suite started in the background by a script (`bash .ci/run &`, `nohup ...`) inherits SIGINT
+# ignored, and so would every `tandem run` a test starts: a launcher that finds SIGINT ignored
+# leaves it so, by design (like its ranks under nohup), and the tests that press Ctrl-C on a job
+# would wait for nothing. With a handler here, the jobs start with the default, as from a shell.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
