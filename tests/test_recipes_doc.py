@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs_ahead import Ahead, Command
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "recipes.md"
@@ -97,19 +97,34 @@ def test_every_snippet_has_a_section_and_an_expectation():
         f"expectations without snippets: {set(EXPECTED) - set(sections)}")
 
 
+# Each snippet is a job of its own, as a user runs it; the jobs run side by side, ahead of
+# their tests (tests/jobs_ahead.py).
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def _command(words: list[str], script: Path) -> list[str] | None:
+    if words[:2] == ["tandem", "run"]:
+        return [sys.executable, "-m", "tandem", "run", *words[2:], str(script)]
+    if words == ["python"]:
+        return [sys.executable, str(script)]
+    return None
+
+
+@ahead.plan("test_snippet_runs")
+def _(tmp, words, code):
+    script = tmp / "script.py"
+    script.write_text(code)
+    command = _command(words, script)
+    return [] if command is None else [Command(command, _environment(), tmp, JOB_TIMEOUT_S)]
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
 @pytest.mark.parametrize("section, words, code", SNIPPETS)
-def test_snippet_runs(section, words, code, tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(code)
-    if words[:2] == ["tandem", "run"]:
-        command = [sys.executable, "-m", "tandem", "run", *words[2:], str(script)]
-    elif words == ["python"]:
-        command = [sys.executable, str(script)]
-    else:
+def test_snippet_runs(section, words, code, jobs, request):
+    if _command(words, Path("script.py")) is None:
         pytest.fail(f"{section}: cannot run {words!r}; say '# run: tandem run -np N' or '# run: python'")
-    result = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True,
-                            timeout=JOB_TIMEOUT_S)
+    [result], _ = jobs.take(request.node)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{section}: exit code {result.returncode}\n{output}"
     lines = output.splitlines()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch_backend_checks as checks
+from jobs_ahead import Ahead, Command
 
 from tandem.testing import mpiexec_command, run_distributed
 
@@ -37,38 +37,6 @@ def _env(**extra: str) -> dict[str, str]:
     env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # torch's renamed collectives
     env.update(extra)
     return env
-
-
-def _run(command: list[str], **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=ROOT, env=_env(**extra), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S)
-
-
-def tandem_run(*args: str, **extra: str) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "tandem", "run", *args], **extra)
-
-
-def _python(code: str, **extra: str) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-c", code], **extra)
-
-
-def _pythons(*runs: tuple[str, dict[str, str]]) -> list[subprocess.CompletedProcess]:
-    """`_python(code, **extra)` for each (code, extra), the interpreters side by side: each is
-    one core's import of torch, and the machine has more than one."""
-    started = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=_env(**extra),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for code, extra in runs]
-    done = []
-    try:
-        for process in started:
-            out, err = process.communicate(timeout=JOB_TIMEOUT_S)
-            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
-    finally:
-        for process in started:
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
-    return done
 
 
 # --- in the harness's MPI worlds (td.init() made the group) ----------------------------------
@@ -140,35 +108,72 @@ def test_what_the_backend_does_not_do_is_named_with_the_alternative():
 
 
 # --- jobs ------------------------------------------------------------------------------------
+# Each test below is about a fresh job or interpreter (init_process_group itself, the Gloo
+# engine, plain mpiexec, a rank that diverges, the import order), so each keeps its own
+# processes; they run side by side ahead of their tests (tests/jobs_ahead.py).
+
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def _command(argv: list[str], timeout: float = JOB_TIMEOUT_S, **extra: str) -> Command:
+    return Command(argv, _env(**extra), ROOT, timeout)
+
+
+def _tandem_run(*args: str, **extra: str) -> Command:
+    return _command([sys.executable, "-m", "tandem", "run", *args], **extra)
+
+
+def _python_command(code: str, **extra: str) -> Command:
+    return _command([sys.executable, "-c", code], **extra)
+
+
+@ahead.plan("test_every_torch_call_on_the_gloo_engine")
+def _(tmp):
+    return [_tandem_run("-np", "3", "--backend", "gloo", str(SCRIPTS / "torch_calls.py"), "tandem")]
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_every_torch_call_on_the_gloo_engine():
+def test_every_torch_call_on_the_gloo_engine(jobs, request):
     """`init_process_group("tandem")` outside MPI: Gloo's own objects under the watchdog."""
-    done = tandem_run("-np", "3", "--backend", "gloo", str(SCRIPTS / "torch_calls.py"), "tandem")
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in range(3):
         assert f"[{rank}] rank {rank}: every call checked on tandem" in done.stdout
 
 
+@ahead.plan("test_backend_mpi_under_plain_mpiexec")
+def _(tmp):
+    if not HAVE_MPI:
+        return []
+    return [_command([*mpiexec_command(2), sys.executable, str(SCRIPTS / "torch_calls.py"), "mpi"])]
+
+
 @needs_mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_backend_mpi_under_plain_mpiexec():
-    done = _run([*mpiexec_command(2), sys.executable, str(SCRIPTS / "torch_calls.py"), "mpi"])
+def test_backend_mpi_under_plain_mpiexec(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0: every call checked on mpi" in done.stdout
     assert "rank 1: every call checked on mpi" in done.stdout
 
 
+@ahead.plan("test_the_tutorials_programs_run_on_backend_mpi")
+def _(tmp, launch):
+    if not HAVE_MPI:
+        return []
+    script = str(SCRIPTS / "tutorial_mpi.py")
+    return [_tandem_run("-np", "2", script) if launch == "tandem"
+            else _command([*mpiexec_command(2), sys.executable, script])]
+
+
 @needs_mpi
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("launch", ["tandem", "mpiexec"])
-def test_the_tutorials_programs_run_on_backend_mpi(launch):
+def test_the_tutorials_programs_run_on_backend_mpi(launch, jobs, request):
     """Ping, all_reduce on a new group, gradients averaged with dist.all_reduce(param.grad.data,
     op=SUM), and the tutorial's Process template with backend='mpi', as written."""
-    script = str(SCRIPTS / "tutorial_mpi.py")
-    done = (tandem_run("-np", "2", script) if launch == "tandem"
-            else _run([*mpiexec_command(2), sys.executable, script]))
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     # (plain mpiexec interleaves the ranks' prints word by word: count, don't match lines)
     out = done.stdout
@@ -176,33 +181,54 @@ def test_the_tutorials_programs_run_on_backend_mpi(launch):
     assert out.count("replicas agree:") == 2, out
 
 
+@ahead.plan("test_td_init_joins_the_group_the_script_made")
+def _(tmp, launch, name):
+    if launch == "mpi" and not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", "--backend", launch, str(SCRIPTS / "torch_then_td.py"), name,
+                        "x")]
+
+
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("launch, name", [("mpi", "tandem"), ("mpi", "mpi"), ("gloo", "tandem"),
                                           ("gloo", "gloo")])
-def test_td_init_joins_the_group_the_script_made(launch, name):
+def test_td_init_joins_the_group_the_script_made(launch, name, jobs, request):
     if launch == "mpi" and not HAVE_MPI:
         pytest.skip("needs mpi4py")
-    done = tandem_run("-np", "2", "--backend", launch, str(SCRIPTS / "torch_then_td.py"), name,
-                      "x")
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"td=3 torch=2 engine={launch} group={name}" in done.stdout
 
 
+@ahead.plan("test_td_init_asked_for_another_backend_than_the_scripts_group_is_named")
+def _(tmp):
+    if not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", str(SCRIPTS / "torch_then_td.py"), "tandem", "mismatch")]
+
+
 @needs_mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_td_init_asked_for_another_backend_than_the_scripts_group_is_named():
-    done = tandem_run("-np", "2", str(SCRIPTS / "torch_then_td.py"), "tandem", "mismatch")
+def test_td_init_asked_for_another_backend_than_the_scripts_group_is_named(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert ("refused: td.init(backend='gloo'): torch.distributed is already initialised with "
             "backend 'tandem' (tandem's engine: 'mpi')") in done.stdout
 
 
+@ahead.plan("test_after_td_init_torch_libraries_find_the_job")
+def _(tmp, launch):
+    if launch == "mpi" and not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", "--backend", launch, str(SCRIPTS / "td_then_torch.py"))]
+
+
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("launch", ["mpi", "gloo"])
-def test_after_td_init_torch_libraries_find_the_job(launch):
+def test_after_td_init_torch_libraries_find_the_job(launch, jobs, request):
     if launch == "mpi" and not HAVE_MPI:
         pytest.skip("needs mpi4py")
-    done = tandem_run("-np", "2", "--backend", launch, str(SCRIPTS / "td_then_torch.py"))
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"[0] sampler=[0, 2, 4, 6, 8] torch_sum=2 backend={launch}" in done.stdout
     assert f"[1] sampler=[1, 3, 5, 7, 9] torch_sum=2 backend={launch}" in done.stdout
@@ -212,15 +238,22 @@ def test_after_td_init_torch_libraries_find_the_job(launch):
             f"initialised torch.distributed with backend '{running}'") in done.stdout
 
 
+@ahead.plan("test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for")
+def _(tmp, ending):
+    if not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "last", ending,
+                        TANDEM_TIMEOUT="120")]
+
+
 @needs_mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 @pytest.mark.parametrize("ending", ["destroy", "no-destroy"])
-def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for(ending):
+def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for(ending, jobs, request):
     """torch alone waits 30 minutes; tandem's watchdog names both ranks within seconds (the
     report is the desync's, not the timeout's: TANDEM_TIMEOUT is far away), also when the
     script never calls destroy_process_group() (the rank leaves the job at exit)."""
-    done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "last", ending,
-                      TANDEM_TIMEOUT="120")
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 1, done.stdout + done.stderr
     text = done.stdout + done.stderr
     assert "tandem watchdog: desync: a rank waits for a peer that has left the job" in text, text
@@ -228,13 +261,20 @@ def test_a_rank_that_skips_an_all_reduce_is_named_not_waited_for(ending):
     assert "tandem watchdog: ending the job from rank 0: desync among ranks 0, 1" in text
 
 
+@ahead.plan("test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named")
+def _(tmp):
+    if not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "mid",
+                        TANDEM_TIMEOUT="120")]
+
+
 @needs_mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named():
+def test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named(jobs, request):
     """Rank 0's checked all_reduce meets the agreement rank 1's next DDP backward sends before
     its first bucket: both ranks' operations are named, and the job ends at once."""
-    done = tandem_run("-np", "2", str(SCRIPTS / "torch_skip.py"), "tandem", "mid",
-                      TANDEM_TIMEOUT="120")
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 1, done.stdout + done.stderr
     text = done.stdout + done.stderr
     assert "DivergedError: ranks are in different operations" in text, text
@@ -242,12 +282,17 @@ def test_a_rank_that_skips_an_all_reduce_and_trains_on_is_named():
     assert "tandem run: job failed: rank" in text, text  # both raise: either may exit first
 
 
+@ahead.plan("test_a_skipped_all_reduce_on_gloo_stops_the_job")
+def _(tmp):
+    return [_tandem_run("-np", "2", "--backend", "gloo", str(SCRIPTS / "torch_skip.py"), "tandem",
+                        "mid", TANDEM_TIMEOUT="120")]
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_a_skipped_all_reduce_on_gloo_stops_the_job():
+def test_a_skipped_all_reduce_on_gloo_stops_the_job(jobs, request):
     """On tandem's Gloo engine rank 0's checked all_reduce meets rank 1's agreement of its next
     backward (DDP's, sent before its first bucket): both ranks' operations are named."""
-    done = tandem_run("-np", "2", "--backend", "gloo", str(SCRIPTS / "torch_skip.py"), "tandem",
-                      "mid", TANDEM_TIMEOUT="120")
+    [done], _ = jobs.take(request.node)
     assert done.returncode != 0, done.stdout + done.stderr
     assert "tandem run: job failed: rank" in done.stderr
     text = done.stdout + done.stderr
@@ -273,9 +318,30 @@ MISMATCHES = {
 }
 
 
+@ahead.plan("test_torch_calls_with_different_arguments_are_named_never_garbage")
+def _(tmp, engine):
+    if engine == "mpi" and not HAVE_MPI:
+        return []
+    *caught, last = MISMATCHES
+    lines = ["import pathlib, torch, torch.distributed as dist, tandem",
+             "dist.init_process_group('tandem')",
+             "rank = dist.get_rank()",
+             f"out = pathlib.Path({str(tmp)!r})"]
+    for case in caught:
+        lines += ["try:",
+                  f"    {MISMATCHES[case][0]}",
+                  f"    print('sent {case}', flush=True)",
+                  "except tandem.CollectiveMismatchError as error:",
+                  f"    (out / f'{case}.{{rank}}.txt').write_text(f'{{type(error).__name__}}: {{error}}')"]
+    lines += [MISMATCHES[last][0], f"print('sent {last}', flush=True)"]
+    script = tmp / "mismatches.py"
+    script.write_text("\n".join(lines) + "\n")
+    return [_tandem_run("-np", "2", "--backend", engine, str(script), TANDEM_TIMEOUT="60")]
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 @pytest.mark.parametrize("engine", ["mpi", "gloo"])
-def test_torch_calls_with_different_arguments_are_named_never_garbage(engine, tmp_path):
+def test_torch_calls_with_different_arguments_are_named_never_garbage(engine, jobs, request):
     """dist.* calls from a script are user-facing collectives: checked before they send (MPI
     would otherwise sum a 2-element tensor with a 3-element one, or a float32 with a float64,
     and every rank would print garbage with rc 0).
@@ -286,20 +352,7 @@ def test_torch_calls_with_different_arguments_are_named_never_garbage(engine, tm
     if engine == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI engine needs mpi4py")
     *caught, last = MISMATCHES
-    lines = ["import pathlib, torch, torch.distributed as dist, tandem",
-             "dist.init_process_group('tandem')",
-             "rank = dist.get_rank()",
-             f"out = pathlib.Path({str(tmp_path)!r})"]
-    for case in caught:
-        lines += ["try:",
-                  f"    {MISMATCHES[case][0]}",
-                  f"    print('sent {case}', flush=True)",
-                  "except tandem.CollectiveMismatchError as error:",
-                  f"    (out / f'{case}.{{rank}}.txt').write_text(f'{{type(error).__name__}}: {{error}}')"]
-    lines += [MISMATCHES[last][0], f"print('sent {last}', flush=True)"]
-    script = tmp_path / "mismatches.py"
-    script.write_text("\n".join(lines) + "\n")
-    done = tandem_run("-np", "2", "--backend", engine, str(script), TANDEM_TIMEOUT="60")
+    [done], tmp_path = jobs.take(request.node)
     text = done.stdout + done.stderr
     assert "sent" not in done.stdout, text
     header = ("CollectiveMismatchError: ranks called a collective with different arguments "
@@ -321,15 +374,20 @@ def test_torch_calls_with_different_arguments_are_named_never_garbage(engine, tm
 # --- bad input, one process ------------------------------------------------------------------
 
 
-def test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so():
-    done, half = _pythons(("import torch.distributed as dist, tandem\n"
-                           "dist.init_process_group('tandem')\n"
-                           "print('world', dist.get_world_size(), dist.get_backend())\n"
-                           "dist.destroy_process_group()\n", {}),
-                          # a rendezvous without a rank is someone's half-made job: an error,
-                          # never a world of one
-                          ("import torch.distributed as dist, tandem\n"
-                           "dist.init_process_group('tandem')\n", {"MASTER_PORT": "29999"}))
+@ahead.plan("test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so")
+def _(tmp):
+    return [_python_command("import torch.distributed as dist, tandem\n"
+                            "dist.init_process_group('tandem')\n"
+                            "print('world', dist.get_world_size(), dist.get_backend())\n"
+                            "dist.destroy_process_group()\n"),
+            # a rendezvous without a rank is someone's half-made job: an error, never a world
+            # of one
+            _python_command("import torch.distributed as dist, tandem\n"
+                            "dist.init_process_group('tandem')\n", MASTER_PORT="29999")]
+
+
+def test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so(jobs, request):
+    (done, half), _ = jobs.take(request.node)
     assert done.returncode == 0, done.stderr
     assert "world 1 tandem" in done.stdout
     assert "init_process_group('tandem') found no launcher" in done.stderr
@@ -338,25 +396,37 @@ def test_backend_tandem_without_a_launcher_is_a_world_of_one_said_so():
     assert "MASTER_PORT=29999 is set but RANK and WORLD_SIZE are not" in half.stderr, half.stderr
 
 
-def test_backend_mpi_without_mpi4py_names_the_install_command():
-    done = _python("import sys; sys.modules['mpi4py'] = None\n"
-                   "import torch.distributed as dist, tandem\n"
-                   "dist.init_process_group('mpi')\n")
+@ahead.plan("test_backend_mpi_without_mpi4py_names_the_install_command")
+def _(tmp):
+    return [_python_command("import sys; sys.modules['mpi4py'] = None\n"
+                            "import torch.distributed as dist, tandem\n"
+                            "dist.init_process_group('mpi')\n")]
+
+
+def test_backend_mpi_without_mpi4py_names_the_install_command(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode != 0
     assert "backend 'mpi' needs mpi4py" in done.stderr
     assert "pip install mpi4py mpich" in done.stderr
 
 
-def test_import_tandem_registers_the_backends_before_and_after_torch():
-    """"tandem" at once; "mpi" at once where an MPI launcher started the process, else when a
-    group asks for it (so dist.is_mpi_available() is no lie to a framework choosing a backend)."""
-    orders = ("import tandem, torch", "import torch, tandem")
+IMPORT_ORDERS = ("import tandem, torch", "import torch, tandem")
+
+
+@ahead.plan("test_import_tandem_registers_the_backends_before_and_after_torch")
+def _(tmp):
     codes = [(f"{order}\nimport torch.distributed as dist\n"
               "print('tandem' in dist.Backend.backend_list, dist.is_mpi_available())\n")
-             for order in orders]
-    results = _pythons(*[(code, extra) for code in codes
-                         for extra in ({}, {"OMPI_COMM_WORLD_SIZE": "1"})])
-    for order, done, launched in zip(orders, results[::2], results[1::2], strict=True):
+             for order in IMPORT_ORDERS]
+    return [_python_command(code, **extra) for code in codes
+            for extra in ({}, {"OMPI_COMM_WORLD_SIZE": "1"})]
+
+
+def test_import_tandem_registers_the_backends_before_and_after_torch(jobs, request):
+    """"tandem" at once; "mpi" at once where an MPI launcher started the process, else when a
+    group asks for it (so dist.is_mpi_available() is no lie to a framework choosing a backend)."""
+    results, _ = jobs.take(request.node)
+    for order, done, launched in zip(IMPORT_ORDERS, results[::2], results[1::2], strict=True):
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["True", "False"], (order, done.stdout)
         assert launched.stdout.split() == ["True", "True"], (order, launched.stdout)

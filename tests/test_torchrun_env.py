@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs_ahead import Ahead, Command
 
 from tandem.job.environments import detect, detect_torchrun
 from tandem.launch import LaunchConfig, LaunchError, config_from_args
@@ -38,10 +39,6 @@ def _env(**extra: str) -> dict[str, str]:
 def _run(command: list[str], **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=_env(**extra), capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S)
-
-
-def tandem_run(*args: str, **extra: str) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "tandem", "run", *args], **extra)
 
 
 # --- the variables, without processes ------------------------------------------------------
@@ -115,22 +112,42 @@ def torchrun_parameters(tmp_path_factory) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
+# Each job below is started side by side with the others, ahead of its test
+# (tests/jobs_ahead.py): every test is about what a fresh job does, so each keeps its own.
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def _command(argv: list[str], **extra: str) -> Command:
+    return Command(argv, _env(**extra), ROOT, JOB_TIMEOUT_S)
+
+
+def _tandem_run(*args: str, **extra: str) -> Command:
+    return _command([sys.executable, "-m", "tandem", "run", *args], **extra)
+
+
+@ahead.plan("test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun")
+def _(tmp, flags):
+    if flags[1] == "mpi" and not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", *flags, "--require-join", str(SCRIPTS / "torchrun_ddp.py"),
+                        "gloo", str(tmp / "params.pt"))]
+
+
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("flags", [("--backend", "gloo"), ("--backend", "mpi"),
                                    ("--max-restarts", "1"), ("-H", "localhost:2")],
                          ids=["gloo", "mpi", "restarts", "hosts"])
-def test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun(flags, torchrun_parameters,
-                                                                  tmp_path):
+def test_an_unchanged_torchrun_ddp_script_trains_as_under_torchrun(flags, jobs, request,
+                                                                  torchrun_parameters):
     """Every kind of job: the local agent, mpiexec's ranks, and the coordinator's (restarts, -H)."""
     if flags[1] == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI launch needs mpi4py")
-    out = tmp_path / "params.pt"
-    done = tandem_run("-np", "2", *flags, "--require-join",
-                      str(SCRIPTS / "torchrun_ddp.py"), "gloo", str(out))
+    [done], tmp = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[0] rank 0 of 2 on gloo done" in done.stdout
     assert "[1] rank 1 of 2 on gloo done" in done.stdout
-    mine = torch.load(out)
+    mine = torch.load(tmp / "params.pt")
     assert mine.keys() == torchrun_parameters.keys()
     for name, value in torchrun_parameters.items():
         assert torch.equal(mine[name], value), name
@@ -174,57 +191,77 @@ def test_the_torchrun_script_on_two_agents_trains_as_under_torchrun(torchrun_par
 ALONE = "import sys\nprint('alone', sys.argv[1:])\n"
 
 
+@ahead.plan("test_a_job_no_rank_joined_is_named_at_its_end")
+def _(tmp, launch):
+    if launch == "mpi" and not HAVE_MPI:
+        return []
+    script = tmp / "alone.py"
+    script.write_text(ALONE)
+    return [_tandem_run("-np", "2", "--backend", launch, str(script), "x"),
+            _tandem_run("-np", "2", "--backend", launch, str(script), "x",
+                        TANDEM_REQUIRE_JOIN="1"),
+            # one process is no copy of anything
+            _tandem_run("-np", "1", "--backend", launch, "--require-join", str(script))]
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S)
 @pytest.mark.parametrize("launch", ["gloo", "mpi"])
-def test_a_job_no_rank_joined_is_named_at_its_end(launch, tmp_path):
+def test_a_job_no_rank_joined_is_named_at_its_end(launch, jobs, request):
     if launch == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI launch needs mpi4py")
-    script = tmp_path / "alone.py"
-    script.write_text(ALONE)
-    done = tandem_run("-np", "2", "--backend", launch, str(script), "x")
+    (done, strict, single), tmp = jobs.take(request.node)
+    script = tmp / "alone.py"
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[0] alone ['x']" in done.stdout and "[1] alone ['x']" in done.stdout
     assert (f"tandem run: warning: 2 independent copies of {script} x ran: no rank joined the "
             "job") in done.stderr, done.stderr
     assert "--require-join" in done.stderr
-    strict = tandem_run("-np", "2", "--backend", launch, str(script), "x",
-                        TANDEM_REQUIRE_JOIN="1")
     assert strict.returncode == 1, strict.stdout + strict.stderr
     assert f"tandem run: error: 2 independent copies of {script} x ran" in strict.stderr
-    # one process is no copy of anything
-    single = tandem_run("-np", "1", "--backend", launch, "--require-join", str(script))
     assert single.returncode == 0 and "independent" not in single.stderr, single.stderr
 
 
+@ahead.plan("test_td_init_on_mpi_joins_even_without_the_watchdog")
+def _(tmp):
+    if not HAVE_MPI:
+        return []
+    return [_tandem_run("-np", "2", "--backend", "mpi", "--require-join",
+                        str(SCRIPTS / "launch_env.py"), TANDEM_WATCHDOG="0")]
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S)
-def test_td_init_on_mpi_joins_even_without_the_watchdog():
+def test_td_init_on_mpi_joins_even_without_the_watchdog(jobs, request):
     """MPI needs no store; td.init still tells the agent that it joined."""
     if not HAVE_MPI:
         pytest.skip("needs mpi4py")
-    done = tandem_run("-np", "2", "--backend", "mpi", "--require-join",
-                      str(SCRIPTS / "launch_env.py"), TANDEM_WATCHDOG="0")
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "independent" not in done.stderr
+
+
+@ahead.plan("test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo")
+def _(tmp, launch, backend):
+    if launch == "mpi" and not HAVE_MPI:
+        return []
+    script = [str(SCRIPTS / "torchrun_ddp.py"), backend, str(tmp / "params.pt")]
+    if launch == "torchrun":
+        return [_command([str(TORCHRUN), "--nproc-per-node", "2", *script])]
+    return [_tandem_run("-np", "2", "--backend", launch, "--require-join", *script)]
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 @pytest.mark.parametrize("launch, backend", [("mpi", "mpi"), ("mpi", "tandem"),
                                              ("gloo", "tandem"), ("torchrun", "tandem")])
-def test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo(launch, backend,
-                                                                       torchrun_parameters,
-                                                                       tmp_path):
+def test_the_ddp_script_on_tandems_backends_trains_as_torchrun_on_gloo(launch, backend, jobs,
+                                                                       request,
+                                                                       torchrun_parameters):
     """The same script with init_process_group("tandem" | "mpi"): MPI under tandem run, Gloo's
     objects under tandem run --backend gloo and under torchrun itself."""
     if launch == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI launch needs mpi4py")
-    out = tmp_path / "params.pt"
-    script = [str(SCRIPTS / "torchrun_ddp.py"), backend, str(out)]
-    if launch == "torchrun":
-        done = _run([str(TORCHRUN), "--nproc-per-node", "2", *script])
-    else:
-        done = tandem_run("-np", "2", "--backend", launch, "--require-join", *script)
+    [done], tmp = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"rank 1 of 2 on {backend} done" in done.stdout
-    mine = torch.load(out)
+    mine = torch.load(tmp / "params.pt")
     for name, value in torchrun_parameters.items():
         assert torch.allclose(mine[name], value, rtol=0, atol=1e-6), name
