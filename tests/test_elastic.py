@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_process import one_process as references
 
 import tandem as td
+from tandem.cli.command import main
 from tandem.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,15 +52,12 @@ def _slots_script(tmp_path: Path, offered: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The one-process result of the same script, for each optimizer."""
-    results = {}
-    for optimizer, *more in (("sgd",), ("adam",), ("adam", "--scheduler"), ("adafactor",)):
-        out = tmp_path_factory.mktemp("reference") / f"{optimizer}.pt"
-        subprocess.run([sys.executable, TRAIN, str(out), "--optimizer", optimizer, *more],
-                       cwd=ROOT, env=_env(), check=True, timeout=SCENARIO_S)
-        results[" ".join([optimizer, *more])] = torch.load(out)
-    return results
+def one_process():
+    """The one-process result of the same script, for each optimizer: the four runs in one
+    Python process (tests/one_process.py), shared with test_job_ends.py's."""
+    configs = (("sgd",), ("adam",), ("adam", "--scheduler"), ("adafactor",))
+    results = references(TRAIN, *(("{out}", "--optimizer", *config) for config in configs))
+    return {" ".join(config): result for config, result in zip(configs, results, strict=True)}
 
 
 def assert_same_model(result: dict, reference: dict) -> None:
@@ -320,12 +319,18 @@ def test_a_rank_that_skips_a_commit_is_named_not_averaged(tmp_path):
      "-np 4 on this node is more than the job's --max-np 3"),
     (("-np", "2", "--host-discovery-script", "x.sh"), "--host-discovery-script is for elastic"),
     (("-np", "2:3", "--host-discovery-script", "no-such.sh"), "no-such.sh does not exist"),
-    (("-np", "2:3", "--host-discovery-script", "README.md"), "is not executable (chmod +x it)"),
+    (("-np", "2:3", "--host-discovery-script", str(ROOT / "README.md")),
+     "is not executable (chmod +x it)"),
 ])
-def test_bad_elastic_options_are_refused_before_anything_starts(args, message):
-    done = tandem_run(*args, TRAIN, "out.pt")
-    assert done.returncode == 2
-    assert message in done.stderr
+def test_bad_elastic_options_are_refused_before_anything_starts(args, message, capsys):
+    """In this process, as tests/test_launcher.py's refusals: `tandem run` stops before it
+    starts anything, so no job (and no Python start of its own) is needed to see it."""
+    try:
+        code = main(["run", *args, TRAIN, "out.pt"])
+    except SystemExit as usage:  # argparse's own refusals
+        code = usage.code
+    assert code == 2
+    assert message in capsys.readouterr().err
 
 
 def refusals() -> list[str]:

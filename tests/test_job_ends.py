@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_process import one_process as references
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tests" / "scripts" / "elastic_train.py")
@@ -39,11 +40,10 @@ def tandem_run(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference") / "sgd.pt"
-    subprocess.run([sys.executable, TRAIN, str(out)], cwd=ROOT, env=_env(), check=True,
-                   timeout=SCENARIO_S)
-    return torch.load(out)
+def one_process():
+    """The one-process result (tests/one_process.py: computed once a session; test_elastic.py
+    asks for the same run)."""
+    return references(TRAIN, ("{out}", "--optimizer", "sgd"))[0]
 
 
 def assert_same_model(result: dict, reference: dict) -> None:

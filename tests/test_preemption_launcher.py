@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_process import one_process as references
 
 from tandem.job.preemption import EXIT_PREEMPTED
 
@@ -37,17 +38,15 @@ def _env() -> dict[str, str]:
     return env
 
 
-def one_process(where: Path) -> dict:
-    """The script's parameters after one uninterrupted process (run in `where`)."""
-    subprocess.run([sys.executable, SCRIPT, str(where / "ck"), str(where / "out.pt")],
-                   env=_env(), check=True, timeout=JOB_S, capture_output=True)
-    return torch.load(where / "out.pt")
+def one_process() -> dict:
+    """The script's parameters after one uninterrupted process: run once a session
+    (tests/one_process.py), for this module's tests and test_preemption_stress.py's."""
+    return references(SCRIPT, ("{dir}", "{out}"))[0]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The one-process parameters, one run for the module's tests."""
-    return one_process(tmp_path_factory.mktemp("reference"))
+def reference():
+    return one_process()
 
 
 def _until_step(job: subprocess.Popen, step: int) -> None:

@@ -33,9 +33,9 @@ needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reaso
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The one-process parameters, one run for the module's tests."""
-    return one_process(tmp_path_factory.mktemp("reference"))
+def reference():
+    """The one-process parameters: test_preemption_launcher.py's run, if it ran (one a session)."""
+    return one_process()
 
 
 def _until_step(job: subprocess.Popen, step: int) -> None:
