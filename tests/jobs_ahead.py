@@ -20,7 +20,9 @@ asserts on them as before. A job still running when the module ends is killed wi
     def test_x(backend, jobs, request):
         [done], tmp = jobs.take(request.node)   # subprocess.CompletedProcess, in plan order
 
-A command that overruns its deadline is killed with its descendants, and `take` raises
+A plan's commands run side by side; `InOrder(commands)` runs its commands one after another
+in one slot, stopping after the first that exits non-zero, and is taken as the list of those
+that ran. A command that overruns its deadline is killed with its descendants, and `take` raises
 `subprocess.TimeoutExpired` with what it printed, as `subprocess.run(timeout=)` would.
 """
 
@@ -38,9 +40,10 @@ from pathlib import Path
 import pytest
 from helpers import kill_tree
 
-# Jobs at once: a 2-rank job keeps a core busy about two thirds of its time (cold imports),
-# so three overlap their waits on two cores without starving each other.
-PARALLEL = 3
+# Jobs at once: what two pytest-xdist workers gain on the slow tests (their waits overlap),
+# without more processes than two cores hold. A command's own deadline is stretched by as much
+# (`Command.timeout` x PARALLEL): its jobs share the cores with the others.
+PARALLEL = 2
 
 
 @dataclass(frozen=True)
@@ -51,15 +54,20 @@ class Command:
     timeout: float = 150.0
 
 
+@dataclass(frozen=True)
+class InOrder:
+    commands: Sequence[Command]
+
+
 class Ahead:
     """The plans of a test module: test function name -> its commands."""
 
     def __init__(self, parallel: int = PARALLEL):
         self.parallel = parallel
-        self.plans: dict[str, Callable[..., list[Command]]] = {}
+        self.plans: dict[str, Callable[..., list[Command | InOrder]]] = {}
 
     def plan(self, test_name: str):
-        def register(plan: Callable[..., list[Command]]):
+        def register(plan: Callable[..., list[Command | InOrder]]):
             self.plans[test_name] = plan
             return plan
         return register
@@ -85,6 +93,7 @@ class Started:
         self._closed = False
         self._running: set[subprocess.Popen] = set()
         self._runs: dict[str, tuple[list[Future], Path]] = {}
+        self._parallel = ahead.parallel
         self._pool = ThreadPoolExecutor(ahead.parallel, thread_name_prefix="jobs-ahead")
         for item in request.session.items:
             plan = ahead.plans.get(getattr(item, "originalname", ""))
@@ -94,12 +103,22 @@ class Started:
             wanted = inspect.signature(plan).parameters
             tmp = tmp_path_factory.mktemp(re.sub(r"\W+", "_", item.name)[:40])
             commands = plan(tmp, **{k: v for k, v in params.items() if k in wanted})
-            self._runs[item.nodeid] = ([self._pool.submit(self._run, c) for c in commands], tmp)
+            self._runs[item.nodeid] = ([self._pool.submit(self._run_all, c) for c in commands], tmp)
 
     def take(self, item) -> tuple[list[subprocess.CompletedProcess], Path]:
         """The test `item`'s finished commands, in its plan's order, and its directory."""
         futures, tmp = self._runs[item.nodeid]
         return [future.result() for future in futures], tmp
+
+    def _run_all(self, command: Command | InOrder):
+        if isinstance(command, Command):
+            return self._run(command)
+        done = []
+        for step in command.commands:
+            done.append(self._run(step))
+            if done[-1].returncode != 0:
+                break
+        return done
 
     def _run(self, command: Command) -> subprocess.CompletedProcess:
         with self._lock:
@@ -110,11 +129,12 @@ class Started:
             self._running.add(process)
         try:
             try:
-                out, err = process.communicate(timeout=command.timeout)
+                out, err = process.communicate(timeout=command.timeout * self._parallel)
             except subprocess.TimeoutExpired:
                 kill_tree(process.pid)
                 out, err = process.communicate(timeout=30)
-                raise subprocess.TimeoutExpired(process.args, command.timeout, out, err) from None
+                raise subprocess.TimeoutExpired(process.args, command.timeout * self._parallel, out,
+                                                err) from None
             return subprocess.CompletedProcess(process.args, process.returncode, out, err)
         finally:
             with self._lock:

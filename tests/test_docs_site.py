@@ -46,6 +46,7 @@ import types
 from pathlib import Path
 
 import pytest
+from jobs_ahead import Ahead, Command, InOrder
 
 from tandem.testing import run_distributed
 
@@ -283,10 +284,66 @@ def test_block_runs(page, line, lang, kind, said, code, tmp_path, request):
     run_block(page, line, kind, said, code, tmp_path, request)
 
 
+# A block that is a job of its own runs as a user runs it, in a directory of its own; the jobs
+# run side by side, ahead of their tests (tests/jobs_ahead.py).
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def job_commands(said: str, code: str, tmp: Path) -> list[Command | InOrder] | None:
+    """The commands of a job block (`said`: its `run:` words), written out under `tmp`; None
+    for a block that is not a job this file knows how to run."""
+    words, env = shlex.split(said), _environment()
+    if words[0] == "shell":
+        if words[1:] not in ([], ["in", "the", "checkout"]):
+            return None
+        (tmp / "train.py").write_text(TRAIN_PY)
+        lines = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
+        return [InOrder([Command(["bash", "-c", c], env, ROOT if words[1:] else tmp, JOB_TIMEOUT_S)
+                         for c in lines])]
+    script = tmp / "script.py"
+    script.write_text(code)
+    if words[:2] == ["tandem", "run"]:
+        command = [sys.executable, "-m", "tandem", "run", *words[2:], str(script)]
+    elif words == ["python"]:
+        command = [sys.executable, str(script)]
+    elif words == ["pytest"]:
+        script = script.rename(tmp / "test_block.py")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)]
+    else:
+        return None
+    return [Command(command, env, tmp, JOB_TIMEOUT_S)]
+
+
+@ahead.plan("test_job_block_runs")
+def _(tmp, page, kind, said, code):
+    if kind != "run" or (NEEDS_MPI.search(code) and importlib.util.find_spec("mpi4py") is None):
+        return []
+    return job_commands(said, code, tmp) or []
+
+
 @pytest.mark.timeout(SHELL_LINES_MAX * JOB_TIMEOUT_S + 60)  # each line of a shell block has its own
 @pytest.mark.parametrize("page, line, lang, kind, said, code", JOBS)
-def test_job_block_runs(page, line, lang, kind, said, code, tmp_path, request):
-    run_block(page, line, kind, said, code, tmp_path, request)
+def test_job_block_runs(page, line, lang, kind, said, code, jobs, request):
+    assert kind == "run", f"{page}:{line} has no '<!-- run: ... -->' marker"
+    where = f"docs/{page}:{line}"
+    if NEEDS_MPI.search(code) and importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs MPI: pip install mpi4py mpich (scripts/setup.sh installs both)")
+    words = shlex.split(said)
+    if words[0] == "shell":
+        assert words[1:] in ([], ["in", "the", "checkout"]), f"{where}: {said!r}"
+    elif not (words[:2] == ["tandem", "run"] or words in (["python"], ["pytest"])):
+        pytest.fail(f"{where}: cannot run {said!r}")
+    [done], _ = jobs.take(request.node)
+    if words[0] == "shell":
+        commands = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
+        assert len(commands) <= SHELL_LINES_MAX, f"{where}: split a block of {len(commands)} commands"
+        for command, result in zip(commands, done, strict=False):
+            assert result.returncode == 0, f"{where}: `{command}` exited {result.returncode}:\n" \
+                                           f"{result.stdout}{result.stderr}"
+        assert len(done) == len(commands), (where, commands, done)
+        return
+    assert done.returncode == 0, f"{where}: exit code {done.returncode}\n{done.stdout}{done.stderr}"
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 60)
@@ -326,32 +383,7 @@ def run_block(page, line, kind, said, code, tmp_path, request):
             os.chdir(before)
             sys.path[:] = path
         return
-    env = _environment()
-    if words[0] == "shell":
-        assert words[1:] in ([], ["in", "the", "checkout"]), f"{where}: {said!r}"
-        (tmp_path / "train.py").write_text(TRAIN_PY)
-        commands = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
-        assert len(commands) <= SHELL_LINES_MAX, f"{where}: split a block of {len(commands)} commands"
-        for command in commands:
-            result = subprocess.run(["bash", "-c", command], cwd=ROOT if words[1:] else tmp_path, env=env,
-                                    capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-            assert result.returncode == 0, f"{where}: `{command}` exited {result.returncode}:\n" \
-                                           f"{result.stdout}{result.stderr}"
-        return
-    script = tmp_path / "script.py"
-    script.write_text(code)
-    if words[:2] == ["tandem", "run"]:
-        command = [sys.executable, "-m", "tandem", "run", *words[2:], str(script)]
-    elif words == ["python"]:
-        command = [sys.executable, str(script)]
-    elif words == ["pytest"]:
-        script = script.rename(tmp_path / "test_block.py")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)]
-    else:
-        pytest.fail(f"{where}: cannot run {said!r}")
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=JOB_TIMEOUT_S)
-    assert result.returncode == 0, f"{where}: exit code {result.returncode}\n{result.stdout}{result.stderr}"
+    pytest.fail(f"{where}: cannot run {said!r} (a job block runs in test_job_block_runs)")
 
 
 # --- measured results: dated pages, not the guides -------------------------------------------

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jobs_ahead import Ahead, Command
 
 from tandem.launch.local.supervisor import port_taken
 
@@ -89,17 +90,38 @@ def test_a_taken_port_in_a_ranks_last_lines_is_named_with_the_fix():
 
 # --- jobs -----------------------------------------------------------------------------------
 
+# These jobs run side by side, ahead of their tests (tests/jobs_ahead.py); the taken port's
+# job below holds its port through the job, so it runs in its test.
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def _tandem_run(*args: str, **extra: str) -> Command:
+    return Command([sys.executable, "-m", "tandem", "run", *args], _env(**extra), ROOT,
+                   JOB_TIMEOUT_S)
+
+
+@ahead.plan("test_a_one_node_jobs_torch_store_is_on_loopback_only_and_the_ranks_join")
+def _(tmp, backend, launch):
+    address = _outside_address()
+    if address is None or (launch == "mpi" and not HAVE_MPI):
+        return []
+    return [_tandem_run("-np", "2", "--backend", launch, "--require-join", PROBE, backend, address)]
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
 @pytest.mark.parametrize("backend, launch", [("gloo", "gloo"), ("tandem", "gloo"),
                                              ("mpi", "mpi"), ("gloo", "mpi")])
 def test_a_one_node_jobs_torch_store_is_on_loopback_only_and_the_ranks_join(backend, launch,
-                                                                             outside):
+                                                                             outside, jobs,
+                                                                             request):
     """The store is unreachable from outside; the script works; --require-join sees it join
     (a fast script's ranks once went unseen, the port was watched then). `launch`: the
     launcher's --backend, which starts the ranks itself (gloo) or through mpiexec (mpi)."""
     if launch == "mpi" and not HAVE_MPI:
         pytest.skip("the MPI launch needs mpi4py")
-    done = tandem_run("-np", "2", "--backend", launch, "--require-join", PROBE, backend, outside)
+    [done], _ = jobs.take(request.node)
+    assert outside in done.args, (outside, done.args)
     assert done.returncode == 0, done.stdout + done.stderr
     total, _, reached = _probe_line(done)
     assert total == "3"  # 1 + 2: the all-reduce ran over both ranks
@@ -107,16 +129,26 @@ def test_a_one_node_jobs_torch_store_is_on_loopback_only_and_the_ranks_join(back
     assert "independent copies" not in done.stderr
 
 
-@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_a_script_with_its_own_master_port_is_seen_joining(outside):
-    """MASTER_PORT set by the script: no false 'independent copies' warning (the port tandem
-    run gave was watched once), and rank 0's store is still on loopback only."""
+@ahead.plan("test_a_script_with_its_own_master_port_is_seen_joining")
+def _(tmp):
+    address = _outside_address()
+    if address is None:
+        return []
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    done = tandem_run("-np", "2", PROBE, "gloo", outside, HARD_PORT=str(port))
+    (tmp / "port").write_text(str(port))
+    return [_tandem_run("-np", "2", PROBE, "gloo", address, HARD_PORT=str(port))]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_a_script_with_its_own_master_port_is_seen_joining(outside, jobs, request):
+    """MASTER_PORT set by the script: no false 'independent copies' warning (the port tandem
+    run gave was watched once), and rank 0's store is still on loopback only."""
+    [done], tmp = jobs.take(request.node)
+    port = (tmp / "port").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
-    assert _probe_line(done) == ["3", str(port), "False"], done.stdout
+    assert _probe_line(done) == ["3", port, "False"], done.stdout
     assert "independent copies" not in done.stderr, done.stderr
 
 

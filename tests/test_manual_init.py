@@ -271,22 +271,26 @@ def roll_call_rank(rank: int, n: int, results, slot: int, env: dict[str, str]) -
         td.shutdown()
 
 
-def _run_numbered(specs: list[tuple[int, int]], timeout_s: int = 3) -> list[tuple[str, str]]:
-    """Start one process per (rank, world_size) with TANDEM_TIMEOUT=timeout_s; how each ended."""
+def _start_numbered(specs: list[tuple[int, int]], env: dict[str, str]):
+    """Start one process per (rank, world_size) with the environment `env`."""
     context = _context()
     results = context.Queue()
-    env = {**_environment(), "TANDEM_TIMEOUT": str(timeout_s)}  # what the children read
     processes = [context.Process(target=roll_call_rank, args=(rank, n, results, slot, env),
                                  daemon=True) for slot, (rank, n) in enumerate(specs)]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
+def _collect_numbered(processes, results) -> list[tuple[str, str]]:
+    """How each process of `_start_numbered` ended, in its order; then they are gone."""
     reports: dict[int, tuple[str, str]] = {}
     deadline = time.monotonic() + DEADLINE_S
     try:
-        for process in processes:
-            process.start()
-        while len(reports) < len(specs):
+        while len(reports) < len(processes):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                pytest.fail(f"processes {sorted(set(range(len(specs))) - set(reports))} did not "
+                pytest.fail(f"processes {sorted(set(range(len(processes))) - set(reports))} did not "
                             f"report within {DEADLINE_S:.0f} s: a hang")
             try:
                 slot, kind, text = results.get(timeout=min(remaining, 1.0))
@@ -294,21 +298,75 @@ def _run_numbered(specs: list[tuple[int, int]], timeout_s: int = 3) -> list[tupl
                 continue
             reports[slot] = (kind, text)
     finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-        results.close()
-    return [reports[slot] for slot in range(len(specs))]
+        _end(processes, results)
+    return [reports[slot] for slot in range(len(processes))]
 
 
-@pytest.fixture
-def template_env(no_launcher):
-    port = _free_port()
-    no_launcher.setenv("MASTER_ADDR", "127.0.0.1")
-    no_launcher.setenv("MASTER_PORT", str(port))
-    return f"127.0.0.1:{port}"
+def _end(processes, results) -> None:
+    for process in processes:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+    results.close()
+
+
+# Each mis-numbered template below waits for its TANDEM_TIMEOUT (3 s) or is named at once; they
+# run side by side, each at a port of its own, started together on the first of these tests that
+# runs (only those selected): (specs, TANDEM_TIMEOUT) per test.
+NUMBERED = {
+    "test_two_processes_given_rank_0_are_named": ([(0, 2), (0, 2)], 3),
+    "test_a_missing_rank_is_named_on_every_rank_that_came": ([(0, 3), (2, 3)], 3),
+    "test_different_world_sizes_are_named_per_rank": ([(0, 2), (1, 3)], 30),  # named at once
+    "test_a_rank_given_twice_is_named": ([(0, 3), (1, 3), (1, 3)], 30),
+    "test_a_job_without_rank_0_is_named": ([(1, 2)], 3),
+}
+
+
+class Numbered:
+    """The mis-numbered templates of the selected tests, started together."""
+
+    def __init__(self, names: list[str]):
+        clean = {k: v for k, v in os.environ.items() if not _is_launcher_variable(k)}
+        self.started = {}
+        probes = [socket.socket() for _ in names]  # held together: a port each
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        ports = [probe.getsockname()[1] for probe in probes]
+        for probe in probes:
+            probe.close()
+        try:
+            for name, port in zip(names, ports, strict=True):
+                specs, timeout_s = NUMBERED[name]
+                address = f"127.0.0.1:{port}"
+                env = {**clean, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "TANDEM_TIMEOUT": str(timeout_s)}
+                self.started[name] = (address, _start_numbered(specs, env))
+        except BaseException:
+            self.close()
+            raise
+
+    def take(self, name: str) -> tuple[str, list[tuple[str, str]]]:
+        """The rendezvous address of test `name`'s template, and how each process ended."""
+        address, (processes, results) = self.started.pop(name)
+        return address, _collect_numbered(processes, results)
+
+    def close(self) -> None:
+        for _, (processes, results) in self.started.values():
+            _end(processes, results)
+        self.started.clear()
+
+
+@pytest.fixture(scope="module")
+def numbered(request):
+    names = [item.originalname for item in request.session.items
+             if getattr(item, "module", None) is request.module
+             and getattr(item, "originalname", "") in NUMBERED]
+    started = Numbered(names)
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 def _no_raw_store_errors(reports):
@@ -318,8 +376,8 @@ def _no_raw_store_errors(reports):
 
 
 @pytest.mark.timeout(120)
-def test_two_processes_given_rank_0_are_named(template_env):
-    first, second = _run_numbered([(0, 2), (0, 2)])
+def test_two_processes_given_rank_0_are_named(numbered):
+    template_env, (first, second) = numbered.take("test_two_processes_given_rank_0_are_named")
     _no_raw_store_errors([first, second])
     taken = (f"rank 0 of 2: another process already hosts rank 0's rendezvous at {template_env}: "
              "two processes were given rank 0, or a previous job still runs")
@@ -330,8 +388,8 @@ def test_two_processes_given_rank_0_are_named(template_env):
 
 
 @pytest.mark.timeout(120)
-def test_a_missing_rank_is_named_on_every_rank_that_came(template_env):
-    reports = _run_numbered([(0, 3), (2, 3)])
+def test_a_missing_rank_is_named_on_every_rank_that_came(numbered):
+    template_env, reports = numbered.take("test_a_missing_rank_is_named_on_every_rank_that_came")
     _no_raw_store_errors(reports)
     for rank, (_, text) in zip((0, 2), reports, strict=True):
         assert text.startswith(f"rank {rank} of 3: ranks [1] of 3 did not join within 3 s "
@@ -340,8 +398,8 @@ def test_a_missing_rank_is_named_on_every_rank_that_came(template_env):
 
 
 @pytest.mark.timeout(120)
-def test_different_world_sizes_are_named_per_rank(template_env):
-    reports = _run_numbered([(0, 2), (1, 3)], timeout_s=30)  # named at once, not at the timeout
+def test_different_world_sizes_are_named_per_rank(numbered):
+    _, reports = numbered.take("test_different_world_sizes_are_named_per_rank")
     _no_raw_store_errors(reports)
     for (_, text), prefix in zip(reports, ("rank 0 of 2", "rank 1 of 3"), strict=True):
         assert text.startswith(f"{prefix}: the processes were given different world sizes"), text
@@ -350,8 +408,8 @@ def test_different_world_sizes_are_named_per_rank(template_env):
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_given_twice_is_named(template_env):
-    reports = _run_numbered([(0, 3), (1, 3), (1, 3)], timeout_s=30)
+def test_a_rank_given_twice_is_named(numbered):
+    _, reports = numbered.take("test_a_rank_given_twice_is_named")
     _no_raw_store_errors(reports)
     for _, text in reports:
         assert re.search(r"two processes were given one rank: rank 1 by pid \d+ on \S+ and "
@@ -359,8 +417,8 @@ def test_a_rank_given_twice_is_named(template_env):
 
 
 @pytest.mark.timeout(120)
-def test_a_job_without_rank_0_is_named(template_env):
-    [(kind, text)] = _run_numbered([(1, 2)])
+def test_a_job_without_rank_0_is_named(numbered):
+    template_env, [(kind, text)] = numbered.take("test_a_job_without_rank_0_is_named")
     assert kind == "RendezvousError"
     assert text.startswith(f"rank 1 of 2: nobody hosts the rendezvous at {template_env} (rank 0 "
                            "does) within 3 s"), text

@@ -9,7 +9,6 @@ by the progress thread with nobody waiting), and timeouts that name the missing 
 
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import mismatch, rank_data, reference
+from jobs_ahead import Ahead, Command
 from test_collectives import (
     CHECKS,
     SIZES,
@@ -264,35 +264,54 @@ def test_timeouts_name_the_peer():
     assert "barrier" in barrier_message and "[1]" in barrier_message
 
 
-# -- started by mpiexec ---------------------------------------------------------------------
-@pytest.mark.timeout(120)
-def test_mpiexec_script_picks_mpi_by_default():
+# -- jobs: started by mpiexec, and by tandem run --backend mpi --------------------------------
+# Each is about a fresh job; they run side by side, ahead of their tests (tests/jobs_ahead.py).
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def _job_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run(
-        [*mpiexec_command(2), sys.executable, str(SCRIPTS / "mpi_allreduce.py")],
-        env=env, capture_output=True, text=True, timeout=100,
-    )
+    return env
+
+
+def _tandem_run(*args: str) -> Command:
+    return Command([sys.executable, "-m", "tandem", "run", "--backend", "mpi", *args], _job_env(),
+                   None, 100)
+
+
+@ahead.plan("test_mpiexec_script_picks_mpi_by_default")
+def _(tmp):
+    return [Command([*mpiexec_command(2), sys.executable, str(SCRIPTS / "mpi_allreduce.py")],
+                    _job_env(), None, 100)]
+
+
+@pytest.mark.timeout(120)
+def test_mpiexec_script_picks_mpi_by_default(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     # mpiexec merges the ranks' output streams, so lines may run into each other.
     found = sorted(re.findall(r"rank (\d) of (\d): backend=(\w+) sum=(\d+)", done.stdout))
     assert found == [("0", "2", "mpi", "3"), ("1", "2", "mpi", "3")], done.stdout
 
 
-# -- tandem run --backend mpi ---------------------------------------------------------------
-def _tandem_run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "PMI_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return subprocess.run([sys.executable, "-m", "tandem", "run", "--backend", "mpi", *args],
-                          env=env, capture_output=True, text=True, timeout=100)
+@ahead.plan("test_tandem_run_mpi_prefixes_each_ranks_output")
+def _(tmp):
+    return [_tandem_run("-np", "2", str(SCRIPTS / "mpi_allreduce.py"))]
 
 
 @pytest.mark.timeout(120)
-def test_tandem_run_mpi_prefixes_each_ranks_output():
-    done = _tandem_run("-np", "2", str(SCRIPTS / "mpi_allreduce.py"))
+def test_tandem_run_mpi_prefixes_each_ranks_output(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("["))
     assert lines == ["[0] rank 0 of 2: backend=mpi sum=3", "[1] rank 1 of 2: backend=mpi sum=3"]
+
+
+@ahead.plan("test_tandem_run_mpi_stops_the_job_when_a_rank_fails")
+def _(tmp, script):
+    return [_tandem_run("-np", "2", str(SCRIPTS / script))]
 
 
 @pytest.mark.timeout(120)
@@ -300,8 +319,8 @@ def test_tandem_run_mpi_prefixes_each_ranks_output():
     ("mpi_fail.py", 1, "gives up"),  # an exception
     ("mpi_exit_code.py", 3, "exits"),  # sys.exit(3): no exception, yet a failure
 ], ids=["raise", "sys.exit"])
-def test_tandem_run_mpi_stops_the_job_when_a_rank_fails(script, code, fault):
-    done = _tandem_run("-np", "2", str(SCRIPTS / script))
+def test_tandem_run_mpi_stops_the_job_when_a_rank_fails(script, code, fault, jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode == code, done.stdout + done.stderr
     assert re.search(rf"^\[1\] rank 1 {fault} at [\d.]+$", done.stdout, re.M), done.stdout
     # Rank 0 waits in a barrier for ever: the launcher stops it, not a watchdog's timeout.

@@ -10,30 +10,54 @@ import textwrap
 
 import pytest
 import torch
+from jobs_ahead import Ahead, Command
 
 import tandem as td
 from tandem import runtime
 from tandem.testing import run_distributed
 
 
-def _python(code: str, env: dict[str, str] | None = None, timeout: float = 60):
-    """Run `code` in a fresh interpreter with no launcher variables; return the process."""
+def _clean(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without launcher variables, and `env`."""
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("TANDEM_", "PMI_", "OMPI_", "SLURM_"))
              and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     clean.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean,
+    return clean
+
+
+def _python(code: str, env: dict[str, str] | None = None, timeout: float = 60):
+    """Run `code` in a fresh interpreter with no launcher variables; return the process."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_clean(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_script_without_launcher_is_a_world_of_one():
-    done = _python("""
-        import torch, tandem as td
-        world = td.init()
-        print(world.rank, world.size, world.backend, world.device)
-        print(td.allreduce(torch.tensor([2.0, 4.0])).tolist(), td.allgather(torch.ones(2)).shape)
-        td.barrier(); td.shutdown()
-    """)
+# The fresh interpreters of the tests below (each is about a process no launcher started) run
+# side by side, ahead of their tests (tests/jobs_ahead.py).
+ahead = Ahead()
+jobs = ahead.fixture()
+
+
+def _python_command(code: str, env: dict[str, str] | None = None, timeout: float = 60) -> Command:
+    return Command([sys.executable, "-c", textwrap.dedent(code)], _clean(env), None, timeout)
+
+
+WORLD_OF_ONE = """
+    import torch, tandem as td
+    world = td.init()
+    print(world.rank, world.size, world.backend, world.device)
+    print(td.allreduce(torch.tensor([2.0, 4.0])).tolist(), td.allgather(torch.ones(2)).shape)
+    td.barrier(); td.shutdown()
+"""
+
+
+@ahead.plan("test_script_without_launcher_is_a_world_of_one")
+def _(tmp):
+    return [_python_command(WORLD_OF_ONE)]
+
+
+def test_script_without_launcher_is_a_world_of_one(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["0 1 gloo cpu", "[2.0, 4.0] torch.Size([2])"]
 
@@ -49,17 +73,27 @@ def test_rendezvous_port_taken_by_another_program_is_a_clear_error():
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use by another program" in done.stderr
 
 
-def test_multi_rank_job_without_a_port_says_how_to_fix_it():
-    done = _python("import tandem as td; td.init()", env={"RANK": "0", "WORLD_SIZE": "2"})
+@ahead.plan("test_multi_rank_job_without_a_port_says_how_to_fix_it")
+def _(tmp):
+    return [_python_command("import tandem as td; td.init()", env={"RANK": "0", "WORLD_SIZE": "2"})]
+
+
+def test_multi_rank_job_without_a_port_says_how_to_fix_it(jobs, request):
+    [done], _ = jobs.take(request.node)
     assert done.returncode != 0
     assert "needs a rendezvous port; set MASTER_ADDR and MASTER_PORT" in done.stderr
 
 
-def test_unknown_backend_and_bad_timeout():
-    done = _python("import tandem as td; td.init(backend='carrier-pigeon')")
-    assert "unknown backend 'carrier-pigeon': choose one of gloo, nccl, mpi" in done.stderr
-    done = _python("import tandem as td; td.init(timeout=-1)")
-    assert "timeout must be positive" in done.stderr
+@ahead.plan("test_unknown_backend_and_bad_timeout")
+def _(tmp):
+    return [_python_command("import tandem as td; td.init(backend='carrier-pigeon')"),
+            _python_command("import tandem as td; td.init(timeout=-1)")]
+
+
+def test_unknown_backend_and_bad_timeout(jobs, request):
+    (pigeon, negative), _ = jobs.take(request.node)
+    assert "unknown backend 'carrier-pigeon': choose one of gloo, nccl, mpi" in pigeon.stderr
+    assert "timeout must be positive" in negative.stderr
 
 
 def test_not_initialised_is_a_clear_error():
@@ -234,20 +268,27 @@ def test_hosted_store_listens_on_the_given_address_only():
     del store
 
 
-@pytest.mark.timeout(120)
-def test_a_script_started_by_torchrun_joins_its_job(tmp_path):
-    """torchrun's variables (and its agent's store) are read: the same script, unchanged."""
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
-        import torch, tandem as td
-        world = td.init()
-        total = td.allreduce(torch.ones(1) * (world.rank + 1), op="sum").item()
-        print(f"rank {world.rank} of {world.size} total {total}")
-    """))
+TORCHRUN_SCRIPT = """
+    import torch, tandem as td
+    world = td.init()
+    total = td.allreduce(torch.ones(1) * (world.rank + 1), op="sum").item()
+    print(f"rank {world.rank} of {world.size} total {total}")
+"""
+
+
+@ahead.plan("test_a_script_started_by_torchrun_joins_its_job")
+def _(tmp):
+    script = tmp / "train.py"
+    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    done = subprocess.run([torchrun, "--nproc-per-node", "2", str(script)], env=clean,
-                          capture_output=True, text=True, timeout=100)
+    return [Command([torchrun, "--nproc-per-node", "2", str(script)], clean, None, 100)]
+
+
+@pytest.mark.timeout(120)
+def test_a_script_started_by_torchrun_joins_its_job(jobs, request):
+    """torchrun's variables (and its agent's store) are read: the same script, unchanged."""
+    [done], _ = jobs.take(request.node)
     assert done.returncode == 0, done.stderr
     # The ranks share torchrun's stdout, so one rank's line may run into the other's.
     assert sorted(re.findall(r"rank \d of \d total [\d.]+", done.stdout)) == [
