@@ -59,7 +59,7 @@ def test_every_local_job_is_the_one_agent_and_only_its_words_differ():
         assert not restarted.plain
         placeholder_ranks(restarted.ranks, 3)
         watch = Supervisor(restarted.ranks, restarted.events, restarted.output, node=0,
-                           host="here", nodes=restarted.nodes, offsets={0: 0})
+                           host="here", nodes=restarted.nodes)
         watch.handle(RankExited(2, 75))  # with restarts, any non-zero exit fails the attempt
         assert watch.state is JobState.STOPPING and watch.failure.node == 0
         assert "rank 2 failed: exit code 75; stopping every rank of the job" in said.getvalue()

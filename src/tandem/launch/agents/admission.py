@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-PROTOCOL = 3  # the agents' protocol: bump it when a message or what it carries changes
+PROTOCOL = 4  # the agents' protocol: bump it when a message or what it carries changes
 
 
 def tandem_version() -> str:

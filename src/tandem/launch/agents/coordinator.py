@@ -40,9 +40,11 @@ When everything is down, the attempt is over:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
+import threading
 from functools import partial
 from typing import TextIO
 
@@ -50,11 +52,11 @@ from tandem import rendezvous
 from tandem.job.preemption import EXIT_PREEMPTED
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents import control
-from tandem.launch.agents.nodes import Nodes
+from tandem.launch.agents.nodes import Node, Nodes
 from tandem.launch.config import LaunchConfig
-from tandem.launch.events import Rejected
+from tandem.launch.events import Rejected, SilentRanks
 from tandem.launch.local.joined import JoinWatch
-from tandem.launch.local.output import signals_blocked
+from tandem.launch.local.output import block_agent_signals, signals_blocked
 from tandem.launch.local.ranks import MASTER_ADDR, LocalRanks, Placement, free_port, new_run_id
 from tandem.launch.local.supervisor import (
     DRAIN_S,
@@ -65,6 +67,8 @@ from tandem.launch.local.supervisor import (
     silent_ranks,
     summary,
 )
+
+SILENT_POLL_S = 0.25  # how often the agent looks whether a rank named a silent peer
 
 
 class Coordinator(Agent):
@@ -86,7 +90,6 @@ class Coordinator(Agent):
         self.gloo_interface = gloo_interface
         self.nodes = Nodes(config, self.events, self.output, secret, nnodes=nnodes,
                            nproc=nproc, host=self.host, expected=expected_nodes)
-        self.lost: set[int] = set()  # nodes whose agent went silent or away
         self.on_listening = None  # -H: starts the remote agents once the store port is known
         # -H: on_lost(node, nproc) starts an agent for a lost node on a spare host and returns
         # where, or None when no host is left; without it, a replacement is started by hand
@@ -99,6 +102,7 @@ class Coordinator(Agent):
         self.watch: JoinWatch | None = None  # whether a rank of the current attempt joined
         self.preempted: set[int] = set()  # ranks of the last attempt that exited preempted
         self.shrunk: str | None = None  # an elastic MPI job's line naming the ranks it lost
+        self.attempt_over = threading.Event()  # set once the current attempt is over
         self.rounds = rounds(self) if rounds is not None else None
         # A plain local job (one machine, no restarts, a fixed size) names no node in what it
         # says, and a rank that saved and exited EXIT_PREEMPTED ends it preempted.
@@ -183,15 +187,14 @@ class Coordinator(Agent):
     def _say(self, text: str) -> None:
         """Print on this node, and on the others' terminals when they have their own."""
         self.output.message(text)
-        for peer in self.nodes.peers().values() if self.echo_to_peers else ():
-            peer.send(("note", {"text": text}))
+        if self.echo_to_peers:
+            self.nodes.tell_all(("note", {"text": text}))
 
     def _replace(self, failure: Failure, timeout: float) -> Failure | None:
         """Let another agent take the lost node's place (same node rank, same number of
         ranks); None once one has joined, else the failure that ends the job."""
-        node = failure.node
-        gone, _ = self.nodes.lost(node)
-        nproc = gone.slots if gone is not None else 1
+        node, (first, last) = failure.node, failure.ranks
+        nproc = last - first + 1
         self.nodes.replacing[node] = nproc
         if self.on_lost is not None:
             where = self.on_lost(node, nproc)
@@ -211,7 +214,6 @@ class Coordinator(Agent):
                 return unjoined
             return dataclasses.replace(failure, lost=f"{failure.lost}; then {unjoined.lost}")
         del self.nodes.replacing[node]
-        self.lost.discard(node)
         return None
 
     def _finish(self, failure: Failure | None, attempts: str = "", code: int = 0) -> int:
@@ -241,6 +243,7 @@ class Coordinator(Agent):
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, attempt: int) -> Failure | None:
         """One attempt (an elastic job's only one, in rounds): its first failure, or None."""
+        self.attempt_over = threading.Event()
         try:
             run = self.rounds.start() if self.rounds is not None else self._start(attempt)
         except StartInterrupted as interrupt:  # not all started: nothing to wait for
@@ -248,37 +251,75 @@ class Coordinator(Agent):
         try:
             run.run()
         finally:
+            self.attempt_over.set()
             if self.rounds is not None:
-                self.rounds.stop()
                 self.ranks.reap()
         self.preempted, self.shrunk = run.preempted, run.shrunk(self.config.np)
         self.output.join(DRAIN_S)
         failure = run.failure
         if failure is not None and failure.rank is not None:
             here = failure.node in (None, 0)
-            tail = self.output.tail(failure.rank) if here else run.tails.get(failure.rank,
-                                                                              failure.tail)
+            tail = self.output.tail(failure.rank) if here else failure.tail
             silent = silent_ranks(self.output, self.config.np) if here else ()
             failure = dataclasses.replace(failure, tail=tuple(tail), silent=silent)
         return failure
 
     def _start(self, attempt: int) -> Supervisor:
-        """A fixed job's attempt: every node starts its share of the ranks; node 0's watch."""
-        offsets, start = {}, 0
-        for number in sorted(self.nodes.nodes):
-            offsets[number], start = start, start + self.nodes.nodes[number].slots
-        host, port = self.store_address
+        """A fixed job's attempt: every node starts its share of the ranks, in node order;
+        node 0's watch."""
         # torchrun's rendezvous (rank 0's TCPStore, on this node): a fresh port per attempt.
         torch = {"torch_port": free_port(), "run_id": self.run_id, "nodes": len(self.nodes.nodes)}
-        for node, peer in self.nodes.peers().items():
-            peer.send(("start", {"attempt": attempt, "offset": offsets[node], "world": start,
-                                 "store": (host, port), "node": node, **torch}))
         # Every rank that joins says so to the store here (`launch.local.joined`), on any node.
         self.watch = JoinWatch(self.store)
-        self.ranks.start(Placement(attempt, offsets[0], start, (host, port), self.store.key,
-                                   self.gloo_interface, node=0, **torch))
+        world = self.nodes.slots()
+        for number, (first, count) in self.nodes.placement().items():
+            node = self.nodes.nodes[number]
+            node.workers.clear()
+            self.start_on(node, list(range(first, first + count)), list(range(count)),
+                          Placement(attempt, first, world, self.store_address, self.store.key,
+                                    self.gloo_interface, node=number, **torch))
         if self.plain:  # an elastic MPI job's world shrinks in place, down to --min-np
             low = (self.config.min_np or 1) if self.config.elastic else None
+            if low is not None and self.ranks.silent_key is not None:
+                self.watch_silent(self.ranks.silent_key, lambda told: (told or 0) + 1)
             return Supervisor(self.ranks, self.events, self.output, low=low)
         return Supervisor(self.ranks, self.events, self.output, node=0, host=self.host,
-                          nodes=self.nodes, attempt=attempt, offsets=offsets, lost=self.lost)
+                          nodes=self.nodes)
+
+    def watch_silent(self, key, number) -> None:
+        """Post a `SilentRanks` event for each report, on the store, of ranks that did not
+        answer the watchdog of a rank whose wait timed out (`elastic_rounds.report_silent`; an
+        elastic MPI job's `fault_tolerance.silent_key`): under `key(n)`, for the n that
+        `number(the last n told, or None)` gives (an elastic job: its current round, one report
+        each; an MPI job's: 1, 2, ...), until the attempt is over."""
+        over, store = self.attempt_over, self.store
+
+        def watch() -> None:
+            block_agent_signals()
+            told = None
+            while not over.is_set():
+                now = number(told)
+                if now == told or not store.wait_for([key(now)], SILENT_POLL_S):
+                    over.wait(SILENT_POLL_S if now == told else 0)
+                    continue
+                text = store.get(key(now))
+                if text is not None:
+                    self.events.put(SilentRanks(now, json.loads(text)))
+                told = now
+
+        with signals_blocked():
+            threading.Thread(target=watch, name="tandem-silent", daemon=True).start()
+
+    def start_on(self, node: Node, workers: list[int], slots: list[int], placement: Placement,
+                 number: int | None = None) -> None:
+        """Start `workers` (a fixed attempt's ranks, or an elastic round's new workers: round
+        `number`) on `node`'s local `slots` as ranks `placement.offset`, ...: here, or by the
+        word `workers` to its agent (`member.Member.start`)."""
+        node.workers.update(zip(workers, slots, strict=True))
+        if node.peer is None:
+            self.ranks.start(placement, workers, slots, number)
+            return
+        shared = {key: value for key, value in dataclasses.asdict(placement).items()
+                  if key not in ("store_key", "gloo_interface")}  # the agent's own
+        self.nodes.send(node, ("workers", {"workers": workers, "slots": slots, "round": number,
+                                           "placement": shared}))

@@ -44,7 +44,6 @@ again.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -52,12 +51,9 @@ from tandem import rendezvous
 from tandem.job.settings import DEFAULT_TIMEOUT_S
 from tandem.launch.agents.discovery import discover
 from tandem.launch.agents.nodes import Node
-from tandem.launch.events import (
-    SilentRanks,
-    SlotsOffered,
-    WorkersReady,
-)
+from tandem.launch.events import SlotsOffered, WorkersReady
 from tandem.launch.local.output import block_agent_signals, signals_blocked
+from tandem.launch.local.ranks import Placement
 from tandem.launch.local.supervisor import Supervisor
 from tandem.rendezvous.elastic_rounds import (
     Round,
@@ -68,7 +64,6 @@ from tandem.rendezvous.elastic_rounds import (
 )
 
 DISCOVERY_S = 1.0  # how often --host-discovery-script runs
-SILENT_POLL_S = 0.25  # how often the agent looks whether a rank named a silent peer
 
 
 class Rounds:
@@ -85,7 +80,6 @@ class Rounds:
         self.next_worker = 0
         self.pending: set[int] = set()  # started, not yet in a round (`grow`, `admit`)
         self.first_round: dict[int, int] = {}  # worker -> the first round that included it
-        self._stop = threading.Event()
 
     @property
     def store(self) -> rendezvous.StoreServer:
@@ -95,16 +89,12 @@ class Rounds:
         """Round 0 on the nodes there now, discovery and the watch for silent ranks; the watch
         over them."""
         self.begin()
-        with signals_blocked():
-            if self.discovery is not None:
+        if self.discovery is not None:
+            with signals_blocked():
                 threading.Thread(target=self._discover, name="tandem-discovery",
                                  daemon=True).start()
-            threading.Thread(target=self._watch_silent, name="tandem-elastic-silent",
-                             daemon=True).start()
+        self.job.watch_silent(silent_key, lambda told: self.round.number)
         return Supervisor(self.ranks, self.job.events, self.output, rounds=self)
-
-    def stop(self) -> None:
-        self._stop.set()
 
     # -- rounds ----------------------------------------------------------------------------
     def publish(self, workers: list[int], why: str, since: float) -> Round:
@@ -123,31 +113,19 @@ class Rounds:
         """Start `count` new workers on `node` as ranks `first_rank`, ...; their ids."""
         workers = list(range(self.next_worker, self.next_worker + count))
         self.next_worker += count
-        slots = node.free_slots(count)
-        node.workers.update(zip(workers, slots, strict=True))
-        if node.peer is None:
-            self.ranks.start_workers(workers, slots, first_rank, size, number,
-                                     self.job.store_address, self.store.key,
-                                     self.job.gloo_interface)
-        else:
-            self.nodes.send(node, ("workers", {
-                "workers": workers, "slots": slots, "first_rank": first_rank, "size": size,
-                "round": number, "store": self.job.store_address}))
+        self.job.start_on(node, workers, node.free_slots(count),
+                          Placement(0, first_rank, size, self.job.store_address, self.store.key,
+                                    self.job.gloo_interface), number)
         return workers
 
     def begin(self) -> None:
         """The job's first workers, on the nodes there now (node 0's first): round 0."""
-        counts, left = {}, self.high
-        for number in sorted(self.nodes.nodes):
-            counts[number] = min(self.nodes.nodes[number].slots, left)
-            left -= counts[number]
-        size = sum(counts.values())
+        placed = self.nodes.placement(self.high)
+        size = sum(count for _, count in placed.values())
         self.publish(list(range(size)), "start", time.time())
-        first = 0
-        for number, count in counts.items():
+        for number, (first, count) in placed.items():
             if count:
                 self._place(self.nodes.nodes[number], count, first, size, 0)
-                first += count
 
     def grow(self, node: Node, count: int) -> None:
         """Start `count` new workers on `node`; their round is formed once they are ready
@@ -187,24 +165,10 @@ class Rounds:
             return None
         return self.publish(staying, why, time.time())
 
-    def _watch_silent(self) -> None:
-        """Ranks whose wait timed out name the peers that did not answer their watchdog
-        (`elastic_rounds.report_silent`): one `SilentRanks` event per round."""
-        told = -1
-        while not self._stop.is_set():
-            number = self.round.number
-            if number == told or not self.store.wait_for([silent_key(number)], SILENT_POLL_S):
-                self._stop.wait(SILENT_POLL_S if number == told else 0)
-                continue
-            text = self.store.get(silent_key(number))
-            if text is not None:
-                self.job.events.put(SilentRanks(number, json.loads(text)))
-            told = number
-
     # -- discovery -------------------------------------------------------------------------
     def _discover(self) -> None:
         said = None  # a bad run is named once, until the script offers slots again
-        while not self._stop.wait(DISCOVERY_S):
+        while not self.job.attempt_over.wait(DISCOVERY_S):
             slots, problem = discover(self.discovery, self.job.config.discovery_timeout)
             if problem is not None and problem != said:
                 self.output.message(f"tandem run: --host-discovery-script {self.discovery}: "

@@ -4,13 +4,12 @@ It joins node 0 (`_join`: at the store's port, authenticated with the store's ke
 the same connection with the job's secret: `control.join`), then runs what node 0 gives it
 until node 0 says the job is over:
 
-- a fixed job's attempt (`("start", placement)`): every rank of the attempt; a rank's failure
-  is reported at once (`"exit"`) and stops this node's ranks, and once they are all down the
-  agent says so (`"done"`, with the failed ranks' last lines) and waits for node 0's word: the
-  next attempt, or the finish;
-- an elastic round's new workers (`("workers", ...)`): every worker's exit, 0 included, is
-  reported (`"exit"`) and node 0 forms the next round; nothing stops here unless node 0 says so
-  (`"stop"`, `"kill"` for a stuck worker);
+- `("workers", ...)`: a fixed job's attempt (every rank of the attempt here), or an elastic
+  round's new workers. Every exit, 0 included, is reported (`"exit"`, once the rank's output is
+  drained, with its last lines); a fixed job's failure also stops this node's ranks at once,
+  and node 0 then restarts or finishes the job once every rank is down; an elastic one's forms
+  the next round, and nothing stops here unless node 0 says so (`"stop"`, `"kill"` for a stuck
+  worker);
 - `"finish"`: the job's code and summary, printed here; the agent stops what is left and exits
   with that code. A lost node 0 stops this node's ranks and exits 1; Ctrl-C here tells node 0
   (`"interrupted"`) and stops them (an elastic job goes on without this machine).
@@ -81,24 +80,18 @@ class Member(Agent):
         if code is not None:
             return code
         watch = Supervisor(self.ranks, self.events, self.output, node=self.config.node_rank,
-                           host=socket.gethostname(), attempt=None, member=self)
+                           host=socket.gethostname(), member=self)
         watch.run()
         self.output.join(DRAIN_S)
         return watch.verdict()
 
-    def start_attempt(self, body: dict) -> None:
-        """A fixed job's attempt: this node's ranks at the place node 0 gave them."""
-        self.ranks.start(Placement(
-            body["attempt"], body["offset"], body["world"], tuple(body["store"]),
-            rendezvous.store_key(self.secret), self.interface,
-            torch_port=body.get("torch_port"), run_id=body.get("run_id", ""),
-            node=body.get("node", 0), nodes=body.get("nodes", 1)))
-
-    def start_workers(self, body: dict) -> None:
-        """An elastic round's new workers on this machine."""
-        self.ranks.start_workers(body["workers"], body["slots"], body["first_rank"],
-                                 body["size"], body["round"], tuple(body["store"]),
-                                 rendezvous.store_key(self.secret), self.interface)
+    def start(self, body: dict) -> None:
+        """Node 0's word `workers` (`Coordinator.start_on`): a fixed attempt's ranks, or an
+        elastic round's new workers, on this machine."""
+        placement = Placement(**{**body["placement"], "store": tuple(body["placement"]["store"]),
+                                 "store_key": rendezvous.store_key(self.secret),
+                                 "gloo_interface": self.interface})
+        self.ranks.start(placement, body["workers"], body["slots"], body["round"])
 
 
 __all__ = ["Member"]

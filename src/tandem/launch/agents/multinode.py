@@ -13,10 +13,11 @@ Node 0 admits each node once (a node rank out of range, a duplicate or a differe
 is refused with the reason) and assigns the ranks: node r runs ranks r*np .. r*np+np-1 (each
 node's own -np, in node order).
 
-Then each attempt: node 0 says "start" with the placement, every agent runs its ranks and
-reports their failures at once; the first failure anywhere stops every rank on every node; each
-agent says when its ranks are all down; node 0 then restarts the job (`--max-restarts`) or
-sends "finish" with the summary, which every agent prints before exiting with the job's code.
+Then each attempt: node 0 says "workers" with the placement (as it does for an elastic round's
+new workers), every agent runs its ranks and reports each exit (a failure at once, and with its
+last lines); the first failure anywhere stops every rank on every node; once every rank is
+down node 0 restarts the job (`--max-restarts`) or sends "finish" with the summary, which
+every agent prints before exiting with the job's code.
 An agent that goes silent for the timeout (`--timeout`, at most 4 s) is unreachable: the
 others stop their ranks and say so. `tandem run --max-restarts K` on one machine is the same
 coordinator with no other nodes and a store on 127.0.0.1 only.
@@ -155,7 +156,8 @@ def launch_hosts(config: LaunchConfig) -> int:
     try:
         return coordinator.run()
     finally:
-        agents.close(lost=coordinator.lost)
+        # the agents of nodes lost (or never joined): their ssh may wait for a host that is gone
+        agents.close(lost=set(agents.agents) - set(coordinator.nodes.nodes))
 
 
 def launch(config: LaunchConfig) -> int:

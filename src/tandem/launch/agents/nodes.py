@@ -78,9 +78,6 @@ class Nodes:
                 node.peer.close()
 
     # -- who is where ----------------------------------------------------------------------
-    def peers(self) -> dict[int, Peer]:
-        return {number: node.peer for number, node in self.nodes.items() if node.peer is not None}
-
     def live(self) -> set[int]:
         return {worker for node in self.nodes.values() for worker in node.workers}
 
@@ -100,6 +97,15 @@ class Nodes:
 
     def slots(self) -> int:
         return sum(node.slots for node in self.nodes.values())
+
+    def placement(self, most: int | None = None) -> dict[int, tuple[int, int]]:
+        """Where a job starts (a fixed attempt, an elastic round 0): the ranks fill the nodes
+        in order, each its slots, `most` in all; node -> (its first global rank, its count)."""
+        placed, first, left = {}, 0, self.slots() if most is None else most
+        for number in sorted(self.nodes):
+            count = min(self.nodes[number].slots, left)
+            placed[number], first, left = (first, count), first + count, left - count
+        return placed
 
     # -- agents coming and going -------------------------------------------------------------
     def _check(self, hello: dict) -> str | None:
@@ -201,20 +207,18 @@ class Nodes:
             f"--secret ...` on each node"))
 
     # -- talking to them ---------------------------------------------------------------------
-    def send(self, node: Node, message: tuple) -> None:
-        if node.peer is not None:
-            node.peer.send(message)
+    def send(self, node: Node, message: tuple) -> bool:
+        return node.peer is not None and node.peer.send(message)
 
-    def tell_all(self, message: tuple) -> None:
-        for node in self.nodes.values():
-            self.send(node, message)
+    def tell_all(self, message: tuple) -> set[int]:
+        """Send `message` to every other agent; the nodes it reached."""
+        return {node.number for node in self.nodes.values() if self.send(node, message)}
 
     def finish(self, code: int, summary: str | None) -> None:
         """Every agent exits with the job's code. Let them read it and hang up first (closing a
         socket with unread input resets the connection, which could lose the message), for at
         most `FINISH_S`."""
-        waiting = {node.number for node in self.nodes.values() if node.peer is not None
-                   and node.peer.send(("finish", {"code": code, "summary": summary}))}
+        waiting = self.tell_all(("finish", {"code": code, "summary": summary}))
         deadline = time.monotonic() + FINISH_S
         while waiting:
             try:

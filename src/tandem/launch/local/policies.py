@@ -29,15 +29,11 @@ def below(what: str, left: int | str, low: int) -> str:
 
 class Fixed:
     """A fixed job, and the plain case of every hook: the first failure anywhere stops every
-    rank, on every node (`nodes`: node 0's table of them; None on a plain local job).
-    `running`: the other nodes whose ranks still run in this `attempt`; `lost`: the agent's
-    set of nodes lost."""
+    rank, on every node (`nodes`: node 0's table of them and of the ranks live in them; None on
+    a plain local job)."""
 
-    def __init__(self, watch, nodes=None, attempt: int | None = 0,
-                 offsets: dict[int, int] | None = None, lost: set[int] | None = None) -> None:
-        self.watch, self.nodes, self.attempt, self.offsets = watch, nodes, attempt, offsets or {}
-        self.running = set(nodes.peers()) if nodes is not None else set()
-        self.lost = lost if lost is not None else set()
+    def __init__(self, watch, nodes=None) -> None:
+        self.watch, self.nodes = watch, nodes
         # after SIGKILL here, how long to wait: the other nodes stop too
         watch.kill_wait = REMOTE_STOP_S if nodes is not None else KILL_WAIT_S
 
@@ -84,22 +80,23 @@ class Fixed:
                 conn.close()
 
     def tell_stop(self) -> None:
-        """The watch stops its ranks: tell the other nodes whose ranks still run."""
-        peers = self.nodes.peers() if self.nodes is not None else {}
-        for number in self.running & set(peers):
-            peers[number].send(("stop", {"attempt": self.attempt}))
+        """The watch stops its ranks: tell the other nodes."""
+        if self.nodes is not None:
+            self.nodes.tell_all(("stop", {}))
 
     def others_running(self) -> bool:
-        """Whether something besides this machine's ranks must end first."""
-        return bool(self.running)
+        """Whether something besides this machine's ranks must end first: ranks of other
+        nodes that did not say they exited."""
+        return self.nodes is not None and bool(self.nodes.remote_live())
 
     def give_up(self) -> None:
         w = self.watch
         if self.nodes is None:
             self.give_up_here()
             return
+        nodes = {self.nodes.node_of(worker).number for worker in self.nodes.remote_live()}
         w.output.message(f"tandem run: giving up on ranks {sorted(w.ranks.live)} and nodes "
-                         f"{sorted(self.running)} that did not stop")
+                         f"{sorted(nodes)} that did not stop")
 
     def give_up_here(self) -> None:
         w = self.watch
@@ -121,34 +118,39 @@ class Fixed:
         w.output.message(f"tandem run: elastic: rank {who} did not answer rank {report['by']}'s "
                          f"watchdog after a {report['waited']:g} s wait: killing it (SIGKILL)")
 
+    def remote_exit(self, number: int, body: dict) -> Failure | None:
+        """Node `number` says one of its ranks (workers) exited: its slot is free; the
+        `Failure` (with the rank's last lines) when it failed, None when it exited 0."""
+        worker, returncode = int(body["worker"]), int(body["returncode"])
+        node = self.nodes.gone(worker)
+        if not returncode:
+            return None
+        return Failure(node=number, host=node.host if node is not None else "?", rank=worker,
+                       pid=body.get("pid"), returncode=returncode,
+                       tail=tuple(body.get("tail") or ()))
+
     def _message(self, number: int, kind: str, body: dict) -> None:
-        """Another node's word: a failed rank there, its ranks down, a signal there."""
+        """Another node's word: a rank there exited (a failure stops the job), a signal there."""
         w = self.watch
-        if body.get("attempt", self.attempt) != self.attempt:
-            return  # a late word about an earlier attempt
-        node = self.nodes.nodes.get(number) if self.nodes is not None else None
-        host = node.host if node else "?"
-        if kind == "exit" and w.failure is None and body.get("returncode"):
-            w.output.message(
-                f"tandem run: rank {body['rank']} on node {number} failed: "
-                f"{describe(body['returncode'])}; stopping every rank of the job")
-            w.stop(Failure(node=number, host=host, rank=body["rank"], pid=body.get("pid"),
-                           returncode=body["returncode"]))
-        elif kind == "done":
-            self.running.discard(number)
-            w.tails.update({int(r): tuple(t) for r, t in body.get("tails", {}).items()})
+        if kind == "exit":
+            failure = self.remote_exit(number, body)
+            if failure is not None and w.failure is None:
+                w.output.message(f"tandem run: rank {failure.rank} on node {number} failed: "
+                                 f"{describe(failure.returncode)}; stopping every rank of the job")
+                w.stop(failure)
         elif kind == "interrupted" and w.failure is None:
-            w.stop(Failure(node=number, host=host, interrupt=body["signum"]))
+            node = self.nodes.nodes.get(number)
+            w.stop(Failure(node=number, host=node.host if node else "?",
+                           interrupt=body["signum"]))
 
     def _lost(self, number: int, why: str) -> None:
-        """Another agent went away or silent: the job stops, and cannot be restarted as it was."""
+        """Another agent went away or silent: the job stops, and cannot be restarted as it was
+        (its ranks, lost with it, are no longer waited for)."""
         w = self.watch
-        self.running.discard(number)
-        self.lost.add(number)
-        node = self.nodes.nodes.get(number) if self.nodes is not None else None
-        first = self.offsets.get(number, 0)
+        first, count = self.nodes.placement().get(number, (0, 1))
+        node, _ = self.nodes.lost(number)
         lost = Failure(node=number, host=node.host if node else "?", lost=why,
-                       ranks=(first, first + (node.slots if node else 1) - 1))
+                       ranks=(first, first + count - 1))
         w.output.message(f"tandem run: {lost.headline()}; stopping the job")
         if w.failure is None:
             w.stop(lost)
@@ -234,10 +236,8 @@ class Elastic(Fixed):
     def handle(self, event: events.Event) -> None:
         w = self.watch
         match event:
-            case events.Message(number, kind, body):
-                self._worker_message(number, kind, body)
-            case events.Lost(number, why):
-                self._node_lost(number, why)
+            case events.Message() | events.Lost():
+                super().handle(event)  # this job's `_message`, `_lost`
             case events.Joined():
                 node = self.nodes.admit(event)
                 if node is not None and not (w.stopping or self.finishing()):
@@ -253,14 +253,8 @@ class Elastic(Fixed):
             case events.SlotsOffered(slots) if not self.rounds.pending:
                 self._discovered(slots)
 
-    def tell_stop(self) -> None:
-        self.nodes.tell_all(("stop", {}))
-
     def give_up(self) -> None:
         self.give_up_here()
-
-    def others_running(self) -> bool:
-        return bool(self.nodes.remote_live())
 
     def finishing(self) -> bool:
         """A worker exited 0: the job is at its end."""
@@ -361,20 +355,18 @@ class Elastic(Fixed):
             self.watch.output.message(f"tandem run: elastic: {why}; starting {count} worker(s)")
             self.rounds.grow(node, count)
 
-    def _worker_message(self, number: int, kind: str, body: dict) -> None:
+    def _message(self, number: int, kind: str, body: dict) -> None:
+        """Another node's word: one of its workers exited."""
         if kind != "exit":
             return
-        worker, returncode = int(body["worker"]), int(body["returncode"])
-        node = self.nodes.gone(worker)
-        if returncode == 0:
-            self.watch.finished.add(worker)
+        failure = self.remote_exit(number, body)
+        if failure is None:
+            self.watch.finished.add(int(body["worker"]))
             self._end_without_late()
-            return
-        self._worker_failed(worker, returncode, Failure(
-            node=number, host=node.host if node is not None else "?", rank=worker,
-            pid=body.get("pid"), returncode=returncode, tail=tuple(body.get("tail") or ())))
+        else:
+            self._worker_failed(failure.rank, failure.returncode, failure)
 
-    def _node_lost(self, number: int, reason: str) -> None:
+    def _lost(self, number: int, reason: str) -> None:
         """Node `number`'s agent went away or silent: its workers are lost with it."""
         rounds = self.rounds
         node, workers = self.nodes.lost(number)
@@ -398,36 +390,39 @@ class Elastic(Fixed):
 
 
 class Member(Fixed):
-    """Another node's agent (`member`, its `agents.member.Member`): node 0 decides. `attempt`:
-    a fixed job's attempt here (None between attempts); `failed`: its failed ranks here;
-    `ended`: node 0's last word, ("finish", body), ("lost", why), ("signal", signum)..."""
+    """Another node's agent (`member`, its `agents.member.Member`): node 0 decides. `ended`:
+    node 0's last word, ("finish", body), ("lost", why), ("signal", signum)..."""
 
-    def __init__(self, watch, member, attempt: int | None = None) -> None:
+    def __init__(self, watch, member) -> None:
         super().__init__(watch)
-        self.member, self.elastic, self.attempt = member, member.config.elastic, attempt
-        self.failed: dict[int, int] = {}
+        self.member, self.elastic = member, member.config.elastic
         self.ended: tuple[str, object] | None = None
 
     def rank_failed(self, rank: int, returncode: int) -> None:
         w = self.watch
-        self.failed[rank] = returncode
-        self.member.peer.send(("exit", {"attempt": self.attempt, "rank": rank, "worker": rank,
-                                        "returncode": returncode, "pid": w.ranks.pids.get(rank),
-                                        "tail": list(w.output.tail(rank))}))
         if not self.elastic:  # a fixed job stops at its first failure: here at once
             w.stop(w.rank_failure(rank, returncode))
+        self._report(rank, returncode)
         self._settled()
 
     def rank_finished(self, rank: int) -> None:
-        if self.elastic:  # an elastic job is at its end: node 0 hears of it
-            self.member.peer.send(("exit", {"worker": rank, "returncode": 0}))
+        self._report(rank, 0)
         self._settled()
+
+    def _report(self, rank: int, returncode: int) -> None:
+        """Node 0 hears of every exit, once the rank's output is drained (its last lines come
+        before the job's summary): the next round, or the end of a fixed job's attempt."""
+        w = self.watch
+        w.output.join(DRAIN_S, [rank])
+        self.member.peer.send(("exit", {"worker": rank, "returncode": returncode,
+                                        "pid": w.ranks.pids.get(rank),
+                                        "tail": list(w.output.tail(rank))}))
 
     def interrupted(self, signum: int) -> None:
         """Node 0 hears of it: an elastic job goes on without this machine; a fixed job's node 0
         stops the attempt and ends the job, whose code this agent waits for."""
         w = self.watch
-        self.member.peer.send(("interrupted", {"attempt": self.attempt, "signum": signum}))
+        self.member.peer.send(("interrupted", {"signum": signum}))
         if self.elastic:
             self.ended = ("signal", signum)
             super().interrupted(signum)
@@ -445,7 +440,6 @@ class Member(Fixed):
                 self.member.say(f"node 0 ({self.member.master}) is unreachable: {why}; "
                                 f"stopping this node's {'workers' if self.elastic else 'ranks'}")
                 self.ended = ("lost", why)
-                self.attempt = None  # node 0 is gone: nobody to tell
                 self._stop_here()
             case _:
                 super().handle(event)
@@ -458,18 +452,10 @@ class Member(Fixed):
         self.member.say(f"{what} {sorted(self.watch.ranks.live)} did not exit after SIGKILL")
 
     def _settled(self) -> None:
-        """Once this node's ranks are all down: a fixed job's attempt is over here (say so, with
-        the failed ranks' last lines); a stop node 0 asked for is over. Wait for node 0's word
-        (the next attempt or round, or the finish) without a deadline again."""
+        """Once this node's ranks are all down, a stop (node 0's, or a failure here) is over:
+        wait for node 0's word (the next attempt or round, or the finish) without a deadline."""
         w = self.watch
-        if w.ranks.live:
-            return
-        if self.attempt is not None:
-            w.output.join(DRAIN_S)
-            tails = {rank: w.output.tail(rank) for rank in self.failed}
-            self.member.peer.send(("done", {"attempt": self.attempt, "tails": tails}))
-            self.attempt = None
-        if self.ended is None and w.stopping:
+        if not w.ranks.live and self.ended is None and w.stopping:
             w.advance(events.JobState.RUNNING)
 
     def _stop_here(self) -> None:
@@ -479,12 +465,9 @@ class Member(Fixed):
     def _from_node0(self, kind: str, body: dict) -> None:
         """What node 0 says: start an attempt or a round's workers, stop, kill, finish."""
         member = self.member
-        if kind == "start" and self.ended is None:  # a fixed job's attempt
-            self.attempt, self.failed, self.watch.failure = body["attempt"], {}, None
-            member.start_attempt(body)
-        elif kind == "workers" and self.ended is None and not self.watch.stopping:  # elastic
-            member.start_workers(body)
-        elif kind == "stop" and body.get("attempt", self.attempt) == self.attempt:
+        if kind == "workers" and self.ended is None and not self.watch.stopping:
+            member.start(body)  # a fixed job's attempt, or an elastic round's workers
+        elif kind == "stop":
             self._stop_here()
         elif kind == "kill":  # a stuck worker (`Elastic._silent` on node 0)
             self.watch.ranks.signal(signal.SIGKILL, set(body["workers"]))

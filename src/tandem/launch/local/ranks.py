@@ -1,9 +1,9 @@
 """This machine's ranks (a fixed attempt, or an elastic round's workers): what each runs, what it
 gets, and their exits as events.
 
-Every kind of job starts its local ranks here, through `processes.start_ranks`: a fixed job's
-attempt on each node (`LocalRanks.start`: a plain single-node job, a restartable one, a
-multi-node one) and an elastic job's workers (`start_workers`, with `TANDEM_ELASTIC_*`);
+Every kind of job starts its local ranks here, by `LocalRanks.start` through
+`processes.start_ranks`: a fixed job's attempt on each node (a plain single-node job, a
+restartable one, a multi-node one) and an elastic job's workers (with `TANDEM_ELASTIC_*`);
 `mpiexec.MPIExecRanks` starts the same ranks through mpiexec instead. A rank gets this Python
 running the script or module (`rank_command`), our environment plus thread limits and tandem's
 `sitecustomize` (`job_environment`, `rank_site/`), and its place in the whole job
@@ -167,9 +167,12 @@ def rank_environment(config: LaunchConfig, local: int, placement: Placement,
 
 
 class LocalRanks:
-    """The ranks this machine runs: a fixed job's attempt (`start`), or an elastic job's
-    workers, started in groups whenever a round adds some (`start_workers`); exits become
-    `RankExited` events."""
+    """The ranks this machine runs (`start`): a fixed job's attempt, or an elastic job's
+    workers, started in groups whenever a round adds some; exits become `RankExited` events."""
+
+    # Where the ranks name peers that did not answer their watchdog, reports 1, 2... (an
+    # elastic MPI job's: `shrinking.ShrinkingRanks`); None: they report no such thing here.
+    silent_key = None
 
     def __init__(self, config: LaunchConfig, events: queue.SimpleQueue, output: RankOutput,
                  nproc: int | None = None) -> None:
@@ -179,35 +182,30 @@ class LocalRanks:
         self.live: set[int] = set()
         self.store_port: int | None = None  # the job's store, which td.init() connects to
 
-    def start(self, placement: Placement) -> None:
-        """A fixed job's attempt: this node's `nproc` ranks at the node's offset, in local
-        slots 0, 1, ... (an earlier attempt's are forgotten)."""
-        envs = [rank_environment(self.config, local, placement, os.environ, self.nproc)
-                for local in range(self.nproc)]
-        for local, env in enumerate(envs):
-            if self.output.terminal_rank(placement.offset + local):
-                env["TANDEM_TERMINAL"] = "1"  # its bars may redraw in place (see launch.local.output)
-        self.pids, self.live = {}, set()
-        self._launch(placement, [placement.offset + local for local in range(self.nproc)], envs)
-
-    def start_workers(self, workers: list[int], slots: list[int], first_rank: int, size: int,
-                      number: int, store: tuple[str, int], store_key: str,
-                      gloo_interface: str | None = None) -> None:
-        """An elastic job's new `workers`, on this machine's local `slots`, as ranks
-        `first_rank`, ... of a world of `size`, for round `number` (-1: a round that will add
-        them, once they are ready). `td.init()` reads its place from the store's current round
-        anyway; these are where it starts from. Their output and events name each by its worker
-        id (its rank when the job started)."""
-        placement = Placement(attempt=0, offset=first_rank, world=size, store=store,
-                              store_key=store_key, gloo_interface=gloo_interface)
+    def start(self, placement: Placement, workers: list[int] | None = None,
+              slots: list[int] | None = None, number: int | None = None) -> None:
+        """Start ranks `placement.offset`, ... of a world of `placement.world`: a fixed job's
+        attempt (this node's `nproc` ranks in local slots 0, 1, ...; an earlier attempt's are
+        forgotten), or an elastic job's new `workers` on local `slots` for round `number` (-1:
+        a round that will add them once they are ready; `td.init()` reads its place from the
+        store's current round anyway). Output and events name each by its id: its global rank,
+        a worker's id (its rank when the job started)."""
+        if workers is None:
+            workers = [placement.offset + local for local in range(self.nproc)]
+            slots = list(range(self.nproc))
+        if number is None:
+            self.pids, self.live = {}, set()
+        local_size = max([self.nproc, *(slot + 1 for slot in slots)])  # slots offered later
         low, high = self.config.min_np or 1, self.config.max_np or self.config.np
-        local_size = max(self.nproc, *(slot + 1 for slot in slots))  # slots offered later
         envs = []
         for index, (worker, slot) in enumerate(zip(workers, slots, strict=True)):
             env = rank_environment(self.config, slot, placement, os.environ, local_size,
-                                   rank=first_rank + index)
-            env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
-                       TANDEM_ELASTIC_RANGE=f"{low}:{high}")
+                                   rank=placement.offset + index)
+            if number is not None:
+                env.update(TANDEM_ELASTIC_ROUND=str(number), TANDEM_ELASTIC_WORKER=str(worker),
+                           TANDEM_ELASTIC_RANGE=f"{low}:{high}")
+            elif self.output.terminal_rank(worker):
+                env["TANDEM_TERMINAL"] = "1"  # its bars may redraw in place (see launch.local.output)
             envs.append(env)
         self._launch(placement, workers, envs)
 

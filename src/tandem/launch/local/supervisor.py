@@ -79,8 +79,7 @@ class Supervisor:
 
     def __init__(self, ranks: LocalRanks, events: queue.SimpleQueue, output: RankOutput,
                  node: int | None = None, host: str | None = None, *, nodes=None,
-                 attempt: int | None = 0, offsets: dict[int, int] | None = None,
-                 lost: set[int] | None = None, rounds=None, member=None,
+                 rounds=None, member=None,
                  low: int | None = None) -> None:
         self.ranks, self.events, self.output = ranks, events, output
         self.node, self.host = node, host
@@ -88,14 +87,13 @@ class Supervisor:
         self.state = JobState.RUNNING
         self.deadline: float | None = None  # STOPPING, KILLING: the moment to escalate
         self.preempted: set[int] = set()  # ranks that saved and exited EXIT_PREEMPTED
-        self.tails: dict[int, tuple[str, ...]] = {}  # other nodes' failed ranks' last lines
         self.finished: set[int] = set()  # ranks (elastic: workers) that exited 0
         self.silenced: dict[int, str] = {}  # stuck workers killed -> why
         self.kill_wait = 0.0  # after SIGKILL, how long to wait (the policy's)
-        self.policy = (Member(self, member, attempt) if member is not None else
+        self.policy = (Member(self, member) if member is not None else
                        Elastic(self, rounds) if rounds is not None else
                        Shrinking(self, low) if low is not None else
-                       Fixed(self, nodes, attempt, offsets, lost))
+                       Fixed(self, nodes))
 
     @property
     def stopping(self) -> bool:

@@ -183,7 +183,9 @@ class MPIExecRanks(LocalRanks):
         self._arrived: dict[int, dict] = {}  # rank -> its streams (and pid) as they connect
         self._quiet = False  # set when the start is abandoned: mpiexec's words are noise then
 
-    def start(self, placement: Placement) -> None:
+    def start(self, placement: Placement, workers: list[int] | None = None,
+              slots: list[int] | None = None, number: int | None = None) -> None:
+        """All `config.np` ranks (an MPI job is one attempt, of one node, in no rounds)."""
         # MPI ranks find each other through mpiexec; `placement.store`, the agent's rendezvous
         # store, is for the watchdog's cross-rank reports (each supervisor hands it to its rank).
         token = secrets.token_hex(16)

@@ -16,71 +16,36 @@ The job runs under the one agent (`agents.coordinator.Coordinator`) with `Shrink
 and the one watch (`supervisor.Supervisor`, given `low`, the --min-np) drops a rank that
 fails while at least --min-np ranks are running or finished: one line names it, and the job
 goes on. A rank whose watchdog names workers that stopped answering reports them on the
-agent's store (`fault_tolerance.silent_key`); `ShrinkingRanks` passes each report on as a
-`SilentRanks` event, and the watch kills them. Below --min-np the job stops with the usual
-report. When every rank is gone the job exits 0 if --min-np or more finished, with a summary
-line naming the ranks lost.
+agent's store (`fault_tolerance.silent_key`); the agent passes each report on as a
+`SilentRanks` event (`Coordinator.watch_silent`), and the watch kills them. Below --min-np the
+job stops with the usual report. When every rank is gone the job exits 0 if --min-np or more
+finished, with a summary line naming the ranks lost.
 An MPI world cannot grow (no rank can join it), so --max-np above -np is refused before
 anything starts (`fault_tolerance.elastic_mpi_problem`), as is an MPI without ULFM (MPICH).
 """
 
 from __future__ import annotations
 
-import json
-import threading
-
 from tandem.launch.agents.coordinator import Coordinator
 from tandem.launch.config import LaunchConfig, LaunchError
-from tandem.launch.events import SilentRanks
-from tandem.launch.local.output import signals_blocked
-from tandem.launch.local.ranks import Placement
 from tandem.launch.mpi.fault_tolerance import elastic_mpi_problem, silent_key
 from tandem.launch.mpi.mpiexec import MPIExecRanks, find_mpiexec, is_open_mpi
-from tandem.rendezvous.client import StoreClient, StoreTimeout
 
 # Open MPI's fault tolerance, on its TCP transport (loopback: the ranks share this machine).
 ULFM_FLAGS = ("--with-ft", "ulfm")
 ULFM_ENVIRONMENT = {"OMPI_MCA_btl": "self,tcp", "OMPI_MCA_btl_tcp_if_include": "lo"}
-SILENT_POLL_S = 1.0  # how long the store's reports of silent ranks are waited for at a time
 
 
 class ShrinkingRanks(MPIExecRanks):
     """MPI ranks started with ULFM on: a failed rank exits, the others shrink the world. The
-    ranks' reports of silent workers come back as `SilentRanks` events, in order."""
+    ranks' reports of silent workers (`silent_key`) come back as `SilentRanks` events, in order
+    (`Coordinator.watch_silent`)."""
 
     on_failure = "shrink"
-    _silent_stop: threading.Event | None = None  # set: the silent reports' thread ends
+    silent_key = staticmethod(silent_key)
 
     def fault_tolerance(self) -> tuple[list[str], dict[str, str]]:
         return list(ULFM_FLAGS), dict(ULFM_ENVIRONMENT)
-
-    def start(self, placement: Placement) -> None:
-        super().start(placement)
-        self._silent_stop = threading.Event()
-        store = StoreClient(*placement.store, placement.store_key, SILENT_POLL_S)
-        with signals_blocked():
-            threading.Thread(target=self._watch_silent, args=(store, self._silent_stop),
-                             name="tandem-mpi-silent", daemon=True).start()
-
-    def close(self) -> None:
-        if self._silent_stop is not None:
-            self._silent_stop.set()
-        super().close()
-
-    def _watch_silent(self, store: StoreClient, stop: threading.Event) -> None:
-        number = 1
-        try:
-            while not stop.is_set():
-                try:
-                    report = json.loads(store.get(silent_key(number), SILENT_POLL_S))
-                except StoreTimeout:
-                    continue
-                self._events.put(SilentRanks(number, report))
-                number += 1
-        except ConnectionError:
-            return  # the store closed: the job is over
-        finally:
-            store.close()
 
 
 def launch(config: LaunchConfig) -> int:
