@@ -32,6 +32,12 @@ from tandem.launch.local.pool import WorkerFailed, WorkerPool, work_message
 from tandem.launch.local.ranks import thread_limits
 
 _START_TIMEOUT_S = 120.0
+# A shared world whose ranks hold more threads than this is started afresh before its next
+# test. Each Gloo group a test makes and does not destroy keeps two threads per rank (its
+# device's loop and its run loop), which wake on their own: in one CI run an idle 4-rank world
+# had grown to 1,032 threads per rank and took about a fifth of a core per rank, for the rest
+# of the suite, on a 2-core machine. A fresh rank has 5 to 30.
+MOST_THREADS = 100
 _AFTER_ERROR_GRACE_S = 5.0
 _TAIL_LINES = 200  # of each rank's output, for the error: a rank's stacks fit
 
@@ -73,6 +79,10 @@ class LocalWorld(WorkerPool):
         except WorkerFailed as failed:
             raise DistributedTestError(f"a {backend} world of {size} ranks: {failed}") from None
 
+    def crowded(self) -> bool:
+        """Whether a rank holds more than `MOST_THREADS` threads (Linux; elsewhere never)."""
+        return any(threads(pid) > MOST_THREADS for pid in self.pids.values())
+
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), timeout: float = 120.0):
         """Run `fn(*args)` on every rank; return the results in rank order."""
         reports = self.collect(work_message(fn, tuple(args), "run_distributed"), timeout,
@@ -88,6 +98,18 @@ class LocalWorld(WorkerPool):
             raise DistributedTestError(f"ranks {stuck} did not finish {getattr(fn, '__name__', fn)} "
                                        f"within {timeout:.0f} s; their stacks:\n{stacks}")
         return [reports.results[rank] for rank in range(self.size)]
+
+
+def threads(pid: int) -> int:
+    """How many threads process `pid` has (0 when /proc cannot say: gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def still_running(pids: Sequence[int], timeout: float = 10.0) -> list[int]:
@@ -117,7 +139,7 @@ def get_world(world_size: int, backend: str = "gloo", env: dict[str, str] | None
     """The shared world of this size, backend and extra environment, started on first use."""
     key = (world_size, backend, tuple(sorted((env or {}).items())))
     world = _worlds.get(key)
-    if world is None or world.broken:
+    if world is None or world.broken or world.crowded():
         if world is not None:
             world.close()
         world = _worlds[key] = LocalWorld(world_size, backend, env)
