@@ -196,6 +196,10 @@ class Checkpointer:  # the example's checkpoint.py, with step-numbered folders
             os.makedirs(f"{self.folder}/{step}", exist_ok=True)
             torch.save(model_sd, f"{self.folder}/{step}/model.pt")
             torch.save(optim_sd, f"{self.folder}/{step}/optim.pt")
+        # The example saves at the end of one run and loads at the start of the next; here the
+        # next run starts in the same processes, so no rank reads the files before rank 0 has
+        # written them (rank 1 once read a half-written model.pt: "mmap can only be used...").
+        dist.barrier()
 
 
 def set_modules_to_prefetch(model, n):  # the example's two setters, in one
