@@ -290,6 +290,11 @@ ahead = Ahead()
 jobs = ahead.fixture()
 
 
+def shell_lines(code: str) -> list[str]:
+    """A shell block's commands: its lines, less blank ones and comments."""
+    return [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
+
+
 def job_commands(said: str, code: str, tmp: Path) -> list[Command | InOrder] | None:
     """The commands of a job block (`said`: its `run:` words), written out under `tmp`; None
     for a block that is not a job this file knows how to run."""
@@ -298,9 +303,8 @@ def job_commands(said: str, code: str, tmp: Path) -> list[Command | InOrder] | N
         if words[1:] not in ([], ["in", "the", "checkout"]):
             return None
         (tmp / "train.py").write_text(TRAIN_PY)
-        lines = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
         return [InOrder([Command(["bash", "-c", c], env, ROOT if words[1:] else tmp, JOB_TIMEOUT_S)
-                         for c in lines])]
+                         for c in shell_lines(code)])]
     script = tmp / "script.py"
     script.write_text(code)
     if words[:2] == ["tandem", "run"]:
@@ -336,7 +340,7 @@ def test_job_block_runs(page, line, lang, kind, said, code, jobs, request):
         pytest.fail(f"{where}: cannot run {said!r}")
     [done], _ = jobs.take(request.node)
     if words[0] == "shell":
-        commands = [c for c in code.splitlines() if c.strip() and not c.lstrip().startswith("#")]
+        commands = shell_lines(code)
         assert len(commands) <= SHELL_LINES_MAX, f"{where}: split a block of {len(commands)} commands"
         for command, result in zip(commands, done, strict=False):
             assert result.returncode == 0, f"{where}: `{command}` exited {result.returncode}:\n" \
