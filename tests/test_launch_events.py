@@ -123,3 +123,25 @@ def check_world_environment():
 def test_a_shared_worlds_ranks_run_one_thread_each_by_the_one_rule(backend):
     results = run_distributed(check_world_environment, world_size=2, backend=backend)
     assert results == [(rank, "1", "1") for rank in range(2)]
+
+
+def test_a_rank_named_silent_is_known_after_a_report_longer_than_the_kept_tail():
+    """A watchdog report carries a stack per rank, so the line naming the rank that stopped
+    answering may be far above the last lines kept: the summary still names it."""
+    from tandem.launch.local.failure import silent_ranks
+    from tandem.launch.local.output import TAIL_LINES
+
+    output = RankOutput(echo=False)
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    output.attach(0, os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
+    os.close(out_write)
+    report = ["tandem watchdog: rank 0 waited 8.0 s for allreduce #7 on the world",
+              "    rank 2: did not answer the watchdog (its process died, ...)",
+              *(f'  File "train.py", line {n}, in step' for n in range(2 * TAIL_LINES))]
+    with os.fdopen(err_write, "w") as err:
+        err.write("\n".join(report) + "\n")
+    assert output.join(10)
+    assert not any("did not answer" in line for line in output.tail(0))
+    assert silent_ranks(output, 3) == (2,)
+    assert silent_ranks(output, 2) == ()  # a rank outside the job is not named

@@ -83,16 +83,12 @@ def summary(failure: Failure, attempts: str = "") -> str:
     return "\n".join(lines)
 
 
-_SILENT = re.compile(r"\brank (\d+): did not answer the watchdog\b")
-
-
 def silent_ranks(output: RankOutput, np: int) -> tuple[int, ...]:
-    """The ranks that some rank's watchdog named as not answering at all, from the ranks' last
-    lines (a stopped, hung or deadlocked process; the ranks that timed out waiting for it fail
-    first, and the summary should not blame them alone)."""
-    named = {int(found) for rank in range(np) for line in output.tail(rank)
-             for found in _SILENT.findall(line)}
-    return tuple(sorted(named))
+    """The ranks of the job's `np` that some rank's watchdog named as not answering at all (a
+    stopped, hung or deadlocked process; the ranks that timed out waiting for it fail first,
+    and the summary should not blame them alone). Noted as the lines passed: the report, a stack
+    per rank, can be longer than the last lines kept."""
+    return tuple(sorted(rank for rank in output.named_silent() if rank < np))
 
 
 _IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)

@@ -13,6 +13,7 @@ is written as plain lines (`tandem.metrics.average.progress` sees no terminal), 
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -108,6 +109,10 @@ class _Sink:
 
 
 _CLEAR = b"\r\x1b[K"  # back to the start of the line, erase it
+# A rank's watchdog naming a peer that did not answer at all (`comm.watchdog`'s report): noted
+# as the line passes, since the report (a stack per rank) can be longer than the kept tail.
+_SILENT_WORDS = b"did not answer the watchdog"
+_SILENT = re.compile(rb"\brank (\d+): did not answer the watchdog\b")
 
 
 class RankOutput:
@@ -126,6 +131,7 @@ class RankOutput:
         self._tail_lines = tail_lines
         self._echo = echo  # False: only remembered (a test world's ranks, read back on failure)
         self._tails: dict[int, deque[str]] = {}
+        self._named_silent: dict[int, set[int]] = {}  # rank -> peers its watchdog named silent
         self._tails_lock = threading.Lock()
         self._threads: dict[int, list[threading.Thread]] = {}
         self.spoke: set[int] = set()  # ranks that printed a line on stdout: past their imports
@@ -141,6 +147,7 @@ class RankOutput:
     def attach(self, rank: int, stdout: BinaryIO, stderr: BinaryIO) -> None:
         """Start copying the two pipes of `rank` (until they reach end of file)."""
         self._tails[rank] = deque(maxlen=self._tail_lines)
+        self._named_silent[rank] = set()
         for pipe, sink, name in ((stdout, self._stdout, "out"), (stderr, self._stderr, "err")):
             live = self._echo and self.terminal_rank(rank) and sink.terminal
             copy = self._copy_live if live else self._copy
@@ -151,10 +158,18 @@ class RankOutput:
             thread.start()
             self._threads.setdefault(rank, []).append(thread)
 
+    def named_silent(self) -> set[int]:
+        """The ranks that some rank's watchdog named as not answering at all, since their
+        pipes were attached (a stopped, hung or deadlocked process)."""
+        with self._tails_lock:
+            return set().union(*self._named_silent.values())
+
     def _remember(self, rank: int, line: bytes) -> None:
         text = line.decode("utf-8", "replace").rstrip("\r\n")
+        named = {int(found) for found in _SILENT.findall(line)} if _SILENT_WORDS in line else ()
         with self._tails_lock:
             self._tails[rank].append(text)
+            self._named_silent[rank].update(named)
 
     def _copy(self, rank: int, pipe: BinaryIO, sink: _Sink) -> None:
         block_agent_signals()
